@@ -1,0 +1,1 @@
+"""The PyTorch verifier backend: Hugging Face checkpoints driven through transformers' cache API."""

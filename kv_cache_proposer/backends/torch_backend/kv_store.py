@@ -1,0 +1,236 @@
+"""Per-session K/V storage for the PyTorch backend.
+
+Each layer holds one buffer `[1, kv_heads, capacity, head_dim]` whose slots are addressed by the strategy
+(`slot_of(position)`), plus a staging area for the block of the forward in flight. `slot_positions[s]` is the
+global position stored in slot s (-1: empty). Attention reads the slots and the stage together and the mask is
+built from their positions, so the physical slot order never matters.
+
+- `full`: slot = position and the stage sits right after the committed slots, so a commit moves nothing.
+- `sink_window`: slots `[0, sink)` hold the sink, `[sink, sink + window)` are a ring for the window and the stage
+  sits after the ring; a commit copies the accepted staged entries into their ring slots, overwriting evicted ones.
+Either way, staged K/V of rejected drafts never overwrite a resident entry.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.strategies import KVStrategy
+
+_GROWTH_TOKENS = 256
+
+
+class TorchSessionCache:
+    """K/V buffers of one session, shared by every layer's slot table."""
+
+    def __init__(self, strategy: KVStrategy, *, num_layers: int, device: torch.device) -> None:
+        self._strategy = strategy
+        self._num_layers = num_layers
+        self._device = device
+        self._next_position = 0
+        self._keys: list[torch.Tensor | None] = [None] * num_layers
+        self._values: list[torch.Tensor | None] = [None] * num_layers
+        self._held: list[int] = [0] * num_layers  # resident entries per layer
+        self._capacity = 0
+        self._slot_positions = torch.full((0,), -1, dtype=torch.long, device=device)
+        self._stage_positions = torch.empty(0, dtype=torch.long, device=device)
+        self._staged_layers = [False] * num_layers
+        self._released = False
+
+    # -- SessionCache ------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> KVStrategy:
+        return self._strategy
+
+    @property
+    def next_position(self) -> int:
+        return self._next_position
+
+    @property
+    def resident_count(self) -> int:
+        return self._strategy.resident_count(self._next_position)
+
+    @property
+    def evicted_count(self) -> int:
+        return self._next_position - self.resident_count
+
+    @property
+    def nbytes(self) -> int:
+        total = self._slot_positions.numel() * self._slot_positions.element_size()
+        for tensor in (*self._keys, *self._values):
+            if tensor is not None:
+                total += tensor.numel() * tensor.element_size()
+        return total
+
+    @property
+    def compressed_bytes(self) -> int:
+        return 0
+
+    def release(self) -> None:
+        self._keys = [None] * self._num_layers
+        self._values = [None] * self._num_layers
+        self._slot_positions = torch.full((0,), -1, dtype=torch.long, device=self._device)
+        self._released = True
+
+    # -- staging -----------------------------------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self._num_layers
+
+    @property
+    def stage_offset(self) -> int:
+        """First slot of the stage; slots before it are read by attention together with the stage."""
+        bounded = self._strategy.bounded_slots
+        return self._next_position if bounded is None else bounded
+
+    def begin_stage(self, block_len: int) -> torch.Tensor:
+        """Reserve room for a block at the next positions; returns the key positions attention will read [K]."""
+        if self._released:
+            raise RuntimeError("the cache was released")
+        needed = self.stage_offset + block_len
+        if needed > self._capacity:
+            if self._strategy.bounded_slots is None:
+                # Unbounded caches grow geometrically so appends stay amortised O(1).
+                needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
+            self._grow(needed)
+        start = self._next_position
+        self._stage_positions = torch.arange(start, start + block_len, dtype=torch.long, device=self._device)
+        self._staged_layers = [False] * self._num_layers
+        offset = self.stage_offset
+        return torch.cat([self._slot_positions[:offset], self._stage_positions])
+
+    def stage_layer(
+        self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write a layer's block K/V `[1, H, n, D]` into its stage; return the K/V attention reads `[1, H, K, D]`."""
+        block_len = keys.shape[-2]
+        if block_len != self._stage_positions.numel():
+            raise InvariantViolation(
+                "inv1", f"layer {layer_idx} staged {block_len} K/V for a block of {self._stage_positions.numel()}"
+            )
+        if self._keys[layer_idx] is None:
+            shape = (keys.shape[0], keys.shape[1], self._capacity, keys.shape[3])
+            self._keys[layer_idx] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
+            self._values[layer_idx] = torch.zeros(
+                (*shape[:-1], values.shape[3]), dtype=values.dtype, device=values.device
+            )
+        key_buf, value_buf = self._keys[layer_idx], self._values[layer_idx]
+        assert key_buf is not None and value_buf is not None
+        offset = self.stage_offset
+        key_buf[:, :, offset : offset + block_len] = keys
+        value_buf[:, :, offset : offset + block_len] = values
+        self._staged_layers[layer_idx] = True
+        return key_buf[:, :, : offset + block_len], value_buf[:, :, : offset + block_len]
+
+    def commit(self, count: int) -> None:
+        """Make the first `count` staged positions resident and drop the rest of the stage."""
+        staged = self._stage_positions.numel()
+        if not 0 <= count <= staged:
+            raise ValueError(f"cannot commit {count} of {staged} staged positions")
+        if count and not all(self._staged_layers):
+            missing = [i for i, done in enumerate(self._staged_layers) if not done]
+            raise InvariantViolation("inv1", f"layers {missing} received no K/V in the last forward")
+        offset = self.stage_offset
+        start = self._next_position
+        if self._strategy.bounded_slots is None:
+            self._slot_positions[offset : offset + count] = self._stage_positions[:count]
+            newly_held = count
+        else:
+            slots, sources = self._ring_targets(start, count)
+            before = int((self._slot_positions[slots] >= 0).sum()) if slots else 0
+            if slots:
+                slot_idx = torch.tensor(slots, dtype=torch.long, device=self._device)
+                src_idx = torch.tensor(sources, dtype=torch.long, device=self._device) + offset
+                for buf in (*self._keys, *self._values):
+                    if buf is not None:
+                        buf.index_copy_(2, slot_idx, buf.index_select(2, src_idx))
+                self._slot_positions[slot_idx] = src_idx - offset + start
+            newly_held = len(slots) - before
+        for layer_idx in range(self._num_layers):
+            if self._keys[layer_idx] is not None:
+                self._held[layer_idx] += newly_held
+        self._next_position = start + count
+        self._stage_positions = self._stage_positions[:0]
+        self.check_invariants()
+
+    def check_invariants(self) -> None:
+        """INV-1: every layer holds exactly the strategy's resident count, as does the slot table."""
+        expected = self.resident_count
+        for layer_idx, held in enumerate(self._held):
+            if self._keys[layer_idx] is not None and held != expected:
+                raise InvariantViolation(
+                    "inv1", f"layer {layer_idx} holds {held} K/V but {expected} positions are resident"
+                )
+        occupied = int((self._slot_positions >= 0).sum())
+        if occupied != expected:
+            raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
+
+    def _ring_targets(self, start: int, count: int) -> tuple[list[int], list[int]]:
+        """(slot, stage index) pairs for committing positions [start, start + count); later positions win."""
+        targets: dict[int, int] = {}
+        for i in range(count):
+            targets[self._strategy.slot_of(start + i)] = i
+        return list(targets), list(targets.values())
+
+    def _grow(self, capacity: int) -> None:
+        positions = torch.full((capacity,), -1, dtype=torch.long, device=self._device)
+        positions[: self._capacity] = self._slot_positions
+        self._slot_positions = positions
+        for buffers in (self._keys, self._values):
+            for i, old in enumerate(buffers):
+                if old is None:
+                    continue
+                new = torch.zeros((*old.shape[:2], capacity, old.shape[3]), dtype=old.dtype, device=old.device)
+                new[:, :, : self._capacity] = old
+                buffers[i] = new
+        self._capacity = capacity
+
+    # -- inspection --------------------------------------------------------------------------------------------
+    def resident_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Resident (keys, values, positions) of one layer, ordered by position: `[1, H, R, D]` x2 and `[R]`."""
+        keys, values = self._keys[layer_idx], self._values[layer_idx]
+        if keys is None or values is None:
+            raise ValueError(f"layer {layer_idx} holds no K/V")
+        positions = self._slot_positions[: self._capacity]
+        slots = torch.nonzero(positions >= 0).flatten()
+        order = torch.argsort(positions[slots])
+        slots = slots[order]
+        return keys.index_select(2, slots), values.index_select(2, slots), positions[slots]
+
+
+class _StagingLayer(CacheLayerMixin):
+    """transformers cache layer that writes a forward's K/V into a session cache's stage."""
+
+    is_sliding = False
+
+    def __init__(self, cache: TorchSessionCache, layer_idx: int) -> None:
+        super().__init__()
+        self._cache = cache
+        self._layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._cache.stage_layer(self._layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._cache.stage_offset + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self._cache.stage_offset
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class StagingCache(Cache):
+    """The `past_key_values` object of one forward: routes every layer's update into the session's stage."""
+
+    def __init__(self, cache: TorchSessionCache) -> None:
+        super().__init__(layers=[_StagingLayer(cache, i) for i in range(cache.num_layers)])

@@ -1,0 +1,166 @@
+"""The speculative decode step: draft a block, verify it in one forward, commit the accepted prefix.
+
+A session's history is `committed tokens + pending tokens`. Committed tokens have resident K/V; pending tokens
+(appended by the client, or the last generated token) are processed by the next step. Each step feeds
+`pending + draft` to the verifier in one forward, samples the verifier's own token after every position from the
+last pending one on, accepts drafts while they equal those samples, and commits the K/V of the pending tokens and
+of the accepted drafts. The verifier's sample after the last accepted position (the bonus token) becomes pending.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.verifier import Verifier
+
+
+class StopCause(Enum):
+    EOS = "eos"
+    MAX_TOKENS = "max_tokens"
+    HISTORY_LIMIT = "history_limit"
+
+
+@dataclass(slots=True)
+class SequenceState:
+    """One session's token history bound to its verifier cache and its drafting state.
+
+    `committed` is the sequence's own record of how many positions the cache holds; every commit is checked
+    against the cache (INV-1) and must never move it backwards (INV-2).
+    """
+
+    cache: Any
+    tokens: list[int] = field(default_factory=list)
+    draft: DraftSession = field(default_factory=NoDraftSession)
+    committed: int = 0
+
+    @property
+    def pending_count(self) -> int:
+        return len(self.tokens) - self.committed
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationBudget:
+    """Limits of one generation: tokens to produce, tokens that stop it, and the history ceiling."""
+
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    max_history_tokens: int | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one decoder step did."""
+
+    tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    forwards: int = 0
+    stop: StopCause | None = None
+
+
+class Decoder:
+    """Runs decode steps for sequences on one verifier."""
+
+    def __init__(self, verifier: Verifier, *, prefill_chunk_tokens: int = 512, max_draft_tokens: int = 0) -> None:
+        if prefill_chunk_tokens < 1:
+            raise ValueError("prefill_chunk_tokens must be >= 1")
+        self.verifier = verifier
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.max_draft_tokens = max_draft_tokens
+
+    def step(self, seq: SequenceState, params: SamplingParams, budget: GenerationBudget, generated: int) -> StepResult:
+        """Generate at least one token (or prefill one chunk of a long pending suffix).
+
+        `generated` counts the tokens this generation produced so far.
+        """
+        self._check_position(seq)
+        pending = seq.pending_count
+        if pending < 1:
+            raise ValueError("the session has no pending token to continue from")
+        if pending > self.prefill_chunk_tokens:
+            start = seq.committed
+            chunk = self.prefill_chunk_tokens
+            self.verifier.verify(seq.cache, seq.tokens[start : start + chunk], 1)
+            self._commit(seq, chunk)
+            return StepResult(prefilled=chunk, forwards=1)
+
+        room = budget.max_new_tokens - generated
+        if budget.max_history_tokens is not None:
+            room = min(room, budget.max_history_tokens - len(seq.tokens))
+        if room < 1:
+            raise ValueError("no room left for another token")
+        draft = seq.draft.propose(seq.tokens, min(self.max_draft_tokens, room - 1)) if self.max_draft_tokens else []
+
+        start = seq.committed
+        block = seq.tokens[start:] + draft
+        logits = self.verifier.verify(seq.cache, block, len(draft) + 1)
+        # Row i holds the verifier's distribution for global position start + pending + i.
+        positions = [start + pending + i for i in range(len(draft) + 1)]
+        sampled = self.verifier.pick_tokens(logits, params, positions)
+        accepted = _accepted_prefix(draft, sampled)
+        emitted = sampled[: accepted + 1]
+
+        stop = None
+        cut = len(emitted)
+        for i, token in enumerate(emitted):
+            if token in budget.stop_token_ids:
+                cut, stop = i + 1, StopCause.EOS
+                break
+        if cut >= room:
+            if cut > room:
+                cut, stop = room, None
+            if stop is None:
+                stop = self._limit_cause(budget, generated + cut)
+        emitted = emitted[:cut]
+        # The last emitted token stays pending; everything before it in the block is committed.
+        self._commit(seq, pending + len(emitted) - 1, new_tokens=emitted)
+        seq.draft.on_commit(seq.tokens, seq.committed)
+        return StepResult(
+            tokens=emitted,
+            prefilled=pending - 1,
+            drafted=len(draft),
+            accepted=min(accepted, len(emitted) - 1),
+            forwards=1,
+            stop=stop,
+        )
+
+    def _commit(self, seq: SequenceState, count: int, new_tokens: Sequence[int] = ()) -> None:
+        expected = seq.committed + count
+        self.verifier.commit(seq.cache, count)
+        seq.tokens.extend(new_tokens)
+        self._check_position(seq, expected)
+        if expected > len(seq.tokens):
+            raise InvariantViolation("inv1", f"{expected} committed positions for a history of {len(seq.tokens)}")
+        seq.committed = expected
+
+    @staticmethod
+    def _check_position(seq: SequenceState, expected: int | None = None) -> None:
+        """INV-2: the cache's next position never falls behind the bookkeeping; INV-1: it matches it."""
+        expected = seq.committed if expected is None else expected
+        actual = int(seq.cache.next_position)
+        if actual < seq.committed:
+            raise InvariantViolation("inv2", f"next position went from {seq.committed} back to {actual}")
+        if actual != expected:
+            raise InvariantViolation("inv1", f"the cache holds {actual} positions, the history records {expected}")
+
+    @staticmethod
+    def _limit_cause(budget: GenerationBudget, generated: int) -> StopCause:
+        if generated >= budget.max_new_tokens:
+            return StopCause.MAX_TOKENS
+        return StopCause.HISTORY_LIMIT
+
+
+def _accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
+    accepted = 0
+    for proposed, verified in zip(draft, sampled, strict=False):
+        if proposed != verified:
+            break
+        accepted += 1
+    return accepted

@@ -1,0 +1,104 @@
+"""KV strategies: which history positions stay resident in a session's verifier cache, and what each query sees.
+
+Positions are global: a key keeps the rotary position it was computed at, and eviction never re-indexes the
+positions of what stays resident. The result of every forward therefore equals full attention over the whole
+sequence with the strategy's visibility mask, whatever the chunking of the forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+class KVStrategy(Protocol):
+    """A resident-set policy. Slots are the cache's storage indices; positions are global history positions."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def bounded_slots(self) -> int | None:
+        """Number of resident slots when bounded, None when the cache grows with the history."""
+        ...
+
+    def slot_of(self, position: int) -> int:
+        """Storage slot of a committed position."""
+        ...
+
+    def resident_count(self, committed: int) -> int:
+        """Positions resident once `committed` positions have been committed."""
+        ...
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        """Boolean array: whether a query at `query_pos` may attend a key at `key_pos` (broadcasting; causality
+        is applied separately)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class FullStrategy:
+    """Every position stays resident (the reference; memory grows with the history)."""
+
+    @property
+    def name(self) -> str:
+        return "full"
+
+    @property
+    def bounded_slots(self) -> int | None:
+        return None
+
+    def slot_of(self, position: int) -> int:
+        return position
+
+    def resident_count(self, committed: int) -> int:
+        return committed
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        return key_pos >= 0
+
+
+@dataclass(frozen=True, slots=True)
+class SinkWindowStrategy:
+    """The first `sink` positions and the last `window` positions stay resident.
+
+    A query at position q attends keys at positions `< sink` and keys in `[q - window, q]`: the `window` positions
+    before it plus itself. Keys older than that are evicted after the forward that made them unnecessary.
+    """
+
+    sink: int
+    window: int
+
+    def __post_init__(self) -> None:
+        if self.sink < 0:
+            raise ValueError(f"sink must be >= 0, got {self.sink}")
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+
+    @property
+    def name(self) -> str:
+        return "sink_window"
+
+    @property
+    def bounded_slots(self) -> int | None:
+        return self.sink + self.window
+
+    def slot_of(self, position: int) -> int:
+        if position < self.sink:
+            return position
+        return self.sink + (position - self.sink) % self.window
+
+    def resident_count(self, committed: int) -> int:
+        return min(committed, self.sink + self.window)
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        return (key_pos < self.sink) | (query_pos - key_pos <= self.window)
+
+
+def make_strategy(name: str, *, sink: int = 4, window: int = 1024) -> KVStrategy:
+    """Build a strategy from its name (`full` or `sink_window`)."""
+    if name == "full":
+        return FullStrategy()
+    if name == "sink_window":
+        return SinkWindowStrategy(sink=sink, window=window)
+    raise ValueError(f"unknown KV strategy {name!r}; expected 'full' or 'sink_window'")

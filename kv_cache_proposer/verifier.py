@@ -1,0 +1,82 @@
+"""The verifier interface every backend implements, and the per-session cache it creates."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import KVStrategy
+
+
+class SessionCache(Protocol):
+    """One session's verifier K/V, held under a KV strategy.
+
+    A forward stages the K/V of its block; `Verifier.commit` makes a prefix of them resident and discards the
+    rest, so rejected draft K/V never reach the resident cache.
+    """
+
+    @property
+    def strategy(self) -> KVStrategy: ...
+
+    @property
+    def next_position(self) -> int:
+        """Global position of the next committed token (= number of committed positions)."""
+        ...
+
+    @property
+    def resident_count(self) -> int:
+        """Positions whose K/V are resident."""
+        ...
+
+    @property
+    def evicted_count(self) -> int:
+        """Committed positions no longer resident."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V storage the cache holds now."""
+        ...
+
+    @property
+    def compressed_bytes(self) -> int:
+        """Bytes of compressed K/V payload (0 for an uncompressed cache)."""
+        ...
+
+    def release(self) -> None:
+        """Free the storage. The cache must not be used afterwards."""
+        ...
+
+
+class Verifier(Protocol):
+    """A loaded autoregressive model that checks blocks of tokens against per-session caches."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def description(self) -> str:
+        """Human-readable summary: backend, model type, device, dtype."""
+        ...
+
+    def new_cache(self, strategy: KVStrategy) -> SessionCache: ...
+
+    def verify(self, cache: Any, token_ids: Sequence[int], logits_rows: int) -> Any:
+        """Run one forward over `token_ids` at the cache's next positions, staging their K/V.
+
+        Returns the logits of the last `logits_rows` block positions (a backend array of shape [rows, vocab]).
+        Nothing becomes resident until `commit`.
+        """
+        ...
+
+    def commit(self, cache: Any, count: int) -> None:
+        """Make the first `count` staged positions resident, drop the rest of the stage and evict per strategy.
+
+        Raises `InvariantViolation` when the cache's bookkeeping and its stored K/V disagree afterwards.
+        """
+        ...
+
+    def pick_tokens(self, logits: Any, params: SamplingParams, positions: Sequence[int]) -> list[int]:
+        """Choose one token per logits row; row i samples the token at global position `positions[i]`."""
+        ...
