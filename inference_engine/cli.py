@@ -1,0 +1,90 @@
+"""`kakeya-runtime`: the daemon's command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from inference_engine import __version__
+from inference_engine.config import ConfigError, ServerConfig, env_var, load_config, option_help
+from inference_engine.logs import configure_logging
+from kv_cache_proposer.errors import ModelLoadError
+
+log = logging.getLogger("inference_engine")
+
+_DESCRIPTION = """\
+Kakeya: a session-bound local LLM inference daemon speaking kakeya.v1 gRPC over raw token ids.
+
+Every option can also be set by a KAKEYA_<OPTION> environment variable or a key in a TOML file
+(--config or KAKEYA_CONFIG), e.g. `kv_strategy = "sink_window"`. Precedence: flag > environment >
+file > default.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kakeya-runtime", description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"kakeya-runtime {__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="load a model and serve it",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    serve.add_argument("--config", metavar="FILE", help=f"TOML file of options (env {env_var('config')})")
+    for name, kind, default, text, choices in option_help():
+        shown = '""' if default == "" else default
+        if name == "api_key":
+            shown = "none"
+        flag = "--" + name.replace("_", "-")
+        serve.add_argument(
+            flag,
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=None,
+            metavar=None if choices else name.upper(),
+            help=f"{text} (default: {shown}; env {env_var(name)})",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command != "serve":
+        parser.print_help()
+        return 2
+    overrides = {name: getattr(args, name) for name, *_ in option_help()}
+    try:
+        config = load_config(overrides, config_file=args.config)
+    except ConfigError as exc:
+        parser.exit(2, f"kakeya-runtime: error: {exc}\n")
+    configure_logging(config.log_format, config.log_level)
+    return run_server(config)
+
+
+def run_server(config: ServerConfig) -> int:
+    from inference_engine.server import KakeyaServer, load_runtime
+
+    log.info("starting", extra={"config": config.redacted()})
+    try:
+        runtime = load_runtime(config)
+    except ModelLoadError as exc:
+        log.error("cannot load the model: %s", exc)
+        return 1
+    try:
+        asyncio.run(KakeyaServer(runtime).serve_until_signal())
+    except (OSError, RuntimeError) as exc:
+        log.error("cannot serve: %s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Server configuration: one validated dataclass, filled from defaults < TOML file < environment < flags.
+
+Every field documents itself (help text, environment variable, default), and `cli.py` builds the `serve` flags
+from these fields, so `--help`, the TOML keys and the environment variables can never drift apart.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "KAKEYA_"
+BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
+BACKENDS = ("torch",)
+KV_STRATEGIES = ("full", "sink_window")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_FORMATS = ("text", "json")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option."""
+
+
+def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "secret": secret})
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    """Everything `kakeya-runtime serve` can be told."""
+
+    model: str = _opt("", "local model directory; empty serves the bundled kakeya-tiny model")
+    backend: str = _opt("torch", "verifier backend", choices=BACKENDS)
+    device: str = _opt("auto", "device for the torch backend: auto, cpu, cuda, cuda:N or mps")
+    dtype: str = _opt(
+        "auto", "weights and KV dtype (auto: float32 on cpu, bfloat16 on cuda, float16 on mps)", choices=DTYPES
+    )
+    kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
+    sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
+    window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
+    host: str = _opt("127.0.0.1", "address the gRPC server binds; non-loopback requires an API key")
+    port: int = _opt(50051, "gRPC port (0 picks a free one)")
+    metrics_port: int = _opt(9464, "Prometheus /metrics port on the same host (0 picks a free one, -1 disables)")
+    api_key: str = _opt("", "API key clients send as 'authorization: Bearer <key>'; empty disables auth", secret=True)
+    tls_cert: str = _opt("", "PEM certificate chain for TLS (with --tls-key); empty serves plaintext")
+    tls_key: str = _opt("", "PEM private key for TLS")
+    max_sessions: int = _opt(64, "sessions held at once; creating one more evicts the least recently used idle one")
+    session_idle_ttl_s: float = _opt(1800.0, "seconds a session may stay idle before it is evicted")
+    max_concurrent: int = _opt(1, "generations running at once across sessions; others wait in FIFO order")
+    kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")
+    max_history_tokens: int = _opt(131072, "history tokens a session may hold")
+    max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
+    max_generate_tokens: int = _opt(8192, "largest max_tokens a generation may ask for")
+    max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
+    queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
+    prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    shutdown_grace_s: float = _opt(10.0, "seconds in-flight generations may run after SIGTERM before cancellation")
+    log_format: str = _opt("text", "log line format", choices=LOG_FORMATS)
+    log_level: str = _opt("info", "minimum log level", choices=LOG_LEVELS)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
+        positive = (
+            "window",
+            "max_sessions",
+            "max_concurrent",
+            "kv_budget_bytes",
+            "max_history_tokens",
+            "max_append_tokens",
+            "max_generate_tokens",
+            "max_message_bytes",
+            "prefill_chunk_tokens",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("session_idle_ttl_s", "queue_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.sink < 0:
+            raise ConfigError(f"sink must be >= 0, got {self.sink}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if not self.api_key and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to bind non-loopback address {self.host!r} without an API key "
+                f"(set --api-key or {ENV_PREFIX}API_KEY)"
+            )
+
+    @property
+    def model_dir(self) -> Path:
+        return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    def redacted(self) -> dict[str, Any]:
+        """The configuration as a dict with secrets masked, for logs."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = "***" if f.metadata.get("secret") and value else value
+        return out
+
+
+def option_help() -> list[tuple[str, type, Any, str, tuple[str, ...] | None]]:
+    """(name, type, default, help, choices) of every option, in declaration order."""
+    out = []
+    for f in fields(ServerConfig):
+        default = f.default if f.default is not MISSING else None
+        kind = type(default)
+        out.append((f.name, kind, default, f.metadata["help"], f.metadata.get("choices")))
+    return out
+
+
+def env_var(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _coerce(name: str, kind: type, raw: Any, source: str) -> Any:
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, str):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    raise ConfigError(f"{name} from {source}: expected {kind.__name__}, got {raw!r}")
+
+
+def load_config(
+    overrides: Mapping[str, Any], *, config_file: str | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Merge defaults, an optional TOML file, `KAKEYA_*` environment variables and explicit overrides (flags)."""
+    environ = os.environ if environ is None else environ
+    kinds = {name: kind for name, kind, _, _, _ in option_help()}
+    values: dict[str, Any] = {}
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    if config_file:
+        try:
+            with open(config_file, "rb") as handle:
+                table = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
+        for key, raw in table.items():
+            name = key.replace("-", "_")
+            if name not in kinds:
+                raise ConfigError(f"unknown option {key!r} in {config_file}")
+            values[name] = _coerce(name, kinds[name], raw, config_file)
+    for name, kind in kinds.items():
+        raw_env = environ.get(env_var(name))
+        if raw_env is not None:
+            values[name] = _coerce(name, kind, raw_env, env_var(name))
+    for name, raw in overrides.items():
+        if raw is not None:
+            values[name] = _coerce(name, kinds[name], raw, f"--{name.replace('_', '-')}")
+    return ServerConfig(**values)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

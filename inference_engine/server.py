@@ -1,0 +1,125 @@
+"""Assembles and runs the daemon: gRPC (service, health, reflection), Prometheus metrics, idle sweeps, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from inference_engine.config import ServerConfig
+from inference_engine.generated import runtime_pb2, runtime_pb2_grpc
+from inference_engine.metrics import Metrics
+from inference_engine.runtime import Runtime
+from inference_engine.transport.auth import ApiKeyInterceptor
+from inference_engine.transport.grpc_service import RuntimeServicer
+from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
+
+
+def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtime:
+    """Load the configured model and wrap it in a runtime."""
+    verifier: Verifier = load_verifier(config.backend, config.model_dir, device=config.device, dtype=config.dtype)
+    log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
+    return Runtime(verifier, config, metrics or Metrics())
+
+
+class KakeyaServer:
+    """The running daemon around one runtime."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self.config = runtime.config
+        self.port = 0
+        self.metrics_port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._metrics_http: object | None = None
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        config = self.config
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        server = grpc.aio.server(options=options, interceptors=interceptors)
+        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(self.runtime), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+        address = f"{_bracket(config.host)}:{config.port}"
+        if config.tls_cert:
+            credentials = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+            )
+            self.port = server.add_secure_port(address, credentials)
+        else:
+            self.port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        for name in ("", SERVICE_NAME):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if config.metrics_port >= 0:
+            httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=self.runtime.metrics.registry)
+            self._metrics_http = httpd
+            self.metrics_port = httpd.server_port
+        self._sweeper = asyncio.create_task(self._sweep_idle())
+        log.info(
+            "listening",
+            extra={
+                "grpc": f"{config.host}:{self.port}",
+                "metrics": self.metrics_port if self.metrics_port is not None else "off",
+                "tls": bool(config.tls_cert),
+                "auth": bool(config.api_key),
+            },
+        )
+
+    async def stop(self) -> None:
+        """Graceful stop: refuse new work, let generations finish within the grace period, then cancel them."""
+        grace = self.config.shutdown_grace_s
+        log.info("shutting down", extra={"grace_s": grace, "generating": self.runtime.active_generations})
+        self.runtime.stop_accepting()
+        await self._health.enter_graceful_shutdown()
+        if not await self.runtime.wait_idle(grace):
+            log.warning("grace period over, cancelling generations", extra={"left": self.runtime.active_generations})
+            self.runtime.cancel_all()
+            await self.runtime.wait_idle(max(grace, 5.0))
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._server is not None:
+            await self._server.stop(1.0)
+        if self._metrics_http is not None:
+            self._metrics_http.shutdown()  # type: ignore[attr-defined]
+        self.runtime.shutdown()
+        log.info("stopped")
+
+    async def serve_until_signal(self) -> None:
+        """Run until SIGTERM or SIGINT, then stop gracefully."""
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await self.start()
+        await stop.wait()
+        await self.stop()
+
+    async def _sweep_idle(self) -> None:
+        interval = min(30.0, max(0.05, self.config.session_idle_ttl_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            self.runtime.evict_idle()
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

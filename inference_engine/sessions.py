@@ -1,0 +1,171 @@
+"""Sessions and the store that owns them: ids, lookup, lifecycle and eviction (TTL, LRU, KV byte budget)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from inference_engine.metrics import Metrics
+from kv_cache_proposer.decoding import SequenceState
+
+log = logging.getLogger(__name__)
+
+_TOMBSTONES = 4096
+
+
+@dataclass(eq=False)
+class Session:
+    """One client conversation: its history bound to a verifier cache, and its scheduling state."""
+
+    session_id: str
+    label: str
+    eos_token_ids: frozenset[int]
+    seq: SequenceState
+    last_access: float
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queued: int = 0
+    generating: bool = False
+    cancel: asyncio.Event | None = None
+    closed: bool = False
+    invariant_violations: dict[str, int] = field(default_factory=lambda: {"inv1": 0, "inv2": 0})
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request holds or waits for the session; busy sessions are never evicted."""
+        return self.queued > 0 or self.lock.locked()
+
+    @property
+    def kv_bytes(self) -> int:
+        return int(self.seq.cache.nbytes)
+
+    def release(self) -> None:
+        """Free the session's cache and drafting state."""
+        self.seq.cache.release()
+        self.seq.draft.release()
+
+
+class SessionStore:
+    """All live sessions, keyed by server-issued ids. Runs on the event loop thread only."""
+
+    def __init__(
+        self,
+        *,
+        max_sessions: int,
+        idle_ttl_s: float,
+        kv_budget_bytes: int,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.max_sessions = max_sessions
+        self.idle_ttl_s = idle_ttl_s
+        self.kv_budget_bytes = kv_budget_bytes
+        self._metrics = metrics
+        self._clock = clock
+        self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended, for NOT_FOUND messages
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def sessions(self) -> list[Session]:
+        """A snapshot of the live sessions, least recently used first."""
+        return list(self._sessions.values())
+
+    @staticmethod
+    def new_id() -> str:
+        """An unguessable id: 192 random bits."""
+        return secrets.token_urlsafe(24)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def add(self, session: Session) -> None:
+        """Admit a session, evicting the least recently used idle one when the store is full."""
+        while len(self._sessions) >= self.max_sessions:
+            victim = self._least_recent_idle()
+            if victim is None:
+                raise ResourceExhausted(f"all {self.max_sessions} sessions are busy; close one or raise --max-sessions")
+            self.evict(victim, "lru")
+        self.enforce_budget(protect=None)
+        self._sessions[session.session_id] = session
+        self._metrics.sessions_opened.inc()
+        self.refresh_gauges()
+
+    def get(self, session_id: str, *, touch: bool = True) -> Session:
+        """Look a session up; `NOT_FOUND` if it is unknown, closed or evicted."""
+        if not session_id:
+            raise InvalidArgument("session_id is empty")
+        session = self._sessions.get(session_id)
+        if session is None:
+            why = self._ended.get(session_id)
+            suffix = f" ({why})" if why else ""
+            raise SessionNotFound(f"session {session_id!r} not found{suffix}")
+        if touch:
+            self.touch(session)
+        return session
+
+    def touch(self, session: Session) -> None:
+        session.last_access = self._clock()
+        if session.session_id in self._sessions:
+            self._sessions.move_to_end(session.session_id)
+
+    def detach(self, session: Session, outcome: str, why: str) -> None:
+        """Remove a session from the store (its id answers NOT_FOUND from now on). The caller frees its memory."""
+        if self._sessions.pop(session.session_id, None) is None:
+            return
+        session.closed = True
+        self._ended[session.session_id] = why
+        while len(self._ended) > _TOMBSTONES:
+            self._ended.popitem(last=False)
+        self._metrics.session_total.labels(outcome=outcome).inc()
+        self.refresh_gauges()
+
+    def evict(self, session: Session, reason: str) -> None:
+        """Evict an idle session and free its memory."""
+        self.detach(session, "evicted", f"evicted: {reason}")
+        session.release()
+        self._metrics.session_evicted.labels(reason=reason).inc()
+        self.refresh_gauges()
+        log.info("session evicted", extra={"session_id": session.session_id, "reason": reason})
+
+    def evict_idle(self) -> int:
+        """Evict every idle session whose last access is older than the TTL; returns how many."""
+        cutoff = self._clock() - self.idle_ttl_s
+        expired = [s for s in self._sessions.values() if s.last_access < cutoff and not s.busy]
+        for session in expired:
+            self.evict(session, "ttl")
+        return len(expired)
+
+    def enforce_budget(self, protect: Session | None) -> bool:
+        """Evict idle sessions, least recently used first, until the KV bytes fit the budget.
+
+        Returns whether the store is within budget afterwards.
+        """
+        total = self.kv_live_bytes()
+        while total > self.kv_budget_bytes:
+            victim = self._least_recent_idle(exclude=protect, holding_memory=True)
+            if victim is None:
+                return False
+            total -= victim.kv_bytes
+            self.evict(victim, "budget")
+        return True
+
+    def kv_live_bytes(self) -> int:
+        return sum(s.kv_bytes for s in self._sessions.values())
+
+    def refresh_gauges(self) -> None:
+        self._metrics.session_active.set(len(self._sessions))
+        self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
+
+    def _least_recent_idle(self, exclude: Session | None = None, holding_memory: bool = False) -> Session | None:
+        for session in self._sessions.values():
+            if session.busy or session is exclude or (holding_memory and session.kv_bytes == 0):
+                continue
+            return session
+        return None

@@ -1,0 +1,1 @@
+"""Wire transports of the service."""

@@ -1,0 +1,111 @@
+"""Every proto <-> domain conversion of the gRPC transport, and the error -> status mapping."""
+
+from __future__ import annotations
+
+import grpc
+
+from inference_engine.domain import (
+    CreateParams,
+    DoneEvent,
+    GenerateEvent,
+    GenerateParams,
+    GenerationStats,
+    SessionInfo,
+    StopReason,
+    TokenEvent,
+    TruncatedEvent,
+)
+from inference_engine.errors import InvalidArgument, Status
+from inference_engine.generated import runtime_pb2 as pb
+
+STATUS_CODES = {status: getattr(grpc.StatusCode, status.value) for status in Status}
+
+_STRATEGY_NAMES = {
+    pb.KV_STRATEGY_UNSPECIFIED: None,
+    pb.KV_STRATEGY_FULL: "full",
+    pb.KV_STRATEGY_SINK_WINDOW: "sink_window",
+}
+_STRATEGY_ENUMS = {name: value for value, name in _STRATEGY_NAMES.items() if name}
+
+_STOP_REASONS = {
+    StopReason.MAX_TOKENS: pb.STOP_REASON_MAX_TOKENS,
+    StopReason.EOS: pb.STOP_REASON_EOS,
+    StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
+    StopReason.TRUNCATED: pb.STOP_REASON_TRUNCATED,
+}
+
+
+def create_params(request: pb.CreateSessionRequest) -> CreateParams:
+    if request.kv_strategy not in _STRATEGY_NAMES:
+        raise InvalidArgument(f"unknown kv_strategy enum value {request.kv_strategy}")
+    return CreateParams(
+        label=request.client_label,
+        eos_token_ids=tuple(request.eos_token_ids),
+        initial_token_ids=tuple(request.initial_token_ids),
+        kv_strategy=_STRATEGY_NAMES[request.kv_strategy],
+        sink=request.sink_tokens if request.HasField("sink_tokens") else None,
+        window=request.window_tokens if request.HasField("window_tokens") else None,
+    )
+
+
+def generate_params(request: pb.GenerateRequest | pb.GenerateCommand) -> GenerateParams:
+    return GenerateParams(
+        max_tokens=request.max_tokens,
+        seed=request.seed if request.HasField("seed") else None,
+        temperature=request.temperature if request.HasField("temperature") else None,
+        top_p=request.top_p if request.HasField("top_p") else None,
+        top_k=request.top_k if request.HasField("top_k") else None,
+        stop_token_ids=tuple(request.stop_token_ids),
+    )
+
+
+def generate_done(stats: GenerationStats) -> pb.GenerateDone:
+    return pb.GenerateDone(
+        stop_reason=_STOP_REASONS[stats.stop_reason],
+        generated_token_count=stats.generated_token_count,
+        prefill_duration_seconds=stats.prefill_duration_s,
+        total_duration_seconds=stats.total_duration_s,
+        prefill_token_count=stats.prefill_token_count,
+        draft_token_count=stats.draft_token_count,
+        accepted_draft_token_count=stats.accepted_draft_token_count,
+        verifier_forward_count=stats.verifier_forward_count,
+        time_to_first_token_seconds=stats.time_to_first_token_s,
+    )
+
+
+def generate_response(event: GenerateEvent) -> pb.GenerateResponse:
+    if isinstance(event, TokenEvent):
+        return pb.GenerateResponse(token_id=event.token_id)
+    if isinstance(event, TruncatedEvent):
+        return pb.GenerateResponse(truncated=pb.HistoryTruncated(dropped_token_count=event.dropped_token_count))
+    return pb.GenerateResponse(done=generate_done(event.stats))
+
+
+def converse_response(command_id: int, event: GenerateEvent) -> pb.ConverseResponse:
+    if isinstance(event, TokenEvent):
+        return pb.ConverseResponse(command_id=command_id, token_id=event.token_id)
+    if isinstance(event, TruncatedEvent):
+        truncated = pb.HistoryTruncated(dropped_token_count=event.dropped_token_count)
+        return pb.ConverseResponse(command_id=command_id, truncated=truncated)
+    assert isinstance(event, DoneEvent)
+    return pb.ConverseResponse(command_id=command_id, done=generate_done(event.stats))
+
+
+def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
+    return pb.GetSessionInfoResponse(
+        history_length=info.history_length,
+        kv_live_bytes=info.kv_live_bytes,
+        cache_invariant_inv1_violations=info.invariant_violations.get("inv1", 0),
+        cache_invariant_inv2_violations=info.invariant_violations.get("inv2", 0),
+        idle_seconds=info.idle_seconds,
+        kv_strategy=_STRATEGY_ENUMS.get(info.kv_strategy, pb.KV_STRATEGY_UNSPECIFIED),
+        resident_token_count=info.resident_token_count,
+        kv_compressed_bytes=info.kv_compressed_bytes,
+        pending_token_count=info.pending_token_count,
+        evicted_token_count=info.evicted_token_count,
+        client_label=info.client_label,
+        generating=info.generating,
+        sink_tokens=info.sink_tokens,
+        window_tokens=info.window_tokens,
+        history_tail_token_ids=info.history_tail,
+    )

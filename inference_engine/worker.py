@@ -1,0 +1,36 @@
+"""The model-owner worker: one thread runs every forward, fed in FIFO order; the event loop never blocks on it."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import ParamSpec, TypeVar
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class ModelWorker:
+    """Runs tensor work on a single dedicated thread."""
+
+    def __init__(self, name: str = "kakeya-model") -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run `fn` on the worker thread and return its result.
+
+        If the awaiting task is cancelled, the call still runs to completion before the cancellation propagates,
+        so the caller never releases a session while the worker is mutating it.
+        """
+        loop = asyncio.get_running_loop()
+        future = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await asyncio.wait([future])
+            raise
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=True, cancel_futures=True)
