@@ -1,0 +1,70 @@
+import pytest
+
+from inference_engine.config import BUNDLED_MODEL_DIR, ConfigError, ServerConfig, is_loopback, load_config
+
+
+def test_defaults_bind_loopback_on_the_standard_port_and_serve_the_bundled_model():
+    config = load_config({}, environ={})
+    assert (config.host, config.port) == ("127.0.0.1", 50051)
+    assert config.model_dir == BUNDLED_MODEL_DIR and (BUNDLED_MODEL_DIR / "config.json").is_file()
+    assert config.session_idle_ttl_s == 1800 and config.max_concurrent == 1
+
+
+def test_flags_beat_environment_which_beats_the_file(tmp_path):
+    path = tmp_path / "kakeya.toml"
+    path.write_text('kv_strategy = "sink_window"\nwindow = 64\nsink = 2\nport = 6000\n')
+    environ = {"KAKEYA_WINDOW": "128", "KAKEYA_PORT": "7000"}
+    config = load_config({"port": 8000, "sink": None}, config_file=str(path), environ=environ)
+    assert config.kv_strategy == "sink_window"
+    assert config.sink == 2 and config.window == 128 and config.port == 8000
+
+
+def test_the_config_file_can_come_from_the_environment(tmp_path):
+    path = tmp_path / "k.toml"
+    path.write_text("max-sessions = 3\n")
+    assert load_config({}, environ={"KAKEYA_CONFIG": str(path)}).max_sessions == 3
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("bogus = 1\n", "unknown option"), ('port = "x"\n', "expected int"), ("port = [\n", "cannot read")],
+)
+def test_bad_config_files_are_rejected_with_the_option_named(tmp_path, text, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_config({}, config_file=str(path), environ={})
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"kv_strategy": "paged"},
+        {"window": 0},
+        {"max_concurrent": 0},
+        {"session_idle_ttl_s": 0.0},
+        {"port": 70000},
+        {"tls_cert": "a.pem"},
+        {"backend": "jax"},
+        {"sink": -1},
+    ],
+)
+def test_invalid_values_are_rejected(overrides):
+    with pytest.raises(ConfigError):
+        ServerConfig(**overrides)
+
+
+def test_non_loopback_binding_requires_an_api_key():
+    with pytest.raises(ConfigError, match="without an API key"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", api_key="k").host == "0.0.0.0"
+    assert ServerConfig(host="::1").host == "::1"
+
+
+def test_loopback_detection():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.5.5.5", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "example.org", "::"))
+
+
+def test_secrets_are_redacted_for_logs():
+    assert ServerConfig(api_key="top").redacted()["api_key"] == "***"

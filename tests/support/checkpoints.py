@@ -1,0 +1,49 @@
+"""Tiny random checkpoints of real architectures, saved to disk and loaded through the real loading path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, PretrainedConfig, Qwen3Config
+
+VOCAB_SIZE = 128
+
+_COMMON = dict(
+    vocab_size=VOCAB_SIZE,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+# Initialiser scales chosen so that greedy decoding of each random model is not a single repeated token.
+ARCHITECTURES: dict[str, Callable[[], PretrainedConfig]] = {
+    "qwen3": lambda: Qwen3Config(head_dim=16, initializer_range=0.2, **_COMMON),
+    "llama": lambda: LlamaConfig(initializer_range=0.02, **_COMMON),
+    "gemma3": lambda: Gemma3TextConfig(
+        head_dim=16,
+        sliding_window=6,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        initializer_range=0.03,
+        **_COMMON,
+    ),
+}
+
+
+def save_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
+    """Build a seeded random model of `arch` and save it as a Hugging Face checkpoint directory."""
+    config = ARCHITECTURES[arch]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
