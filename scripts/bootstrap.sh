@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Create or update the project's environment: .venv (Python, pinned by constraints.txt) and, with --dev,
+# node_modules (buf and the TypeScript toolchain). Safe to re-run: a step is skipped when its inputs are unchanged.
+#
+# Usage: scripts/bootstrap.sh [--dev]
+#   PYTHON=python3.12 scripts/bootstrap.sh   # choose the interpreter (3.11 or newer)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dev=0
+[[ "${1:-}" == "--dev" ]] && dev=1
+python=${PYTHON:-python3}
+
+if ! "$python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  echo "bootstrap: $python is missing or older than Python 3.11; set PYTHON=/path/to/python3.11+" >&2
+  exit 1
+fi
+
+stamp() { cat "$@" 2>/dev/null | sha256sum | cut -d' ' -f1; }
+
+if [[ ! -x .venv/bin/python ]]; then
+  "$python" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+
+extras=""
+[[ $dev == 1 ]] && extras="[dev]"
+inputs=(pyproject.toml constraints.txt)
+want="$extras $(stamp "${inputs[@]}")"
+if [[ "$(cat .venv/.kakeya-stamp 2>/dev/null)" != "$want" ]]; then
+  echo "bootstrap: installing Python packages into .venv" >&2
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".$extras"
+  echo "$want" > .venv/.kakeya-stamp
+fi
+
+if [[ $dev == 1 ]]; then
+  want_node=$(stamp package.json package-lock.json)
+  if [[ "$(cat node_modules/.kakeya-stamp 2>/dev/null)" != "$want_node" ]]; then
+    echo "bootstrap: installing Node tooling into node_modules" >&2
+    npm ci --no-audit --no-fund --loglevel=error
+    echo "$want_node" > node_modules/.kakeya-stamp
+  fi
+fi

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Set up .venv if needed, then run the daemon: `kakeya-runtime serve` with the given flags.
+# With no --model it serves the bundled kakeya-tiny model on 127.0.0.1:50051 (metrics on :9464).
+#
+# Usage: scripts/serve.sh [serve flags...]      (scripts/serve.sh --help lists them)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh
+exec .venv/bin/kakeya-runtime serve "$@"

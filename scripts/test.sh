@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up .venv and node_modules if needed, then run every check of the repository and the whole test suite:
+# generated code is current, buf lint and breaking-change check, ruff, mypy, pytest.
+# Fails (non-zero exit) as soon as any check or test fails.
+#
+# Usage: scripts/test.sh [extra pytest arguments...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/bootstrap.sh --dev
+export PATH="$PWD/.venv/bin:$PWD/node_modules/.bin:$PATH"
+
+step() { printf '\n== %s\n' "$*" >&2; }
+
+step "generated code is current"
+python scripts/codegen.py --check
+
+step "buf lint"
+buf lint
+
+step "buf breaking (against the previous commit)"
+if git rev-parse --verify --quiet HEAD~1 >/dev/null && git cat-file -e HEAD~1:proto 2>/dev/null; then
+  buf breaking proto --against ".git#ref=HEAD~1,subdir=proto"
+else
+  echo "no previous commit holds proto/: nothing to compare against" >&2
+fi
+
+step "ruff"
+ruff check .
+ruff format --check .
+
+step "mypy"
+mypy
+
+step "pytest"
+python -m pytest "$@"
