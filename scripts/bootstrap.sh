@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create or update the project's environment: .venv (Python, pinned by constraints.txt) and, with --dev,
 # node_modules (buf and the TypeScript toolchain). Safe to re-run: a step is skipped when its inputs are unchanged.
+# npm install (not npm ci) because the lock file records platform-specific optional packages only for the
+# platforms the registry served when it was written.
 #
 # Usage: scripts/bootstrap.sh [--dev]
 #   PYTHON=python3.12 scripts/bootstrap.sh   # choose the interpreter (3.11 or newer)
@@ -37,7 +39,7 @@ if [[ $dev == 1 ]]; then
   want_node=$(stamp package.json package-lock.json)
   if [[ "$(cat node_modules/.kakeya-stamp 2>/dev/null)" != "$want_node" ]]; then
     echo "bootstrap: installing Node tooling into node_modules" >&2
-    npm ci --no-audit --no-fund --loglevel=error
+    npm install --no-audit --no-fund --loglevel=error
     echo "$want_node" > node_modules/.kakeya-stamp
   fi
 fi
