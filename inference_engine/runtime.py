@@ -90,7 +90,6 @@ class Runtime:
         metrics: Metrics,
         *,
         proposer: Proposer | None = None,
-        max_draft_tokens: int = 0,
     ) -> None:
         self.verifier = verifier
         self.config = config
@@ -98,9 +97,7 @@ class Runtime:
         self.proposer = proposer or NoProposer()
         self.default_strategy = make_strategy(config.kv_strategy, sink=config.sink, window=config.window)
         self.worker = ModelWorker()
-        self.decoder = Decoder(
-            verifier, prefill_chunk_tokens=config.prefill_chunk_tokens, max_draft_tokens=max_draft_tokens
-        )
+        self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.store = SessionStore(
             max_sessions=config.max_sessions,
             idle_ttl_s=config.session_idle_ttl_s,
@@ -117,7 +114,9 @@ class Runtime:
         strategy = self._strategy_for(params)
         eos = self._check_tokens(params.eos_token_ids, "eos_token_ids")
         initial = self._check_append(0, params.initial_token_ids, "initial_token_ids")
-        seq = SequenceState(cache=self.verifier.new_cache(strategy), tokens=list(initial), draft=self.proposer.open())
+        seq = SequenceState(
+            cache=self.verifier.new_cache(strategy), tokens=list(initial), draft=self.proposer.open(strategy)
+        )
         session = Session(
             session_id=self.store.new_id(),
             label=params.label,
@@ -197,7 +196,7 @@ class Runtime:
         strategy = cache.strategy
         return SessionInfo(
             history_length=len(tokens),
-            kv_live_bytes=int(cache.nbytes),
+            kv_live_bytes=session.kv_bytes,
             idle_seconds=max(0.0, self.store.now() - session.last_access),
             kv_strategy=strategy.name,
             resident_token_count=int(cache.resident_count),
@@ -290,6 +289,10 @@ class Runtime:
             if tally.first_token_at is None:
                 self._record_prefill(tally)
             stats = tally.stats(reason, clock())
+            if stats.generated_token_count:
+                self.metrics.generate_verifier_forwards_per_token.observe(
+                    stats.verifier_forward_count / stats.generated_token_count
+                )
             outcome = reason.value
             log.info(
                 "generation done",

@@ -42,7 +42,8 @@ class Session:
 
     @property
     def kv_bytes(self) -> int:
-        return int(self.seq.cache.nbytes)
+        """Bytes of K/V the session holds: the verifier cache and any drafter state."""
+        return int(self.seq.cache.nbytes) + int(self.seq.draft.nbytes)
 
     def release(self) -> None:
         """Free the session's cache and drafting state."""

@@ -27,6 +27,27 @@ class StopCause(Enum):
 
 
 @dataclass(slots=True)
+class DraftLength:
+    """How many tokens the next proposal may hold: grows while drafts are fully accepted, shrinks (down to one)
+    when they are not."""
+
+    limit: int
+    current: int = -1
+
+    def __post_init__(self) -> None:
+        if self.current < 0:
+            self.current = self.limit
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.current = min(self.limit, self.current + 2)
+        else:
+            self.current = max(1, self.current - 1)
+
+
+@dataclass(slots=True)
 class SequenceState:
     """One session's token history bound to its verifier cache and its drafting state.
 
@@ -38,6 +59,10 @@ class SequenceState:
     tokens: list[int] = field(default_factory=list)
     draft: DraftSession = field(default_factory=NoDraftSession)
     committed: int = 0
+    draft_length: DraftLength = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.draft_length = DraftLength(self.draft.max_draft_tokens)
 
     @property
     def pending_count(self) -> int:
@@ -68,12 +93,11 @@ class StepResult:
 class Decoder:
     """Runs decode steps for sequences on one verifier."""
 
-    def __init__(self, verifier: Verifier, *, prefill_chunk_tokens: int = 512, max_draft_tokens: int = 0) -> None:
+    def __init__(self, verifier: Verifier, *, prefill_chunk_tokens: int = 512) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self.max_draft_tokens = max_draft_tokens
 
     def step(self, seq: SequenceState, params: SamplingParams, budget: GenerationBudget, generated: int) -> StepResult:
         """Generate at least one token (or prefill one chunk of a long pending suffix).
@@ -84,11 +108,12 @@ class Decoder:
         pending = seq.pending_count
         if pending < 1:
             raise ValueError("the session has no pending token to continue from")
+        layers = seq.draft.feature_layers
+        start = seq.committed
         if pending > self.prefill_chunk_tokens:
-            start = seq.committed
             chunk = self.prefill_chunk_tokens
-            self.verifier.verify(seq.cache, seq.tokens[start : start + chunk], 1)
-            self._commit(seq, chunk)
+            out = self.verifier.verify(seq.cache, seq.tokens[start : start + chunk], 1, feature_layers=layers)
+            self._commit(seq, chunk, out.features)
             return StepResult(prefilled=chunk, forwards=1)
 
         room = budget.max_new_tokens - generated
@@ -96,15 +121,16 @@ class Decoder:
             room = min(room, budget.max_history_tokens - len(seq.tokens))
         if room < 1:
             raise ValueError("no room left for another token")
-        draft = seq.draft.propose(seq.tokens, min(self.max_draft_tokens, room - 1)) if self.max_draft_tokens else []
+        wanted = min(seq.draft_length.current, room - 1)
+        draft = seq.draft.propose(seq.tokens, wanted)[:wanted] if wanted > 0 else []
 
-        start = seq.committed
         block = seq.tokens[start:] + draft
-        logits = self.verifier.verify(seq.cache, block, len(draft) + 1)
+        out = self.verifier.verify(seq.cache, block, len(draft) + 1, feature_layers=layers)
         # Row i holds the verifier's distribution for global position start + pending + i.
         positions = [start + pending + i for i in range(len(draft) + 1)]
-        sampled = self.verifier.pick_tokens(logits, params, positions)
+        sampled = self.verifier.pick_tokens(out.logits, params, positions)
         accepted = _accepted_prefix(draft, sampled)
+        seq.draft_length.update(len(draft), accepted)
         emitted = sampled[: accepted + 1]
 
         stop = None
@@ -120,18 +146,17 @@ class Decoder:
                 stop = self._limit_cause(budget, generated + cut)
         emitted = emitted[:cut]
         # The last emitted token stays pending; everything before it in the block is committed.
-        self._commit(seq, pending + len(emitted) - 1, new_tokens=emitted)
-        seq.draft.on_commit(seq.tokens, seq.committed)
+        self._commit(seq, pending + len(emitted) - 1, out.features, new_tokens=emitted)
         return StepResult(
             tokens=emitted,
             prefilled=pending - 1,
             drafted=len(draft),
-            accepted=min(accepted, len(emitted) - 1),
+            accepted=len(emitted) - 1,
             forwards=1,
             stop=stop,
         )
 
-    def _commit(self, seq: SequenceState, count: int, new_tokens: Sequence[int] = ()) -> None:
+    def _commit(self, seq: SequenceState, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
         expected = seq.committed + count
         self.verifier.commit(seq.cache, count)
         seq.tokens.extend(new_tokens)
@@ -139,6 +164,7 @@ class Decoder:
         if expected > len(seq.tokens):
             raise InvariantViolation("inv1", f"{expected} committed positions for a history of {len(seq.tokens)}")
         seq.committed = expected
+        seq.draft.on_commit(seq.tokens, expected, None if features is None else features[:count])
 
     @staticmethod
     def _check_position(seq: SequenceState, expected: int | None = None) -> None:

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyOutput:
+    """What one verifier forward returns (backend arrays)."""
+
+    logits: Any  # [rows, vocab]: the last `logits_rows` block positions
+    features: Any | None = None  # [block, len(layers) * hidden]: hidden states at the requested layers
 
 
 class SessionCache(Protocol):
@@ -62,11 +71,27 @@ class Verifier(Protocol):
 
     def new_cache(self, strategy: KVStrategy) -> SessionCache: ...
 
-    def verify(self, cache: Any, token_ids: Sequence[int], logits_rows: int) -> Any:
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...
+
+    def verify(
+        self,
+        cache: Any,
+        token_ids: Sequence[int],
+        logits_rows: int,
+        *,
+        feature_layers: Sequence[int] = (),
+        extend_stage: bool = False,
+    ) -> VerifyOutput:
         """Run one forward over `token_ids` at the cache's next positions, staging their K/V.
 
-        Returns the logits of the last `logits_rows` block positions (a backend array of shape [rows, vocab]).
-        Nothing becomes resident until `commit`.
+        Returns the logits of the last `logits_rows` block positions and, when `feature_layers` is given, the
+        outputs of those decoder layers for every block position, concatenated along the hidden dimension.
+        Nothing becomes resident until `commit`. With `extend_stage` the block continues the stage of the
+        previous forward (it sits after it and attends to it) instead of replacing it.
         """
         ...
 

@@ -3,37 +3,66 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
+
+from kv_cache_proposer.strategies import KVStrategy
 
 
 class DraftSession(Protocol):
-    """Per-session drafting state."""
+    """Per-session drafting state, driven by the decode step."""
+
+    @property
+    def max_draft_tokens(self) -> int:
+        """The most tokens one proposal may hold (0: never drafts)."""
+        ...
+
+    @property
+    def feature_layers(self) -> Sequence[int]:
+        """Verifier layers whose outputs this session needs for every committed position (empty: none)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of per-session state held (a drafter's own K/V)."""
+        ...
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
         """Draft up to `max_tokens` tokens that continue `history` (may return fewer, or none)."""
         ...
 
-    def on_commit(self, history: Sequence[int], committed: int) -> None:
-        """Learn that the verifier committed the first `committed` positions of `history`."""
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+        """Learn that the verifier now holds the first `committed` positions of `history`.
+
+        `features` holds the requested layer outputs of the positions committed by this forward (the last
+        rows up to `committed`), or None when no layers were requested.
+        """
         ...
 
     def release(self) -> None: ...
 
 
 class Proposer(Protocol):
+    """A drafting method loaded once per daemon; each session opens its own draft session."""
+
     @property
     def name(self) -> str: ...
 
-    def open(self) -> DraftSession: ...
+    def open(self, strategy: KVStrategy) -> DraftSession:
+        """Start drafting for a session whose verifier cache follows `strategy`."""
+        ...
 
 
 class NoDraftSession:
     """Drafts nothing: every step verifies the pending tokens alone."""
 
+    max_draft_tokens = 0
+    feature_layers: Sequence[int] = ()
+    nbytes = 0
+
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
         return []
 
-    def on_commit(self, history: Sequence[int], committed: int) -> None:
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
         return None
 
     def release(self) -> None:
@@ -47,5 +76,5 @@ class NoProposer:
     def name(self) -> str:
         return "none"
 
-    def open(self) -> DraftSession:
+    def open(self, strategy: KVStrategy) -> DraftSession:
         return NoDraftSession()

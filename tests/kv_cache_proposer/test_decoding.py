@@ -32,6 +32,10 @@ def _run(decoder: Decoder, seq: SequenceState, params: SamplingParams, budget: G
 class ScriptedDraft:
     """Drafts from a fixed script of the continuation, corrupting every third drafted token."""
 
+    max_draft_tokens = 4
+    feature_layers = ()
+    nbytes = 0
+
     def __init__(self, script: list[int], prompt_len: int) -> None:
         self.script = script
         self.prompt_len = prompt_len
@@ -46,7 +50,7 @@ class ScriptedDraft:
                 draft[i] = (draft[i] + 1) % VOCAB_SIZE
         return draft
 
-    def on_commit(self, history: Sequence[int], committed: int) -> None:
+    def on_commit(self, history: Sequence[int], committed: int, features) -> None:
         return None
 
     def release(self) -> None:
@@ -98,7 +102,7 @@ def test_speculative_steps_emit_exactly_the_non_speculative_tokens(verifiers, st
     reference_seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt))
     reference, _, _ = _run(plain, reference_seq, params, GenerationBudget(30))
 
-    speculative = Decoder(verifier, max_draft_tokens=4)
+    speculative = Decoder(verifier)
     draft = ScriptedDraft(reference, len(prompt))
     seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=draft)
     tokens, _, steps = _run(speculative, seq, params, GenerationBudget(30))

@@ -37,6 +37,7 @@ class TorchSessionCache:
         self._slot_positions = torch.full((0,), -1, dtype=torch.long, device=device)
         self._stage_positions = torch.empty(0, dtype=torch.long, device=device)
         self._staged_layers = [False] * num_layers
+        self._block_start = 0  # index in the stage of the block of the forward in flight
         self._released = False
 
     # -- SessionCache ------------------------------------------------------------------------------------------
@@ -85,18 +86,30 @@ class TorchSessionCache:
         bounded = self._strategy.bounded_slots
         return self._next_position if bounded is None else bounded
 
-    def begin_stage(self, block_len: int) -> torch.Tensor:
-        """Reserve room for a block at the next positions; returns the key positions attention will read [K]."""
+    @property
+    def keys_before_block(self) -> int:
+        """Key slots attention reads ahead of the block in flight: resident slots and earlier staged blocks."""
+        return self.stage_offset + self._block_start
+
+    def begin_stage(self, block_len: int, *, extend: bool = False) -> torch.Tensor:
+        """Reserve room for a block at the next positions; returns the key positions attention will read [K].
+
+        With `extend` the block goes after what the previous forward staged (and sees it); otherwise the
+        previous stage is dropped.
+        """
         if self._released:
             raise RuntimeError("the cache was released")
-        needed = self.stage_offset + block_len
+        kept = self._stage_positions.numel() if extend else 0
+        needed = self.stage_offset + kept + block_len
         if needed > self._capacity:
             if self._strategy.bounded_slots is None:
                 # Unbounded caches grow geometrically so appends stay amortised O(1).
                 needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
             self._grow(needed)
-        start = self._next_position
-        self._stage_positions = torch.arange(start, start + block_len, dtype=torch.long, device=self._device)
+        start = self._next_position + kept
+        block = torch.arange(start, start + block_len, dtype=torch.long, device=self._device)
+        self._stage_positions = torch.cat([self._stage_positions[:kept], block])
+        self._block_start = kept
         self._staged_layers = [False] * self._num_layers
         offset = self.stage_offset
         return torch.cat([self._slot_positions[:offset], self._stage_positions])
@@ -106,10 +119,9 @@ class TorchSessionCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write a layer's block K/V `[1, H, n, D]` into its stage; return the K/V attention reads `[1, H, K, D]`."""
         block_len = keys.shape[-2]
-        if block_len != self._stage_positions.numel():
-            raise InvariantViolation(
-                "inv1", f"layer {layer_idx} staged {block_len} K/V for a block of {self._stage_positions.numel()}"
-            )
+        expected = self._stage_positions.numel() - self._block_start
+        if block_len != expected:
+            raise InvariantViolation("inv1", f"layer {layer_idx} staged {block_len} K/V for a block of {expected}")
         if self._keys[layer_idx] is None:
             shape = (keys.shape[0], keys.shape[1], self._capacity, keys.shape[3])
             self._keys[layer_idx] = torch.zeros(shape, dtype=keys.dtype, device=keys.device)
@@ -118,11 +130,12 @@ class TorchSessionCache:
             )
         key_buf, value_buf = self._keys[layer_idx], self._values[layer_idx]
         assert key_buf is not None and value_buf is not None
-        offset = self.stage_offset
-        key_buf[:, :, offset : offset + block_len] = keys
-        value_buf[:, :, offset : offset + block_len] = values
+        begin = self.stage_offset + self._block_start
+        end = begin + block_len
+        key_buf[:, :, begin:end] = keys
+        value_buf[:, :, begin:end] = values
         self._staged_layers[layer_idx] = True
-        return key_buf[:, :, : offset + block_len], value_buf[:, :, : offset + block_len]
+        return key_buf[:, :, :end], value_buf[:, :, :end]
 
     def commit(self, count: int) -> None:
         """Make the first `count` staged positions resident and drop the rest of the stage."""
@@ -153,6 +166,7 @@ class TorchSessionCache:
                 self._held[layer_idx] += newly_held
         self._next_position = start + count
         self._stage_positions = self._stage_positions[:0]
+        self._block_start = 0
         self.check_invariants()
 
     def check_invariants(self) -> None:
@@ -220,10 +234,10 @@ class _StagingLayer(CacheLayerMixin):
         return self._cache.stage_layer(self._layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.stage_offset + query_length, 0
+        return self._cache.keys_before_block + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self._cache.stage_offset
+        return self._cache.keys_before_block
 
     def get_max_length(self) -> int:
         return -1

@@ -13,6 +13,7 @@ from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, reso
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
+from kv_cache_proposer.verifier import VerifyOutput
 
 
 class TorchVerifier:
@@ -52,6 +53,10 @@ class TorchVerifier:
         return self._num_layers
 
     @property
+    def hidden_size(self) -> int:
+        return int(self._config.hidden_size)
+
+    @property
     def description(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         return f"torch {self._config.model_type} ({self._num_layers} layers) on {self.device} {dtype}"
@@ -60,9 +65,17 @@ class TorchVerifier:
         return TorchSessionCache(strategy, num_layers=self._num_layers, device=self.device)
 
     @torch.inference_mode()
-    def verify(self, cache: TorchSessionCache, token_ids: Sequence[int], logits_rows: int) -> torch.Tensor:
+    def verify(
+        self,
+        cache: TorchSessionCache,
+        token_ids: Sequence[int],
+        logits_rows: int,
+        *,
+        feature_layers: Sequence[int] = (),
+        extend_stage: bool = False,
+    ) -> VerifyOutput:
         block_len = len(token_ids)
-        key_positions = cache.begin_stage(block_len)  # [K]
+        key_positions = cache.begin_stage(block_len, extend=extend_stage)  # [K]
         query_positions = key_positions[-block_len:]  # [n]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         output = self.model(
@@ -72,8 +85,13 @@ class TorchVerifier:
             past_key_values=StagingCache(cache),
             use_cache=True,
             logits_to_keep=logits_rows,
+            output_hidden_states=bool(feature_layers),
         )
-        return output.logits[0, -logits_rows:].float()  # [rows, V]
+        features = None
+        if feature_layers:
+            # hidden_states[0] is the embedding output; hidden_states[i + 1] the output of decoder layer i.
+            features = torch.cat([output.hidden_states[i + 1][0] for i in feature_layers], dim=-1)  # [n, L*H]
+        return VerifyOutput(output.logits[0, -logits_rows:].float(), features)  # logits [rows, V]
 
     @torch.inference_mode()
     def commit(self, cache: TorchSessionCache, count: int) -> None:

@@ -26,7 +26,7 @@ def _logits_through_cache(verifier: TorchVerifier, strategy: KVStrategy, tokens:
     rows, start = [], 0
     for size in chunks:
         block = tokens[start : start + size]
-        rows.append(verifier.verify(cache, block, len(block)))
+        rows.append(verifier.verify(cache, block, len(block)).logits)
         verifier.commit(cache, len(block))
         start += size
     assert start == len(tokens)
