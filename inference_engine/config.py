@@ -14,6 +14,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+
 ENV_PREFIX = "KAKEYA_"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
 BACKENDS = ("torch",)
@@ -44,6 +46,19 @@ class ServerConfig:
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
+    proposer: str = _opt(
+        "none",
+        "speculative proposer: none, ngram (prompt lookup), draft_model (a smaller model, --draft-model) or dflash "
+        "(a DFlash drafter, --draft-model)",
+        choices=PROPOSERS,
+    )
+    draft_model: str = _opt("", "draft_model: local checkpoint directory; dflash: local drafter directory")
+    num_draft_tokens: int = _opt(
+        0, "most tokens drafted per step (0: the proposer's default: ngram 8, draft_model 4, dflash block size - 1)"
+    )
+    block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
+    ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
+    ngram_min_n: int = _opt(1, "ngram: shortest history suffix looked up")
     host: str = _opt("127.0.0.1", "address the gRPC server binds; non-loopback requires an API key")
     port: int = _opt(50051, "gRPC port (0 picks a free one)")
     metrics_port: int = _opt(9464, "Prometheus /metrics port on the same host (0 picks a free one, -1 disables)")
@@ -89,6 +104,10 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.sink < 0:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
+        try:
+            self.proposer_options()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not 0 <= self.port <= 65535:
@@ -102,6 +121,17 @@ class ServerConfig:
                 f"refusing to bind non-loopback address {self.host!r} without an API key "
                 f"(set --api-key or {ENV_PREFIX}API_KEY)"
             )
+
+    def proposer_options(self) -> ProposerOptions:
+        return ProposerOptions(
+            name=self.proposer,
+            draft_model=self.draft_model or None,
+            num_draft_tokens=self.num_draft_tokens,
+            block_size=self.block_size,
+            ngram_max_n=self.ngram_max_n,
+            ngram_min_n=self.ngram_min_n,
+            prefill_chunk_tokens=self.prefill_chunk_tokens,
+        )
 
     @property
     def model_dir(self) -> Path:

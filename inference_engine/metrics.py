@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ACCEPT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
 
 
 class Metrics:
@@ -65,6 +66,12 @@ class Metrics:
             registry=r,
         )
         self.verifier_forwards = Counter("verifier_forwards", "Verifier forward passes", registry=r)
+        self.generate_verifier_forwards_per_token = Histogram(
+            "generate_verifier_forwards_per_token",
+            "Verifier forwards per generated token, per generation (prefill forwards included)",
+            buckets=_RATIO_BUCKETS,
+            registry=r,
+        )
         self.kv_compression_ratio = Gauge(
             "kv_compression_ratio",
             "Uncompressed over held bytes of the resident KV caches (1 = uncompressed)",

@@ -19,6 +19,7 @@ from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_service import RuntimeServicer
 from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,13 @@ SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_na
 
 
 def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtime:
-    """Load the configured model and wrap it in a runtime."""
+    """Load the configured model and proposer and wrap them in a runtime."""
     verifier: Verifier = load_verifier(config.backend, config.model_dir, device=config.device, dtype=config.dtype)
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
-    return Runtime(verifier, config, metrics or Metrics())
+    proposer = load_proposer(config.proposer_options(), verifier, backend=config.backend)
+    if config.proposer != "none":
+        log.info("proposer loaded", extra={"proposer": proposer.name, "model": config.draft_model or "-"})
+    return Runtime(verifier, config, metrics or Metrics(), proposer=proposer)
 
 
 class KakeyaServer:

@@ -1,5 +1,85 @@
-"""Draft proposers for the speculative loop."""
+"""Draft proposers for the speculative loop, and loading one by name."""
 
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession, NoProposer, Proposer
+from kv_cache_proposer.verifier import Verifier
 
-__all__ = ["DraftSession", "NoDraftSession", "NoProposer", "Proposer"]
+PROPOSERS = ("none", "ngram", "draft_model", "dflash")
+DEFAULT_DRAFT_TOKENS = {"ngram": 8, "draft_model": 4}
+
+
+@dataclass(frozen=True, slots=True)
+class ProposerOptions:
+    """How to build a proposer. Zero means the proposer's own default."""
+
+    name: str = "none"
+    draft_model: str | Path | None = None  # draft_model: a checkpoint directory; dflash: the drafter directory
+    num_draft_tokens: int = 0  # most drafted tokens per step
+    block_size: int = 0  # dflash: block size (at most the drafter's)
+    ngram_max_n: int = 4
+    ngram_min_n: int = 1
+    prefill_chunk_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.name not in PROPOSERS:
+            raise ValueError(f"unknown proposer {self.name!r}; expected one of {', '.join(PROPOSERS)}")
+        if self.name in ("draft_model", "dflash") and not self.draft_model:
+            raise ValueError(f"the {self.name} proposer needs a model directory (--draft-model)")
+        if self.num_draft_tokens < 0 or self.block_size < 0:
+            raise ValueError("num_draft_tokens and block_size must be >= 0")
+        if self.block_size == 1:
+            raise ValueError("a DFlash block holds the last token plus at least one draft: block_size >= 2")
+        if not 1 <= self.ngram_min_n <= self.ngram_max_n:
+            raise ValueError(f"ngram sizes need 1 <= min <= max, got {self.ngram_min_n} and {self.ngram_max_n}")
+
+
+def load_proposer(options: ProposerOptions, verifier: Verifier, *, backend: str) -> Proposer:
+    """Build the proposer `options` names for `verifier` (loaded by `backend`)."""
+    drafts = options.num_draft_tokens or DEFAULT_DRAFT_TOKENS.get(options.name, 0)
+    if options.name == "none":
+        return NoProposer()
+    if options.name == "ngram":
+        from kv_cache_proposer.proposers.ngram import NgramProposer
+
+        return NgramProposer(max_n=options.ngram_max_n, min_n=options.ngram_min_n, lookahead=drafts)
+    assert options.draft_model is not None
+    if options.name == "draft_model":
+        from kv_cache_proposer.backends import load_verifier
+        from kv_cache_proposer.proposers.draft_model import DraftModelProposer
+
+        device, dtype = _placement(verifier)
+        model = load_verifier(backend, options.draft_model, device=device, dtype=dtype)
+        return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=options.prefill_chunk_tokens)
+    if backend != "torch":
+        raise ModelLoadError(f"the dflash proposer runs on the torch backend, not {backend!r}")
+    from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+    from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
+
+    assert isinstance(verifier, TorchVerifier)
+    limit = options.block_size - 1 if options.block_size else 0
+    if options.num_draft_tokens:
+        limit = min(limit, options.num_draft_tokens) if limit else options.num_draft_tokens
+    return DFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
+
+
+def _placement(verifier: Verifier) -> tuple[str, str]:
+    """The device and dtype names the verifier was loaded with, for loading a companion model alike."""
+    device = str(getattr(verifier, "device", "auto"))
+    dtype = str(getattr(verifier, "dtype", "auto")).removeprefix("torch.")
+    return device, dtype
+
+
+__all__ = [
+    "PROPOSERS",
+    "DraftSession",
+    "NoDraftSession",
+    "NoProposer",
+    "Proposer",
+    "ProposerOptions",
+    "load_proposer",
+]

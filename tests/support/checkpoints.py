@@ -47,3 +47,36 @@ def save_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     return directory
+
+
+def save_draft_model(directory: Path, seed: int = 1) -> Path:
+    """A smaller random Llama with the same vocabulary as the test checkpoints, for the draft_model proposer."""
+    config = LlamaConfig(**{**_COMMON, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    return directory
+
+
+def save_dflash_drafter(directory: Path, *, block_size: int = 4, seed: int = 2, layers: int = 1) -> Path:
+    """A random DFlash drafter in the published format for the test checkpoints (hidden 64, 3 verifier layers)."""
+    from kv_cache_proposer.proposers.dflash.checkpoint import DFlashSpec, save_drafter
+    from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
+
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
+    spec = DFlashSpec(block_size=block_size, target_layer_ids=(0, 2), mask_token_id=VOCAB_SIZE - 1, num_target_layers=3)
+    torch.manual_seed(seed)
+    save_drafter(DFlashDrafter(config, len(spec.target_layer_ids)), spec, directory)
+    return directory

@@ -17,6 +17,7 @@ from inference_engine.generated import runtime_pb2_grpc
 from inference_engine.metrics import Metrics
 from inference_engine.runtime import Runtime
 from inference_engine.server import KakeyaServer
+from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
 
 T = TypeVar("T")
@@ -63,7 +64,8 @@ def start_server(verifier: Verifier, **overrides: Any) -> RunningServer:
     """Start a daemon serving `verifier` with `ServerConfig` overrides (port and metrics port are ephemeral)."""
     settings: dict[str, Any] = {"port": 0, "metrics_port": 0, "shutdown_grace_s": 2.0, **overrides}
     config = ServerConfig(**settings)
-    runtime = Runtime(verifier, config, Metrics())
+    proposer = load_proposer(config.proposer_options(), verifier, backend=config.backend)
+    runtime = Runtime(verifier, config, Metrics(), proposer=proposer)
     server = KakeyaServer(runtime)
     loop = asyncio.new_event_loop()
     started = threading.Event()

@@ -1,0 +1,85 @@
+"""Prompt-lookup drafting: continue the history the way it continued the last time its suffix occurred.
+
+No model: the session's own history is the source, which suits agent and code workloads that repeat spans of
+their context (tool output, file contents, identifiers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kv_cache_proposer.strategies import KVStrategy
+
+
+@dataclass(slots=True)
+class NgramDraftSession:
+    """Looks up the longest suffix of `max_n` down to `min_n` tokens that occurred earlier in the history, and
+    proposes the tokens that followed its most recent earlier occurrence.
+
+    An index from every n-gram to the position after its latest occurrence is kept up to date incrementally,
+    so a proposal costs O(max_n) whatever the history length.
+    """
+
+    max_n: int
+    min_n: int
+    lookahead: int
+    _index: list[dict[tuple[int, ...], int]] = field(default_factory=list)
+    _indexed: int = 0  # history positions whose n-grams (ending there) are indexed
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_n <= self.max_n:
+            raise ValueError(f"ngram sizes need 1 <= min_n <= max_n, got {self.min_n} and {self.max_n}")
+        self._index = [{} for _ in range(self.max_n + 1)]
+
+    @property
+    def max_draft_tokens(self) -> int:
+        return self.lookahead
+
+    @property
+    def feature_layers(self) -> Sequence[int]:
+        return ()
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        end = len(history)
+        # Index n-grams ending before the last position, so the suffix never matches itself.
+        self._extend_index(history, end - 1)
+        for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
+            follow = self._index[n].get(tuple(history[end - n :]))
+            if follow is not None:
+                return list(history[follow : min(follow + max_tokens, end)])
+        return []
+
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+        return None
+
+    def release(self) -> None:
+        self._index = [{} for _ in range(self.max_n + 1)]
+        self._indexed = 0
+
+    def _extend_index(self, history: Sequence[int], upto: int) -> None:
+        for last in range(self._indexed, upto):
+            for n in range(1, min(self.max_n, last + 1) + 1):
+                self._index[n][tuple(history[last - n + 1 : last + 1])] = last + 1
+        self._indexed = max(self._indexed, upto)
+
+
+@dataclass(frozen=True, slots=True)
+class NgramProposer:
+    """Prompt lookup over each session's own history."""
+
+    max_n: int = 4
+    min_n: int = 1
+    lookahead: int = 8
+
+    @property
+    def name(self) -> str:
+        return "ngram"
+
+    def open(self, strategy: KVStrategy) -> NgramDraftSession:
+        return NgramDraftSession(max_n=self.max_n, min_n=self.min_n, lookahead=self.lookahead)

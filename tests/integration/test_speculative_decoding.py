@@ -1,0 +1,91 @@
+"""Speculative decoding through the running server: every proposer and strategy gives exactly the tokens of
+decoding without one, and speculation shows up in GenerateDone and /metrics."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from inference_engine.generated import runtime_pb2 as pb
+from tests.support.checkpoints import VOCAB_SIZE
+from tests.support.server import create, generate
+
+STRATEGIES = {"full": {"kv_strategy": "full"}, "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9}}
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    prompts = [[rng.randrange(VOCAB_SIZE - 1) for _ in range(n)] for n in (5, 17, 30)]
+    motif = [rng.randrange(VOCAB_SIZE - 1) for _ in range(6)]
+    prompts.append(motif * 5)  # repeated spans, where prompt lookup drafts well
+    return prompts
+
+
+def _conversation(server, prompt: list[int], sampling: dict) -> tuple[list[int], list[pb.GenerateDone]]:
+    """Three turns on one session: the prompt, then two appended follow-ups; returns the tokens and dones."""
+    sid = create(server.stub, initial=prompt)
+    tokens, dones = [], []
+    for turn in range(3):
+        if turn:
+            server.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, token_ids=prompt[:4]))
+        result = generate(server.stub, sid, max_tokens=14, **sampling)
+        tokens += result.tokens
+        dones.append(result.done)
+    return tokens, dones
+
+
+@pytest.fixture(scope="module")
+def proposer_settings(checkpoints, tmp_path_factory):
+    from tests.support.checkpoints import save_dflash_drafter, save_draft_model
+
+    root = tmp_path_factory.mktemp("proposers")
+    return {
+        "ngram": {"proposer": "ngram", "num_draft_tokens": 5, "ngram_max_n": 3},
+        "draft_model": {"proposer": "draft_model", "draft_model": str(save_draft_model(root / "draft"))},
+        "draft_model_self": {"proposer": "draft_model", "draft_model": str(checkpoints["qwen3"])},
+        "dflash": {"proposer": "dflash", "draft_model": str(save_dflash_drafter(root / "dflash"))},
+    }
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "draft_model_self", "dflash"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 21}], ids=["greedy", "seeded"])
+def test_each_proposer_streams_exactly_the_tokens_of_plain_decoding(
+    serve, proposer_settings, proposer, strategy, sampling
+):
+    plain = serve("qwen3", **STRATEGIES[strategy])
+    speculative = serve("qwen3", **STRATEGIES[strategy], **proposer_settings[proposer])
+    drafted = accepted = 0
+    for prompt in _prompts():
+        expected, _ = _conversation(plain, prompt, sampling)
+        tokens, dones = _conversation(speculative, prompt, sampling)
+        assert tokens == expected
+        drafted += sum(d.draft_token_count for d in dones)
+        accepted += sum(d.accepted_draft_token_count for d in dones)
+    assert drafted > 0
+    if proposer in ("draft_model_self", "ngram") and not sampling:
+        assert accepted > 0, "a proposer that can predict the verifier must get drafts accepted"
+
+
+def test_speculation_is_counted_in_generate_done_and_metrics(serve, proposer_settings):
+    server = serve("qwen3", **proposer_settings["draft_model_self"])
+    sid = create(server.stub, initial=_prompts()[1])
+    done = generate(server.stub, sid, max_tokens=30).done
+    assert done.generated_token_count == 30
+    assert done.accepted_draft_token_count > 0 and done.draft_token_count >= done.accepted_draft_token_count
+    # One forward for the prompt, then every forward emits its accepted drafts plus one token.
+    assert done.verifier_forward_count == 30 - done.accepted_draft_token_count
+    text = server.metrics_text()
+
+    def value(name: str) -> float:
+        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+        assert match, name
+        return float(match.group(1))
+
+    assert value("speculative_draft_tokens_total") == done.draft_token_count
+    assert value("speculative_accepted_tokens_total") == done.accepted_draft_token_count
+    assert value("verifier_forwards_total") == done.verifier_forward_count
+    assert value("generate_verifier_forwards_per_token_count") == 1
+    assert value("speculative_acceptance_length_count") == value("speculative_drafts_total") > 0

@@ -1,0 +1,129 @@
+"""The DFlash drafter: checkpoint format, drafting with cached context equals the training forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter, read_config
+from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
+from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers, sample_anchors
+from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
+
+PUBLISHED_NAMES = {
+    "fc.weight",
+    "hidden_norm.weight",
+    "norm.weight",
+    *(f"layers.0.self_attn.{p}_proj.weight" for p in "qkvo"),
+    "layers.0.self_attn.q_norm.weight",
+    "layers.0.self_attn.k_norm.weight",
+    *(f"layers.0.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    "layers.0.input_layernorm.weight",
+    "layers.0.post_attention_layernorm.weight",
+}
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory):
+    return save_dflash_drafter(tmp_path_factory.mktemp("dflash") / "drafter")
+
+
+def test_the_saved_drafter_uses_exactly_the_published_names_and_config_fields(drafter_dir):
+    assert set(load_file(drafter_dir / "model.safetensors")) == PUBLISHED_NAMES
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    assert raw["block_size"] == 4 and raw["num_target_layers"] == 3
+    assert raw["dflash_config"] == {"target_layer_ids": [0, 2], "mask_token_id": VOCAB_SIZE - 1}
+
+
+def test_a_config_with_the_dflash_fields_at_the_top_level_loads_the_same(drafter_dir, tmp_path):
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    flat = {**raw, **raw.pop("dflash_config")}
+    (tmp_path / "config.json").write_text(json.dumps(flat))
+    _, spec = read_config(tmp_path)
+    _, reference = read_config(drafter_dir)
+    assert spec == reference
+
+
+def test_loading_rejects_missing_weights_and_unsupported_variants(drafter_dir, tmp_path):
+    raw = json.loads((drafter_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_drafter(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    state = load_file(drafter_dir / "model.safetensors")
+    del state["fc.weight"]
+    from safetensors.torch import save_file
+
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match=r"fc\.weight"):
+        load_drafter(tmp_path, device=torch.device("cpu"), dtype=torch.float32)
+    raw["architectures"] = ["DFlash2DraftModel"]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="not supported"):
+        read_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_target_layers": 5}, "verifier of 5 layers"),
+        ({"target_layer_ids": (0, 7)}, "do not fit"),
+        ({"mask_token_id": VOCAB_SIZE}, "mask_token_id"),
+    ],
+)
+def test_a_drafter_built_for_another_verifier_is_refused(drafter_dir, verifiers, change, message):
+    drafter, spec = load_drafter(drafter_dir, device=torch.device("cpu"), dtype=torch.float32)
+    with pytest.raises(ModelLoadError, match=message):
+        DFlashProposer(drafter, dataclasses.replace(spec, **change), verifiers["qwen3"])
+
+
+@pytest.mark.parametrize("strategy", [FullStrategy(), SinkWindowStrategy(sink=2, window=1000)], ids=["full", "sink"])
+def test_drafting_with_cached_context_equals_the_training_forward(drafter_dir, verifiers, strategy):
+    verifier = verifiers["qwen3"]
+    proposer = DFlashProposer.load(drafter_dir, verifier)
+    rng = random.Random(0)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(30)]
+    with torch.no_grad():
+        out = verifier.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+    features = torch.cat([out.hidden_states[i + 1] for i in proposer.spec.target_layer_ids], dim=-1)  # [1, L, F]
+    anchor = 17
+    session = proposer.open(strategy)
+    # The context arrives in the chunks the decoder would commit.
+    for begin, end in ((0, 9), (9, 10), (10, anchor)):
+        session.on_commit(tokens, end, features[0, begin:end])
+    drafts = session.propose(tokens[: anchor + 1], 3)
+
+    head = verifier.model.get_output_embeddings()
+    embed = verifier.model.get_input_embeddings().weight
+    captured = {}
+    original = head.forward
+    head.forward = lambda hidden: captured.setdefault("logits", original(hidden))
+    try:
+        block_loss(
+            proposer.drafter,
+            embed,
+            head,
+            torch.tensor([tokens]),
+            features,
+            torch.tensor([anchor]),
+            block_size=4,
+            mask_token_id=proposer.spec.mask_token_id,
+            gamma=4.0,
+        )
+    finally:
+        head.forward = original
+    assert drafts == captured["logits"][0, 0].argmax(-1).tolist()
+    assert session.nbytes > 0 and session.propose(tokens[:anchor], 3) == [], "no draft without the context"
+
+
+def test_default_target_layers_and_anchor_sampling():
+    assert default_target_layers(36, 5) == [1, 9, 17, 25, 33]
+    assert default_target_layers(3, 2) == [0, 1]
+    anchors = sample_anchors(64, 8, 10, torch.Generator().manual_seed(0))
+    assert anchors.tolist() == sorted(set(anchors.tolist())) and anchors.min() >= 1 and anchors.max() <= 56
