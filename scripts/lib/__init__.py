@@ -1,0 +1,1 @@
+"""Shared pieces of the scripts in `scripts/`: the results file format."""
