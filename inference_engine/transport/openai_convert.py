@@ -72,13 +72,14 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def completion_prompt(request: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: text, or token ids."""
+    """The one prompt of a completion request: text, or token ids (batches were refused by the schema)."""
     prompt = request.prompt
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        return prompt[0]
-    if isinstance(prompt, list) and not prompt:
-        return []
-    return prompt  # type: ignore[return-value]  # str, or token ids (batches were refused by the schema)
+    if isinstance(prompt, str):
+        return prompt
+    first = prompt[0] if prompt else None
+    if isinstance(first, str | list):
+        return first
+    return [token for token in prompt if isinstance(token, int)]
 
 
 def label(request: ChatCompletionRequest | CompletionRequest) -> str:

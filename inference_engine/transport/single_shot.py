@@ -70,9 +70,8 @@ class SingleShotGeneration:
         """Yield the generated text in non-empty pieces until EOS, a stop string, a limit or a cancellation."""
         if self._events is None or self._first is None:
             raise RuntimeError("start() must succeed before text()")
-        pending: GenerateEvent | None = self._first
-        while pending is not None:
-            event, pending = pending, None
+        event: GenerateEvent | None = self._first
+        while event is not None:
             if isinstance(event, TokenEvent):
                 self.completion_tokens += 1
                 piece = self._decoder.push(event.token_id)
@@ -84,7 +83,7 @@ class SingleShotGeneration:
             elif isinstance(event, DoneEvent):
                 self.stop_reason = event.stats.stop_reason
                 break
-            pending = await anext(self._events, None)
+            event = await anext(self._events, None)
         tail = self._decoder.finish()
         self.stop_string_hit = self._decoder.stopped
         if tail:
