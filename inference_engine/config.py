@@ -59,9 +59,16 @@ class ServerConfig:
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
     ngram_min_n: int = _opt(1, "ngram: shortest history suffix looked up")
-    host: str = _opt("127.0.0.1", "address the gRPC server binds; non-loopback requires an API key")
+    host: str = _opt(
+        "127.0.0.1", "address the gRPC, metrics and HTTP shim servers bind; non-loopback requires an API key"
+    )
     port: int = _opt(50051, "gRPC port (0 picks a free one)")
     metrics_port: int = _opt(9464, "Prometheus /metrics port on the same host (0 picks a free one, -1 disables)")
+    http_port: int = _opt(
+        -1,
+        "port of the deprecated OpenAI-compatible HTTP shim on the same host, with the same API key and TLS "
+        "(0 picks a free one, -1 disables)",
+    )
     api_key: str = _opt("", "API key clients send as 'authorization: Bearer <key>'; empty disables auth", secret=True)
     tls_cert: str = _opt("", "PEM certificate chain for TLS (with --tls-key); empty serves plaintext")
     tls_key: str = _opt("", "PEM private key for TLS")
@@ -114,6 +121,8 @@ class ServerConfig:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
         if not -1 <= self.metrics_port <= 65535:
             raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ConfigError(f"http_port must be in -1..65535, got {self.http_port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key must be given together")
         if not self.api_key and not is_loopback(self.host):

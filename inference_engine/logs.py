@@ -50,3 +50,5 @@ def configure_logging(fmt: str, level: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # uvicorn (the HTTP shim) announces its start and stop at info level, which the daemon's own lines already do
+    logging.getLogger("uvicorn.error").setLevel(max(logging.WARNING, root.level))

@@ -1,4 +1,5 @@
-"""Assembles and runs the daemon: gRPC (service, health, reflection), Prometheus metrics, idle sweeps, shutdown."""
+"""Assembles and runs the daemon: gRPC (service, health, reflection), Prometheus metrics, the optional deprecated
+HTTP shim, idle sweeps, shutdown."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from inference_engine.metrics import Metrics
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_service import RuntimeServicer
+from inference_engine.transport.http_server import HttpShimServer
+from inference_engine.transport.text_codec import TextCodec
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
@@ -45,9 +48,11 @@ class KakeyaServer:
         self.config = runtime.config
         self.port = 0
         self.metrics_port: int | None = None
+        self.http_port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_http: object | None = None
+        self._http: HttpShimServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -78,12 +83,15 @@ class KakeyaServer:
             httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=self.runtime.metrics.registry)
             self._metrics_http = httpd
             self.metrics_port = httpd.server_port
+        if config.http_port >= 0:
+            await self._start_http_shim()
         self._sweeper = asyncio.create_task(self._sweep_idle())
         log.info(
             "listening",
             extra={
                 "grpc": f"{config.host}:{self.port}",
                 "metrics": self.metrics_port if self.metrics_port is not None else "off",
+                "http": f"{config.host}:{self.http_port}" if self.http_port is not None else "off",
                 "tls": bool(config.tls_cert),
                 "auth": bool(config.api_key),
             },
@@ -95,10 +103,14 @@ class KakeyaServer:
         log.info("shutting down", extra={"grace_s": grace, "generating": self.runtime.active_generations})
         self.runtime.stop_accepting()
         await self._health.enter_graceful_shutdown()
+        if self._http is not None:
+            self._http.begin_shutdown()
         if not await self.runtime.wait_idle(grace):
             log.warning("grace period over, cancelling generations", extra={"left": self.runtime.active_generations})
             self.runtime.cancel_all()
             await self.runtime.wait_idle(max(grace, 5.0))
+        if self._http is not None:
+            await self._http.wait_stopped(5.0)
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
@@ -117,6 +129,20 @@ class KakeyaServer:
         await self.start()
         await stop.wait()
         await self.stop()
+
+    async def _start_http_shim(self) -> None:
+        codec = TextCodec.load(self.config.model_dir)
+        if codec.missing_reason:
+            log.warning("the HTTP shim can only refuse completions: %s", codec.missing_reason)
+        elif not codec.has_chat_template:
+            log.warning("the model's tokenizer has no chat template: the HTTP shim refuses chat completions")
+        self._http = HttpShimServer(self.runtime, codec)
+        self.http_port = await self._http.start()
+        log.warning(
+            "the OpenAI-compatible HTTP shim is deprecated; move clients to the gRPC SDKs "
+            "(docs/migration-from-openai.md)",
+            extra={"http": f"{self.config.host}:{self.http_port}"},
+        )
 
     async def _sweep_idle(self) -> None:
         interval = min(30.0, max(0.05, self.config.session_idle_ttl_s / 4))

@@ -8,6 +8,7 @@ def test_defaults_bind_loopback_on_the_standard_port_and_serve_the_bundled_model
     assert (config.host, config.port) == ("127.0.0.1", 50051)
     assert config.model_dir == BUNDLED_MODEL_DIR and (BUNDLED_MODEL_DIR / "config.json").is_file()
     assert config.session_idle_ttl_s == 1800 and config.max_concurrent == 1
+    assert config.http_port == -1, "the deprecated HTTP shim is off unless asked for"
 
 
 def test_flags_beat_environment_which_beats_the_file(tmp_path):
@@ -44,6 +45,8 @@ def test_bad_config_files_are_rejected_with_the_option_named(tmp_path, text, mes
         {"max_concurrent": 0},
         {"session_idle_ttl_s": 0.0},
         {"port": 70000},
+        {"http_port": -2},
+        {"http_port": 65536},
         {"tls_cert": "a.pem"},
         {"backend": "jax"},
         {"sink": -1},

@@ -43,6 +43,12 @@ class RunningServer:
     def address(self) -> str:
         return f"127.0.0.1:{self.server.port}"
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the HTTP shim (started with `http_port=0`)."""
+        assert self.server.http_port is not None, "start the server with http_port=0 to get the HTTP shim"
+        return f"http://127.0.0.1:{self.server.http_port}"
+
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
         """Run a coroutine on the server's event loop and return its result."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
