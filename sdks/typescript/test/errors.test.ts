@@ -1,12 +1,17 @@
-import { status } from "@grpc/grpc-js";
+import { Metadata, type ServiceError, status } from "@grpc/grpc-js";
 import { afterAll, describe, expect, it } from "vitest";
+import { fromGrpcError } from "../src/errors.js";
 import {
+  CancelledError,
+  Client,
+  DeadlineExceededError,
   InvalidArgumentError,
   KakeyaError,
   ResourceExhaustedError,
+  SessionFailedError,
   SessionNotFoundError,
+  UnauthenticatedError,
   UnavailableError,
-  Client,
 } from "../src/index.js";
 import { PROMPT, sharedClient } from "./support/fixtures.js";
 
@@ -101,5 +106,28 @@ describe("typed errors", () => {
     const closed = sharedClient();
     closed.close();
     await expect(closed.createSession()).rejects.toThrow(/client is closed/);
+  });
+
+  it("maps every status code the server uses to its error class, and others to KakeyaError", () => {
+    const cases: Array<[status, typeof KakeyaError]> = [
+      [status.INVALID_ARGUMENT, InvalidArgumentError],
+      [status.NOT_FOUND, SessionNotFoundError],
+      [status.FAILED_PRECONDITION, SessionFailedError],
+      [status.RESOURCE_EXHAUSTED, ResourceExhaustedError],
+      [status.UNAUTHENTICATED, UnauthenticatedError],
+      [status.UNAVAILABLE, UnavailableError],
+      [status.DEADLINE_EXCEEDED, DeadlineExceededError],
+      [status.CANCELLED, CancelledError],
+      [status.INTERNAL, KakeyaError],
+    ];
+    for (const [code, ErrorClass] of cases) {
+      const metadata = new Metadata();
+      metadata.set("x-request-id", "abc123");
+      const grpcError = Object.assign(new Error(`${code} raw`), { code, details: "detail text", metadata }) as ServiceError;
+      const error = fromGrpcError(grpcError);
+      expect(error.constructor).toBe(ErrorClass);
+      expect(error).toMatchObject({ code, message: "detail text", requestId: "abc123", name: ErrorClass.name });
+      expect(error.cause).toBe(grpcError);
+    }
   });
 });

@@ -1,11 +1,27 @@
-import { afterAll, describe, expect, it } from "vitest";
-import { SessionNotFoundError } from "../src/index.js";
+import { afterAll, describe, expect, inject, it } from "vitest";
+import { connectivityState, credentials } from "@grpc/grpc-js";
+import { Client, KakeyaError, SessionNotFoundError, wire } from "../src/index.js";
 import { PROMPT, sharedClient } from "./support/fixtures.js";
 
 const client = sharedClient();
 afterAll(() => client.close());
 
 describe("Session", () => {
+  it("connects to the daemon", async () => {
+    await expect(client.ready({ timeoutMs: 10_000 })).resolves.toBeUndefined();
+  });
+
+  it("runs over an injected generated gRPC client, whose channel close() closes", async () => {
+    const stub = new wire.RuntimeServiceClient(inject("daemonAddress"), credentials.createInsecure());
+    const injected = new Client("injected", { grpcClient: stub });
+    const session = await injected.createSession({ initialTokens: PROMPT });
+    expect(session.historyLength).toBe(PROMPT.length);
+    await session.close();
+    injected.close();
+    expect(stub.getChannel().getConnectivityState(false)).toBe(connectivityState.SHUTDOWN);
+    await expect(injected.createSession()).rejects.toBeInstanceOf(KakeyaError);
+  });
+
   it("creates a session with initial tokens, appends, describes and closes it", async () => {
     const session = await client.createSession({ initialTokens: PROMPT.slice(0, 5), label: "session-suite" });
     expect(session.id).toMatch(/^\S{16,}$/);
