@@ -15,7 +15,8 @@ const PACKAGE_DIR = resolve(dirname(fileURLToPath(import.meta.url)), "..");
 const TSC = join(PACKAGE_DIR, "node_modules", ".bin", "tsc");
 
 rmSync(join(PACKAGE_DIR, "dist"), { recursive: true, force: true });
-const tsc = (...args) => execFileSync(TSC, ["-p", "tsconfig.build.json", ...args], { cwd: PACKAGE_DIR, stdio: "inherit" });
+const tsc = (...args) =>
+  execFileSync(TSC, ["-p", "tsconfig.build.json", ...args], { cwd: PACKAGE_DIR, stdio: "inherit" });
 tsc();
 tsc("--module", "CommonJS", "--moduleResolution", "Node10", "--outDir", "dist/cjs");
 writeFileSync(join(PACKAGE_DIR, "dist", "cjs", "package.json"), JSON.stringify({ type: "commonjs" }, null, 2) + "\n");

@@ -82,7 +82,12 @@ export class Client {
     return new Promise<void>((resolve, reject) => {
       this.transport.stub.waitForReady(new Date(Date.now() + ms), (error) => {
         if (error === undefined || error === null) resolve();
-        else reject(new UnavailableError(`no connection to ${this.address} within ${ms} ms: ${error.message}`, { cause: error }));
+        else
+          reject(
+            new UnavailableError(`no connection to ${this.address} within ${ms} ms: ${error.message}`, {
+              cause: error,
+            }),
+          );
       });
     });
   }

@@ -9,7 +9,14 @@ import {
   KvStrategy as WireKvStrategy,
   StopReason as WireStopReason,
 } from "./generated/kakeya/v1/runtime.js";
-import type { CreateSessionOptions, GenerationStats, KvStrategy, SamplingOptions, SessionInfo, StopReason } from "./types.js";
+import type {
+  CreateSessionOptions,
+  GenerationStats,
+  KvStrategy,
+  SamplingOptions,
+  SessionInfo,
+  StopReason,
+} from "./types.js";
 
 const UINT32_MAX = 0xffff_ffff;
 const UINT64_LIMIT = 1n << 64n;
@@ -47,7 +54,8 @@ function seed(value: number | bigint | undefined): bigint | undefined {
 /** Duration in milliseconds checked to be usable as a timer or deadline. */
 export function milliseconds(value: number | undefined, what: string): number | undefined {
   if (value === undefined) return undefined;
-  if (!Number.isFinite(value) || value < 0) throw new InvalidArgumentError(`${what} must be finite and >= 0, got ${value}`);
+  if (!Number.isFinite(value) || value < 0)
+    throw new InvalidArgumentError(`${what} must be finite and >= 0, got ${value}`);
   return value;
 }
 

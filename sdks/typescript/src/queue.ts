@@ -1,7 +1,8 @@
 /** A single-consumer queue between a push-based event source (a gRPC stream) and an async reader. */
 export class EventQueue<T> {
   private readonly items: T[] = [];
-  private waiter: { resolve: (result: IteratorResult<T, undefined>) => void; reject: (error: unknown) => void } | undefined;
+  private waiter:
+    { resolve: (result: IteratorResult<T, undefined>) => void; reject: (error: unknown) => void } | undefined;
   private ended = false;
   private failure: { error: unknown } | undefined;
 

@@ -1,6 +1,12 @@
 import { status } from "@grpc/grpc-js";
 import { milliseconds, generationStats } from "./convert.js";
-import { CancelledError, DeadlineExceededError, InterTokenTimeoutError, KakeyaError, UnavailableError } from "./errors.js";
+import {
+  CancelledError,
+  DeadlineExceededError,
+  InterTokenTimeoutError,
+  KakeyaError,
+  UnavailableError,
+} from "./errors.js";
 import type { GenerateDone } from "./generated/kakeya/v1/runtime.js";
 import type { EventQueue } from "./queue.js";
 import type { GenerationStats } from "./types.js";
@@ -26,6 +32,8 @@ export interface TokenStreamOptions {
   onStats?: ((stats: GenerationStats) => void) | undefined;
 }
 
+const DEADLINE = { code: status.DEADLINE_EXCEEDED };
+
 function abortError(signal: AbortSignal): CancelledError {
   return new CancelledError("the generation was cancelled by its AbortSignal", {
     code: status.CANCELLED,
@@ -50,7 +58,8 @@ export class TokenStream implements AsyncIterable<number> {
   private readonly interTokenTimeoutMs: number | undefined;
   private readonly timeoutMs: number | undefined;
 
-  /** `open` starts the generation; it is called on the first iteration (or at once if the caller already did). */
+  /** `open` starts the generation (or hands over one already started); it is called when iteration starts, and
+   * the whole-generation deadline `timeoutMs` counts from then. */
   constructor(
     private readonly open: () => GenerationSource,
     private readonly options: TokenStreamOptions = {},
@@ -97,15 +106,10 @@ export class TokenStream implements AsyncIterable<number> {
     };
     this.interruptRun = rejectInterrupt;
     const onAbort = (): void => stop(abortError(signal as AbortSignal));
-    const deadline =
-      this.timeoutMs === undefined
-        ? undefined
-        : setTimeout(
-            () => stop(new DeadlineExceededError(`the generation ran past its ${this.timeoutMs} ms deadline`, {
-                  code: status.DEADLINE_EXCEEDED,
-                })),
-            this.timeoutMs,
-          );
+    const deadlineMs = this.timeoutMs;
+    const onDeadline = (): void =>
+      stop(new DeadlineExceededError(`the generation ran past its ${deadlineMs} ms deadline`, DEADLINE));
+    const deadline = deadlineMs === undefined ? undefined : setTimeout(onDeadline, deadlineMs);
     try {
       if (signal?.aborted) throw abortError(signal);
       if (this.cancelled) throw new CancelledError("the generation was cancelled", { code: status.CANCELLED });
@@ -141,7 +145,7 @@ export class TokenStream implements AsyncIterable<number> {
     let timer: NodeJS.Timeout | undefined;
     const timeout = new Promise<never>((_, reject) => {
       timer = setTimeout(() => {
-        reject(new InterTokenTimeoutError(`no token arrived within ${waitMs} ms`, { code: status.DEADLINE_EXCEEDED }));
+        reject(new InterTokenTimeoutError(`no token arrived within ${waitMs} ms`, DEADLINE));
         source.cancel();
       }, waitMs);
     });

@@ -120,7 +120,8 @@ export class Tokenizer {
         cause: error,
       });
     }
-    const source = options.chatTemplate ?? (typeof config.chat_template === "string" ? config.chat_template : undefined);
+    const source =
+      options.chatTemplate ?? (typeof config.chat_template === "string" ? config.chat_template : undefined);
     let template: HfTemplate | undefined;
     if (source !== undefined) {
       const { Template } = await importPeer("@huggingface/jinja", () => import("@huggingface/jinja"));

@@ -83,5 +83,8 @@ export class Transport {
 }
 
 function cancelledBy(signal: AbortSignal): CancelledError {
-  return new CancelledError("the call was cancelled by its AbortSignal", { code: status.CANCELLED, cause: signal.reason });
+  return new CancelledError("the call was cancelled by its AbortSignal", {
+    code: status.CANCELLED,
+    cause: signal.reason,
+  });
 }

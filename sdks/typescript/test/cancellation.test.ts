@@ -20,7 +20,9 @@ async function idle(session: Session): Promise<void> {
 }
 
 /** Start a long generation and wait for its first token; returns the open iterator. */
-async function running(session: Session): Promise<{ stream: TokenStream; iterator: AsyncIterator<number>; first: number }> {
+async function running(
+  session: Session,
+): Promise<{ stream: TokenStream; iterator: AsyncIterator<number>; first: number }> {
   const stream = session.generate({ maxTokens: LONG });
   const iterator = stream[Symbol.asyncIterator]();
   const first = await iterator.next();

@@ -8,7 +8,13 @@ afterAll(() => client.close());
 const CASES: Array<Omit<ReferenceCase, "address">> = [
   { initialTokens: PROMPT, maxTokens: 10 },
   { initialTokens: PROMPT, maxTokens: 10, seed: 7, temperature: 0.8, topP: 0.9, topK: 40 },
-  { initialTokens: PROMPT.slice(0, 6), appends: [PROMPT.slice(6, 13), PROMPT.slice(13)], maxTokens: 10, seed: 123456789, temperature: 1.2 },
+  {
+    initialTokens: PROMPT.slice(0, 6),
+    appends: [PROMPT.slice(6, 13), PROMPT.slice(13)],
+    maxTokens: 10,
+    seed: 123456789,
+    temperature: 1.2,
+  },
   { appends: [PROMPT], maxTokens: 10, seed: 3, temperature: 0.6, topK: 5 },
 ];
 

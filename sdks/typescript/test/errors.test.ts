@@ -55,8 +55,12 @@ describe("typed errors", () => {
     expect((error as KakeyaError).requestId).toMatch(/^[0-9a-f]{16}$/);
     expect((await session.info()).historyLength).toBe(PROMPT.length);
 
-    await expect(client.createSession({ initialTokens: [OUT_OF_VOCABULARY] })).rejects.toBeInstanceOf(InvalidArgumentError);
-    await expect(client.createSession({ eosTokenIds: [OUT_OF_VOCABULARY] })).rejects.toBeInstanceOf(InvalidArgumentError);
+    await expect(client.createSession({ initialTokens: [OUT_OF_VOCABULARY] })).rejects.toBeInstanceOf(
+      InvalidArgumentError,
+    );
+    await expect(client.createSession({ eosTokenIds: [OUT_OF_VOCABULARY] })).rejects.toBeInstanceOf(
+      InvalidArgumentError,
+    );
     await expect(
       session.generate({ maxTokens: 2, stopTokenIds: [OUT_OF_VOCABULARY] }).toArray(),
     ).rejects.toBeInstanceOf(InvalidArgumentError);
@@ -123,7 +127,11 @@ describe("typed errors", () => {
     for (const [code, ErrorClass] of cases) {
       const metadata = new Metadata();
       metadata.set("x-request-id", "abc123");
-      const grpcError = Object.assign(new Error(`${code} raw`), { code, details: "detail text", metadata }) as ServiceError;
+      const grpcError = Object.assign(new Error(`${code} raw`), {
+        code,
+        details: "detail text",
+        metadata,
+      }) as ServiceError;
       const error = fromGrpcError(grpcError);
       expect(error.constructor).toBe(ErrorClass);
       expect(error).toMatchObject({ code, message: "detail text", requestId: "abc123", name: ErrorClass.name });

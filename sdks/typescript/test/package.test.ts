@@ -54,7 +54,9 @@ describe("the built package (npm run build)", () => {
   });
 
   it("resolves the CommonJS half as CommonJS", () => {
-    const marker = JSON.parse(readFileSync(join(PACKAGE_DIR, "dist", "cjs", "package.json"), "utf8")) as { type: string };
+    const marker = JSON.parse(readFileSync(join(PACKAGE_DIR, "dist", "cjs", "package.json"), "utf8")) as {
+      type: string;
+    };
     expect(marker.type).toBe("commonjs");
     expect(readFileSync(join(PACKAGE_DIR, "dist", "cjs", "index.js"), "utf8")).toContain("exports.Client");
   });

@@ -51,7 +51,11 @@ describe("Session", () => {
     for await (const token of stream) tokens.push(token);
 
     expect(tokens).toHaveLength(6);
-    expect(stream.stats).toMatchObject({ stopReason: "max_tokens", generatedTokenCount: 6, prefillTokenCount: PROMPT.length });
+    expect(stream.stats).toMatchObject({
+      stopReason: "max_tokens",
+      generatedTokenCount: 6,
+      prefillTokenCount: PROMPT.length,
+    });
     expect(stream.stats?.verifierForwardCount).toBeGreaterThan(0);
     expect(session.lastStats).toEqual(stream.stats);
 

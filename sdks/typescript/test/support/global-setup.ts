@@ -3,7 +3,14 @@
 import type { TestProject } from "vitest/node";
 import { startDaemon } from "./daemon.js";
 
-export const SHARED_DAEMON_ARGS = ["--max-concurrent", "2", "--max-append-tokens", "512", "--max-generate-tokens", "8192"];
+export const SHARED_DAEMON_ARGS = [
+  "--max-concurrent",
+  "2",
+  "--max-append-tokens",
+  "512",
+  "--max-generate-tokens",
+  "8192",
+];
 
 export default async function setup(project: TestProject): Promise<() => Promise<void>> {
   const daemon = await startDaemon(SHARED_DAEMON_ARGS);
