@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create or update the project's environment: .venv (Python, pinned by constraints.txt) and, with --dev,
-# node_modules (buf and the TypeScript toolchain). Safe to re-run: a step is skipped when its inputs are unchanged.
+# node_modules (buf) and sdks/typescript/node_modules (the TypeScript SDK's dependencies and toolchain).
+# Safe to re-run: a step is skipped when its inputs are unchanged.
 # npm install (not npm ci) because the lock file records platform-specific optional packages only for the
 # platforms the registry served when it was written.
 #
@@ -41,5 +42,15 @@ if [[ $dev == 1 ]]; then
     echo "bootstrap: installing Node tooling into node_modules" >&2
     npm install --no-audit --no-fund --loglevel=error
     echo "$want_node" > node_modules/.kakeya-stamp
+  fi
+fi
+
+if [[ $dev == 1 && -f sdks/typescript/package.json ]]; then
+  sdk=sdks/typescript
+  if [[ "$(cat $sdk/node_modules/.kakeya-stamp 2>/dev/null)" != "$(stamp $sdk/package.json $sdk/package-lock.json)" ]]; then
+    echo "bootstrap: installing the TypeScript SDK's packages into $sdk/node_modules" >&2
+    (cd $sdk && npm install --no-audit --no-fund --loglevel=error)
+    # Stamped after the install, which may normalise the lock file.
+    stamp $sdk/package.json $sdk/package-lock.json > $sdk/node_modules/.kakeya-stamp
   fi
 fi

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv and node_modules if needed, then run every check of the repository and the whole test suite:
-# generated code is current, buf lint and breaking-change check, ruff, mypy, pytest.
+# generated code is current, buf lint and breaking-change check, ruff, mypy, the TypeScript SDK (generated code
+# is current, prettier, type-check, build and vitest against real daemons), pytest.
 # Fails (non-zero exit) as soon as any check or test fails.
 #
 # Usage: scripts/test.sh [extra pytest arguments...]
@@ -30,6 +31,15 @@ ruff format --check .
 
 step "mypy"
 mypy
+
+step "TypeScript SDK: generated code is current"
+(cd sdks/typescript && node scripts/codegen.mjs --check)
+
+step "TypeScript SDK: prettier and type-check"
+(cd sdks/typescript && npm run --silent format:check && npm run --silent typecheck)
+
+step "TypeScript SDK: build and vitest (real daemons on loopback)"
+(cd sdks/typescript && npm test --silent)
 
 step "pytest"
 python -m pytest "$@"

@@ -1,0 +1,111 @@
+import { Conversation } from "./conversation.js";
+import { count, generateCommand, historyTailTokens, sessionInfo, tokenIds } from "./convert.js";
+import { fromGrpcError } from "./errors.js";
+import type { GenerateResponse } from "./generated/kakeya/v1/runtime.js";
+import { EventQueue } from "./queue.js";
+import { type GenerationEvent, type GenerationSource, TokenStream } from "./stream.js";
+import type { Transport } from "./transport.js";
+import type { CallOptions, GenerateOptions, GenerationStats, SessionInfo, SessionInfoOptions } from "./types.js";
+
+/** Translate one `GenerateResponse` into a generation event (`undefined` for a payload this SDK does not know). */
+function generateEvent(response: GenerateResponse): GenerationEvent | undefined {
+  const payload = response.payload;
+  switch (payload?.$case) {
+    case "tokenId":
+      return { kind: "token", tokenId: payload.value };
+    case "truncated":
+      return { kind: "truncated", droppedTokenCount: count(payload.value.droppedTokenCount) };
+    case "done":
+      return { kind: "done", done: payload.value };
+    default:
+      return undefined;
+  }
+}
+
+/**
+ * A session on the server: an append-only history of token ids and the KV cache that holds it.
+ *
+ * Obtained from `client.createSession()` (or `client.session(id)` for an existing id). Every method is one RPC;
+ * the server is the source of truth, so a closed or evicted session fails with `SessionNotFoundError`.
+ */
+export class Session {
+  /** History length after the last create, append or close this object made (the server's count). */
+  historyLength: number | undefined;
+  /** Statistics of this object's last generation that ended normally; reset when a new generation starts. */
+  lastStats: GenerationStats | undefined;
+
+  constructor(
+    private readonly transport: Transport,
+    readonly id: string,
+    historyLength?: number,
+  ) {
+    this.historyLength = historyLength;
+  }
+
+  /** Append token ids to the history (they are prefilled by the next generation). Returns the history length. */
+  async append(ids: Iterable<number>, options: CallOptions = {}): Promise<number> {
+    const request = { sessionId: this.id, tokenIds: tokenIds(ids, "ids") };
+    const response = await this.transport.unary(this.transport.stub.appendTokens, request, options);
+    this.historyLength = count(response.historyLength);
+    return this.historyLength;
+  }
+
+  /**
+   * Generate token ids; the RPC starts when iteration starts. Each streamed token is already part of the history.
+   * Leaving the `for await` loop early, aborting `options.signal` or calling `cancel()` on the stream cancels it.
+   */
+  generate(options: GenerateOptions): TokenStream {
+    const command = generateCommand(options);
+    this.lastStats = undefined;
+    return new TokenStream(() => this.openGenerate(command), {
+      signal: options.signal,
+      interTokenTimeoutMs: options.interTokenTimeoutMs,
+      timeoutMs: options.timeoutMs,
+      onStats: (stats) => {
+        this.lastStats = stats;
+      },
+    });
+  }
+
+  /** Open a `Converse` stream bound to this session (one long-lived bidirectional RPC). */
+  converse(options: { signal?: AbortSignal } = {}): Promise<Conversation> {
+    return Conversation.open(this.transport, this.id, options);
+  }
+
+  /** Describe the session; `historyTailTokens` also returns that many trailing history tokens. */
+  async info(options: SessionInfoOptions = {}): Promise<SessionInfo> {
+    const request = { sessionId: this.id, historyTailTokens: historyTailTokens(options.historyTailTokens) };
+    const response = await this.transport.unary(this.transport.stub.getSessionInfo, request, options);
+    return sessionInfo(response);
+  }
+
+  /** Close the session and free its memory on the server (a running generation is cancelled). Returns the final
+   * history length. */
+  async close(options: CallOptions = {}): Promise<number> {
+    const response = await this.transport.unary(this.transport.stub.closeSession, { sessionId: this.id }, options);
+    this.historyLength = count(response.finalHistoryLength);
+    return this.historyLength;
+  }
+
+  private openGenerate(command: ReturnType<typeof generateCommand>): GenerationSource {
+    const transport = this.transport;
+    transport.checkOpen();
+    const call = transport.stub.generate({ sessionId: this.id, ...command }, transport.metadata(), {});
+    const release = transport.track(call);
+    const events = new EventQueue<GenerationEvent>();
+    events.onDrain = () => call.resume();
+    call.on("data", (response: GenerateResponse) => {
+      const event = generateEvent(response);
+      if (event !== undefined && !events.push(event)) call.pause();
+    });
+    call.on("error", (error: Error) => {
+      release();
+      events.fail(fromGrpcError(error));
+    });
+    call.on("end", () => {
+      release();
+      events.end();
+    });
+    return { events, cancel: () => call.cancel() };
+  }
+}
