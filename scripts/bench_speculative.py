@@ -1,0 +1,212 @@
+"""Speculative decoding side by side: tokens/s, verifier forwards per token and acceptance of each proposer.
+
+Every proposer decodes the same prompts greedily with the same verifier, in one run, round-robin per prompt and
+repeat so machine noise hits all of them alike. Greedy outputs must be identical to `none`; the summary states
+each proposer's speedup over `none` (a ratio of tokens/s), whatever it is.
+
+Prompts are slices of a local text corpus tokenized with the verifier's tokenizer (default: a Python standard
+library module, which every machine has), or of a `.npy` token-id file.
+
+Usage:
+    python scripts/bench_speculative.py [--model DIR] [--dflash DRAFTER_DIR] [--draft-model DIR]
+        [--corpus FILE] [--prompts 8] [--prompt-tokens 128] [--max-tokens 64] [--repeats 2] [--results-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.results import RESULTS_DIR, write_results
+
+from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.proposers import ProposerOptions, load_proposer
+from kv_cache_proposer.proposers.base import Proposer
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import FullStrategy
+
+DEFAULT_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier checkpoint directory")
+    p.add_argument("--dflash", type=Path, help="DFlash drafter directory (adds the dflash arm)")
+    p.add_argument("--draft-model", type=Path, help="smaller checkpoint (adds the draft_model arm)")
+    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="text file or .npy token ids")
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--num-draft-tokens", type=int, default=0, help="0: each proposer's default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    return p.parse_args(argv)
+
+
+def load_prompts(args: argparse.Namespace) -> list[list[int]]:
+    if args.corpus.suffix == ".npy":
+        ids = np.load(args.corpus).astype(np.int64).reshape(-1)
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+        ids = np.asarray(tokenizer.encode(args.corpus.read_text(errors="replace")), dtype=np.int64)
+    if len(ids) < args.prompt_tokens:
+        raise SystemExit(f"{args.corpus} holds {len(ids)} tokens, fewer than --prompt-tokens {args.prompt_tokens}")
+    starts = np.linspace(0, len(ids) - args.prompt_tokens, args.prompts).astype(int)
+    return [[int(t) for t in ids[s : s + args.prompt_tokens]] for s in starts]
+
+
+def decode(verifier: TorchVerifier, proposer: Proposer, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """Greedy decoding of `max_tokens` tokens after `prompt`; the clock covers prefill and decode."""
+    decoder = Decoder(verifier)
+    strategy = FullStrategy()
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=proposer.open(strategy))
+    budget = GenerationBudget(max_new_tokens=max_tokens)
+    tokens: list[int] = []
+    forwards = drafted = accepted = drafting_steps = drafting_tokens = 0
+    started = time.perf_counter()
+    while True:
+        step = decoder.step(seq, SamplingParams(), budget, len(tokens))
+        tokens += step.tokens
+        forwards += step.forwards
+        drafted += step.drafted
+        accepted += step.accepted
+        if step.drafted:
+            drafting_steps += 1
+            drafting_tokens += len(step.tokens)
+        if step.stop is not None:
+            break
+    seconds = time.perf_counter() - started
+    seq.cache.release()
+    seq.draft.release()
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "verifier_forwards": forwards,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "drafting_steps": drafting_steps,
+        "drafting_step_tokens": drafting_tokens,
+    }
+
+
+def summarize(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> dict[str, Any]:
+    generated = sum(len(r["tokens"]) for r in runs)
+    seconds = sum(r["seconds"] for r in runs)
+    steps = sum(r["drafting_steps"] for r in runs)
+    out = {
+        "tokens_per_s": generated / seconds,
+        "median_run_tokens_per_s": statistics.median(len(r["tokens"]) / r["seconds"] for r in runs),
+        "verifier_forwards_per_token": sum(r["verifier_forwards"] for r in runs) / generated,
+        "draft_acceptance_rate": (
+            sum(r["accepted_tokens"] for r in runs) / max(1, sum(r["draft_tokens"] for r in runs))
+        ),
+        "mean_acceptance_length": sum(r["drafting_step_tokens"] for r in runs) / steps if steps else 1.0,
+    }
+    if baseline is not None:
+        out["speedup_vs_none"] = out["tokens_per_s"] / baseline["tokens_per_s"]
+    return out
+
+
+def plot(summary: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary["proposers"])
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    for ax, key, label in zip(
+        axes,
+        ("tokens_per_s", "verifier_forwards_per_token", "mean_acceptance_length"),
+        ("tokens / s", "verifier forwards / token", "tokens per drafting step"),
+        strict=True,
+    ):
+        ax.bar(names, [summary["proposers"][n][key] for n in names], color="tab:blue")
+        ax.set_title(label)
+        ax.tick_params(axis="x", rotation=20)
+    fig.suptitle("speculative decoding, greedy, same prompts")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    verifier = TorchVerifier.load(args.model, device=args.device, dtype=args.dtype)
+    arms: dict[str, ProposerOptions] = {"none": ProposerOptions(), "ngram": ProposerOptions(name="ngram")}
+    if args.draft_model:
+        arms["draft_model"] = ProposerOptions(name="draft_model", draft_model=args.draft_model)
+    if args.dflash:
+        arms["dflash"] = ProposerOptions(name="dflash", draft_model=args.dflash)
+    if args.num_draft_tokens:
+        arms = {
+            name: ProposerOptions(name=o.name, draft_model=o.draft_model, num_draft_tokens=args.num_draft_tokens)
+            if name != "none"
+            else o
+            for name, o in arms.items()
+        }
+    proposers = {name: load_proposer(options, verifier, backend="torch") for name, options in arms.items()}
+    prompts = load_prompts(args)
+    for proposer in proposers.values():  # warm-up: first forwards allocate and load kernels
+        decode(verifier, proposer, prompts[0], 4)
+
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in proposers}
+    for repeat in range(args.repeats):
+        for index, prompt in enumerate(prompts):
+            order = list(proposers) if (repeat + index) % 2 == 0 else list(reversed(proposers))
+            for name in order:
+                run = decode(verifier, proposers[name], prompt, args.max_tokens)
+                runs[name].append({"prompt": index, "repeat": repeat, **run})
+
+    baseline = summarize(runs["none"], None)
+    summary: dict[str, Any] = {"proposers": {}}
+    for name, arm_runs in runs.items():
+        summary["proposers"][name] = summarize(arm_runs, None if name == "none" else baseline)
+        reference = [r["tokens"] for r in runs["none"]]
+        summary["proposers"][name]["identical_to_none"] = [r["tokens"] for r in arm_runs] == reference
+    summary["speedup_vs_none"] = {
+        name: round(s.get("speedup_vs_none", 1.0), 3) for name, s in summary["proposers"].items()
+    }
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config["verifier"] = verifier.description
+    samples = {
+        name: [{k: v for k, v in r.items() if k != "tokens"} for r in arm_runs] for name, arm_runs in runs.items()
+    }
+    path = write_results(
+        "bench_speculative",
+        config=config,
+        samples=samples,
+        summary=summary,
+        plot=lambda png: plot(summary, png),
+        out_dir=args.results_dir,
+    )
+    for name, values in summary["proposers"].items():
+        print(
+            f"{name:12s} {values['tokens_per_s']:8.1f} tok/s  {values['verifier_forwards_per_token']:.3f} fwd/tok  "
+            f"accept len {values['mean_acceptance_length']:.2f}  speedup {summary['speedup_vs_none'][name]:.2f}x  "
+            f"identical={values['identical_to_none']}"
+        )
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
