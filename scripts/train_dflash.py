@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         **evaluation,
     }
     log = {"config": config, "environment": environment(), "summary": summary, "history": history}
-    (args.out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
+    (args.out / "training_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
 
     def plot(png: Path) -> None:
         import matplotlib

@@ -1,0 +1,131 @@
+"""Needle-in-a-haystack documents: a key/value fact hidden in filler, asked for at the end.
+
+A document is filler lines (source code) with the needle line `# The secret code for KEY is VALUE.` inserted at a
+chosen depth, followed by the question `# Question: what is the secret code for KEY?` and the answer prefix
+`# Answer: the secret code for KEY is`; the model should continue with ` VALUE.`. Training documents may hold
+several needles, each asked for at the end with its answer.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+_FIRST = (
+    "amber",
+    "azure",
+    "bronze",
+    "cobalt",
+    "coral",
+    "crimson",
+    "golden",
+    "indigo",
+    "ivory",
+    "jade",
+    "lilac",
+    "maroon",
+    "olive",
+    "pearl",
+    "ruby",
+    "scarlet",
+    "silver",
+    "teal",
+    "umber",
+    "violet",
+)
+_SECOND = (
+    "badger",
+    "comet",
+    "dragon",
+    "falcon",
+    "fjord",
+    "glacier",
+    "harbor",
+    "heron",
+    "lantern",
+    "meadow",
+    "otter",
+    "quartz",
+    "raven",
+    "river",
+    "summit",
+    "thistle",
+    "tiger",
+    "walrus",
+    "willow",
+    "zephyr",
+)
+
+Encode = Callable[[str], list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Needle:
+    key: str
+    value: str
+
+    def fact(self) -> str:
+        return f"# The secret code for {self.key} is {self.value}.\n"
+
+    def question(self) -> str:
+        return f"# Question: what is the secret code for {self.key}?\n# Answer: the secret code for {self.key} is"
+
+    def answer(self) -> str:
+        return f" {self.value}.\n"
+
+
+def random_needle(rng: random.Random) -> Needle:
+    return Needle(f"{rng.choice(_FIRST)}_{rng.choice(_SECOND)}", str(rng.randrange(100000, 1000000)))
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """Token ids of a document; `prompt` ends right before the (last) answer."""
+
+    prompt: list[int]
+    answer: list[int]
+    needles: tuple[Needle, ...]
+    depths: tuple[float, ...]
+    answer_spans: tuple[tuple[int, int], ...]  # [start, end) of every answer in prompt + answer
+
+
+def build_document(
+    filler_lines: Sequence[list[int]],
+    encode: Encode,
+    length: int,
+    depths: Sequence[float],
+    rng: random.Random,
+) -> Document:
+    """A document of about `length` tokens (prompt + answer) with one needle per depth (0 = start, 1 = end of the
+    filler). Earlier needles are asked and answered in the prompt; the last one's answer is `answer`."""
+    needles = tuple(random_needle(rng) for _ in depths)
+    facts = [encode(n.fact()) for n in needles]
+    asks = [encode(n.question()) for n in needles]
+    answers = [encode(n.answer()) for n in needles]
+    overhead = sum(map(len, facts)) + sum(map(len, asks)) + sum(map(len, answers))
+    budget = max(0, length - overhead)
+    start = rng.randrange(len(filler_lines))
+    filler: list[list[int]] = []
+    used = 0
+    while used < budget:
+        line = filler_lines[(start + len(filler)) % len(filler_lines)][: budget - used]
+        filler.append(line)
+        used += len(line)
+    inserts: dict[int, list[int]] = {}
+    for i in sorted(range(len(needles)), key=lambda i: depths[i]):
+        inserts.setdefault(round(depths[i] * len(filler)), []).append(i)
+    body: list[int] = []
+    for index in range(len(filler) + 1):
+        for i in inserts.get(index, ()):
+            body += facts[i]
+        if index < len(filler):
+            body += filler[index]
+    spans = []
+    for i in range(len(needles) - 1):
+        body += asks[i]
+        spans.append((len(body), len(body) + len(answers[i])))
+        body += answers[i]
+    body += asks[-1]
+    spans.append((len(body), len(body) + len(answers[-1])))
+    return Document(prompt=body, answer=answers[-1], needles=needles, depths=tuple(depths), answer_spans=tuple(spans))
