@@ -23,10 +23,8 @@ _KV_ONLY_MIN_TOKENS = 64
 class MlxVerifier:
     """An mlx-lm causal LM serving per-session caches.
 
-    `verify` evaluates the block's K/V before it returns, so the cache never holds a lazy graph; the logits it
-    returns stay lazy until read (`pick_tokens` reads them). A prefill chunk, whose logits nobody reads, therefore
-    never computes the last layer's attention output, MLP and LM head, as in mlx-lm's own prefill. Read the logits
-    on the thread that called `verify`: MLX streams belong to a thread.
+    Every call evaluates what it produced (logits and K/V) before it returns, so neither the cache nor the caller
+    holds a lazy graph across calls, and the arrays can be read from any thread.
     """
 
     def __init__(self, loaded: LoadedModel, *, device: mx.Device) -> None:
@@ -74,14 +72,13 @@ class MlxVerifier:
                 self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
                 cache.select_queries(head, block_len)
             logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
-            mx.eval(cache.staged_arrays())
-        return logits[0, -logits_rows:].astype(mx.float32)  # [rows, V], lazy
+            rows = logits[0, -logits_rows:].astype(mx.float32)  # [rows, V]
+            mx.eval(rows, cache.staged_arrays())
+        return rows
 
     def commit(self, cache: MlxSessionCache, count: int) -> None:
         with mx.stream(self.device):
             cache.commit(count)
 
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
-        with mx.stream(self.device):
-            host = np.array(logits, dtype=np.float64)  # evaluates the lazy logits  # [rows, V]
-        return sampling.pick_tokens(host, params, positions)
+        return sampling.pick_tokens(np.array(logits, dtype=np.float64), params, positions)
