@@ -31,9 +31,15 @@ def test_the_cli_converts_gemma3_with_the_keys_mlx_lm_reads(checkpoints, tmp_pat
     assert (config["rope_theta"], config["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
     assert (out / "model.safetensors").is_file()
 
-    again = _run(str(checkpoints["gemma3"]), str(out))
-    assert again.returncode == 1 and "exists; pass --force" in again.stderr
-    assert _run(str(checkpoints["gemma3"]), str(out), "--force").returncode == 0
+
+
+def test_an_existing_output_directory_is_replaced_only_with_force(checkpoints, tmp_path, capsys):
+    main = convert_script().main
+    out = tmp_path / "llama-mlx"
+    assert main([str(checkpoints["llama"]), str(out)]) == 0
+    assert main([str(checkpoints["llama"]), str(out)]) == 1
+    assert "exists; pass --force" in capsys.readouterr().err
+    assert main([str(checkpoints["llama"]), str(out), "--force"]) == 0
 
 
 def test_tokenizer_files_are_copied_and_mlx_lm_loads_the_result_with_its_own_loader(tmp_path):
@@ -65,6 +71,6 @@ def test_nested_rope_parameters_become_the_flat_keys_mlx_lm_reads():
     assert convert_script().mlx_config_keys({"rope_theta": 1.0, "rope_parameters": {"rope_theta": 2.0}}) == {}
 
 
-def test_a_directory_without_config_is_refused(tmp_path):
-    result = _run(str(tmp_path), str(tmp_path / "out"))
-    assert result.returncode == 1 and "config.json is missing" in result.stderr
+def test_a_directory_without_config_is_refused(tmp_path, capsys):
+    assert convert_script().main([str(tmp_path), str(tmp_path / "out")]) == 1
+    assert "config.json is missing" in capsys.readouterr().err
