@@ -11,7 +11,7 @@ tokens), checks that both produced the same tokens, and writes `results/bench_ml
 environment, raw samples, summary with the kakeya / mlx_lm ratios) and a PNG plot next to it.
 
 Usage:
-    python scripts/bench_mlx_backend.py [--model DIR] [--history-tokens 1024] [--new-tokens 128] [--repeats 5]
+    python scripts/bench_mlx_backend.py [--model DIR] [--history-tokens 1024] [--new-tokens 128] [--repeats 15]
         [--prefill-chunk 512] [--device auto|cpu|gpu] [--dtype auto|float32|bfloat16|float16] [--out results]
     python scripts/bench_mlx_backend.py --smoke    # seconds-long run with tiny sizes (tests)
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory (default: bundled)")
     parser.add_argument("--history-tokens", type=int, default=1024, help="history length prefilled before decoding")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per system (after one warm-up each)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per system (after one warm-up each)")
     parser.add_argument("--prefill-chunk", type=int, default=512, help="prefill chunk tokens, for both systems")
     parser.add_argument("--device", default="auto", help="auto, cpu or gpu")
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
