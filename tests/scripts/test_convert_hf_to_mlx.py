@@ -32,7 +32,6 @@ def test_the_cli_converts_gemma3_with_the_keys_mlx_lm_reads(checkpoints, tmp_pat
     assert (out / "model.safetensors").is_file()
 
 
-
 def test_an_existing_output_directory_is_replaced_only_with_force(checkpoints, tmp_path, capsys):
     main = convert_script().main
     out = tmp_path / "llama-mlx"
