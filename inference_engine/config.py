@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.backends import BACKENDS
 
 ENV_PREFIX = "KAKEYA_"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
-BACKENDS = ("torch",)
 KV_STRATEGIES = ("full", "sink_window")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
@@ -38,10 +38,17 @@ class ServerConfig:
     """Everything `kakeya-runtime serve` can be told."""
 
     model: str = _opt("", "local model directory; empty serves the bundled kakeya-tiny model")
-    backend: str = _opt("torch", "verifier backend", choices=BACKENDS)
-    device: str = _opt("auto", "device for the torch backend: auto, cpu, cuda, cuda:N or mps")
+    backend: str = _opt(
+        "torch",
+        "verifier backend: torch serves Hugging Face checkpoints, mlx serves mlx-lm model directories",
+        choices=BACKENDS,
+    )
+    device: str = _opt("auto", "device: auto, cpu, cuda, cuda:N or mps (torch); auto, cpu or gpu (mlx)")
     dtype: str = _opt(
-        "auto", "weights and KV dtype (auto: float32 on cpu, bfloat16 on cuda, float16 on mps)", choices=DTYPES
+        "auto",
+        "weights and KV dtype (auto: float32 on cpu; torch: bfloat16 on cuda, float16 on mps; "
+        "mlx: the stored dtype on gpu)",
+        choices=DTYPES,
     )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")

@@ -1,4 +1,4 @@
-"""Sampling parameters and the per-position random draws that make sampling reproducible.
+"""Sampling parameters, the per-position random draws that make sampling reproducible, and the token choice.
 
 A sampled token at global position p uses the uniform draw `position_uniform(seed, p)`. The draw does not depend
 on how many tokens were decoded per forward, so speculative decoding that accepts a draft only when it equals the
@@ -8,7 +8,10 @@ verifier's own sample yields exactly the tokens non-speculative sampling would.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 _MASK64 = (1 << 64) - 1
 
@@ -48,3 +51,32 @@ def position_uniform(seed: int, position: int) -> float:
     """A uniform draw in [0, 1) determined by (seed, position) alone."""
     bits = _splitmix64(_splitmix64(seed) ^ (position & _MASK64))
     return (bits >> 11) * (1.0 / (1 << 53))
+
+
+def pick_tokens(logits: np.ndarray, params: SamplingParams, positions: Sequence[int]) -> list[int]:
+    """One token per row of `logits` [rows, vocab]; row i draws with the uniform of `positions[i]`.
+
+    Every backend samples through this one function on float64 host copies of its logits, so the same logits,
+    seed and position give the same token on every backend.
+    """
+    if logits.ndim != 2 or logits.shape[0] != len(positions):
+        raise ValueError(f"expected logits of shape [{len(positions)}, vocab], got {list(logits.shape)}")
+    if params.greedy:
+        return [int(t) for t in logits.argmax(axis=-1)]
+    scaled = logits.astype(np.float64) / params.temperature  # [rows, V]
+    # Stable descending order: ties keep vocabulary order, so the inverse-CDF draw is well defined.
+    order = np.argsort(-scaled, axis=-1, kind="stable")  # [rows, V]
+    sorted_logits = np.take_along_axis(scaled, order, axis=-1)
+    if params.top_k:
+        sorted_logits[:, params.top_k :] = -np.inf
+    shifted = np.exp(sorted_logits - sorted_logits[:, :1])
+    probs = shifted / shifted.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        mass_before = np.cumsum(probs, axis=-1) - probs
+        probs = np.where(mass_before < params.top_p, probs, 0.0)
+    cdf = np.cumsum(probs, axis=-1)  # [rows, V]
+    uniforms = np.array([position_uniform(params.seed, p) for p in positions], dtype=np.float64)
+    targets = uniforms * cdf[:, -1]
+    # Inverse CDF: the first sorted index whose cumulative mass exceeds the target.
+    picks = np.minimum((cdf <= targets[:, None]).sum(axis=-1), cdf.shape[-1] - 1)  # [rows]
+    return [int(t) for t in np.take_along_axis(order, picks[:, None], axis=-1)[:, 0]]

@@ -1,9 +1,14 @@
-"""Fixtures shared by the whole suite."""
+"""Fixtures shared by the whole suite.
+
+Tests run on the torch backend by default. A test that proves the backends congruent parametrises the `backend`
+fixture over `BACKENDS` (`@pytest.mark.parametrize("backend", BACKENDS)`); `verifiers` and `serve` then use that
+backend, while `reference_models` stay the transformers models every backend is compared with.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier  # noqa: E402
+from tests.support.backends import VerifierPool  # noqa: E402
 from tests.support.checkpoints import ARCHITECTURES, save_checkpoint  # noqa: E402
 from tests.support.server import RunningServer, start_server  # noqa: E402
 
@@ -27,18 +32,37 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def verifiers(checkpoints: dict[str, Path]) -> dict[str, TorchVerifier]:
-    """The tiny checkpoints loaded through the torch backend's real loading path (fp32, cpu)."""
-    return {arch: TorchVerifier.load(path, device="cpu", dtype="float32") for arch, path in checkpoints.items()}
+def verifier_pool(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> VerifierPool:
+    """The tiny checkpoints loaded through each backend's real loading path (fp32, cpu), on first use."""
+    return VerifierPool(checkpoints, tmp_path_factory.mktemp("converted"))
 
 
 @pytest.fixture
-def serve(verifiers: dict[str, TorchVerifier]) -> Iterator[Callable[..., RunningServer]]:
+def backend() -> str:
+    """The verifier backend under test."""
+    return "torch"
+
+
+@pytest.fixture
+def verifiers(verifier_pool: VerifierPool, backend: str) -> Mapping[str, Any]:
+    """arch -> verifier of the backend under test."""
+    return verifier_pool.for_backend(backend)
+
+
+@pytest.fixture
+def reference_models(verifier_pool: VerifierPool) -> Mapping[str, Any]:
+    """arch -> the transformers model of the same weights: the reference for every backend."""
+    torch_verifiers = verifier_pool.for_backend("torch")
+    return {arch: torch_verifiers[arch].model for arch in ARCHITECTURES}
+
+
+@pytest.fixture
+def serve(verifiers: Mapping[str, Any], backend: str) -> Iterator[Callable[..., RunningServer]]:
     """Start daemons on loopback: `serve(arch="qwen3", **config)`; all are stopped after the test."""
     started: list[RunningServer] = []
 
     def factory(arch: str = "qwen3", **overrides: Any) -> RunningServer:
-        server = start_server(verifiers[arch], **overrides)
+        server = start_server(verifiers[arch], **{"backend": backend, **overrides})
         started.append(server)
         return server
 

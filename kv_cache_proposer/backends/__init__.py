@@ -6,13 +6,21 @@ from pathlib import Path
 
 from kv_cache_proposer.verifier import Verifier
 
-BACKENDS = ("torch",)
+BACKENDS = ("torch", "mlx")
 
 
 def load_verifier(backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> Verifier:
-    """Load a verifier from a local model directory with the named backend."""
+    """Load a verifier from a local model directory with the named backend.
+
+    `torch` serves Hugging Face checkpoints (devices auto, cpu, cuda, cuda:N, mps); `mlx` serves mlx-lm model
+    directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both.
+    """
     if backend == "torch":
         from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
         return TorchVerifier.load(model_dir, device=device, dtype=dtype)
+    if backend == "mlx":
+        from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
+
+        return MlxVerifier.load(model_dir, device=device, dtype=dtype)
     raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")

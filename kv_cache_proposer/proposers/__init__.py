@@ -38,8 +38,11 @@ class ProposerOptions:
             raise ValueError(f"ngram sizes need 1 <= min <= max, got {self.ngram_min_n} and {self.ngram_max_n}")
 
 
-def load_proposer(options: ProposerOptions, verifier: Verifier, *, backend: str) -> Proposer:
-    """Build the proposer `options` names for `verifier` (loaded by `backend`)."""
+def load_proposer(
+    options: ProposerOptions, verifier: Verifier, *, backend: str, device: str = "auto", dtype: str = "auto"
+) -> Proposer:
+    """Build the proposer `options` names for `verifier` (loaded by `backend`; a draft model is loaded by the same
+    backend on `device` with `dtype`)."""
     drafts = options.num_draft_tokens or DEFAULT_DRAFT_TOKENS.get(options.name, 0)
     if options.name == "none":
         return NoProposer()
@@ -52,7 +55,6 @@ def load_proposer(options: ProposerOptions, verifier: Verifier, *, backend: str)
         from kv_cache_proposer.backends import load_verifier
         from kv_cache_proposer.proposers.draft_model import DraftModelProposer
 
-        device, dtype = _placement(verifier)
         model = load_verifier(backend, options.draft_model, device=device, dtype=dtype)
         return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=options.prefill_chunk_tokens)
     if backend != "torch":
@@ -65,13 +67,6 @@ def load_proposer(options: ProposerOptions, verifier: Verifier, *, backend: str)
     if options.num_draft_tokens:
         limit = min(limit, options.num_draft_tokens) if limit else options.num_draft_tokens
     return DFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
-
-
-def _placement(verifier: Verifier) -> tuple[str, str]:
-    """The device and dtype names the verifier was loaded with, for loading a companion model alike."""
-    device = str(getattr(verifier, "device", "auto"))
-    dtype = str(getattr(verifier, "dtype", "auto")).removeprefix("torch.")
-    return device, dtype
 
 
 __all__ = [

@@ -9,12 +9,15 @@ import grpc
 import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
+from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import converse, create, generate, info
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def _code(call) -> grpc.StatusCode:

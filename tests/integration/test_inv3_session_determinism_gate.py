@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
+from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import RunningServer, converse, create, generate
 
@@ -78,6 +79,7 @@ SAMPLINGS = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
 @pytest.mark.parametrize(("arch", "history_len"), [("qwen3", 37), ("llama", 53), ("gemma3", 29)])
 def test_stream_is_identical_for_every_history_delivery(serve, arch: str, history_len: int, sampling_name: str):
@@ -92,6 +94,7 @@ def test_stream_is_identical_for_every_history_delivery(serve, arch: str, histor
         assert stream == reference, f"{name} diverged from one_append"
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sampled_stream_depends_on_the_seed(serve):
     server = serve("qwen3")
     history = _history(5, 20)

@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
+from tests.support.backends import BACKENDS
 from tests.support.server import create, generate, info
 
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -29,6 +30,7 @@ def _wait_until(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_idle_sessions_are_evicted_after_the_ttl(serve):
     server = serve("qwen3", session_idle_ttl_s=0.3)
     sid = create(server.stub, initial=[1, 2, 3])
@@ -38,6 +40,7 @@ def test_idle_sessions_are_evicted_after_the_ttl(serve):
     assert 'session_evicted_total{reason="ttl"} 1.0' in server.metrics_text()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_a_full_store_evicts_the_least_recently_used_idle_session(serve):
     server = serve("qwen3", max_sessions=2)
     first = create(server.stub, initial=[1])
@@ -49,6 +52,7 @@ def test_a_full_store_evicts_the_least_recently_used_idle_session(serve):
     assert 'session_evicted_total{reason="lru"} 1.0' in server.metrics_text()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_the_kv_budget_evicts_idle_sessions_least_recent_first(serve):
     server = serve("qwen3", kv_budget_bytes=300_000)
     sessions = [create(server.stub, initial=list(range(1, 30))) for _ in range(3)]
@@ -61,6 +65,7 @@ def test_the_kv_budget_evicts_idle_sessions_least_recent_first(serve):
     assert 'session_evicted_total{reason="budget"}' in server.metrics_text()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_concurrent_generations_on_two_sessions_match_sequential_ones(serve):
     server = serve("llama", max_concurrent=2)
     prompts = {"a": [1, 2, 3, 4], "b": [9, 8, 7]}
@@ -110,6 +115,7 @@ def test_other_sessions_keep_appending_while_one_generates(serve):
     stream.cancel()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_cancelling_mid_stream_leaves_a_consistent_history(serve):
     server = serve("qwen3")
     prompt = [4, 8, 15, 16, 23, 42]
@@ -132,6 +138,7 @@ def test_cancelling_mid_stream_leaves_a_consistent_history(serve):
     assert 'generate_requests_total{outcome="cancelled"} 1.0' in server.metrics_text()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_closing_a_generating_session_cancels_the_generation(serve):
     server = serve("qwen3")
     sid = create(server.stub, initial=[1, 2, 3])

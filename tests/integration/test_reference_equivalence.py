@@ -1,4 +1,5 @@
-"""The served streams against transformers references: full == generate(), continuation == reset, sink_window."""
+"""The served streams of every backend against transformers references of the same weights: full == generate(),
+continuation == reset, sink_window == the masked full-attention reference."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import pytest
 import torch
 
 from inference_engine.generated import runtime_pb2 as pb
+from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate, info
 
 ARCHS = ["qwen3", "llama", "gemma3"]
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -20,11 +24,11 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_full_greedy_equals_transformers_generate(serve, verifiers, arch):
+def test_full_greedy_equals_transformers_generate(serve, reference_models, arch):
     server = serve(arch, kv_strategy="full", prefill_chunk_tokens=8)
     prompt = _tokens(11, 33)
     served = generate(server.stub, create(server.stub, initial=prompt), max_tokens=40).tokens
-    model = verifiers[arch].model
+    model = reference_models[arch]
     with torch.no_grad():
         reference = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False)[0, 33:].tolist()
     assert len(set(reference)) > 3
@@ -69,11 +73,11 @@ def test_sink_window_reports_truncation_and_holds_flat_kv_bytes(serve):
     assert (details.sink_tokens, details.window_tokens) == (4, 16)
 
 
-def test_sink_window_served_tokens_equal_the_masked_full_attention_reference(serve, verifiers):
+def test_sink_window_served_tokens_equal_the_masked_full_attention_reference(serve, reference_models):
     server = serve("llama", kv_strategy="sink_window", sink=2, window=12)
     prompt = _tokens(8, 40)
     served = generate(server.stub, create(server.stub, initial=prompt), max_tokens=20).tokens
-    model, tokens = verifiers["llama"].model, list(prompt)
+    model, tokens = reference_models["llama"], list(prompt)
     for _ in range(20):  # greedy decoding with an explicit sink + window mask over the whole sequence
         positions = torch.arange(len(tokens))
         q, k = positions[:, None], positions[None, :]

@@ -49,11 +49,18 @@ def proposer_settings(checkpoints, tmp_path_factory):
     }
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("proposer", ["ngram", "draft_model", "draft_model_self", "dflash"])
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 21}], ids=["greedy", "seeded"])
+CASES = [
+    *[("torch", p, s, {}) for p in ("ngram", "draft_model", "draft_model_self", "dflash") for s in STRATEGIES],
+    *[("torch", p, "full", {"temperature": 0.8, "seed": 21}) for p in ("ngram", "draft_model_self", "dflash")],
+    *[("mlx", p, s, {}) for p in ("ngram", "draft_model") for s in STRATEGIES],
+]
+
+
+@pytest.mark.parametrize(
+    ("backend", "proposer", "strategy", "sampling"), CASES, ids=[f"{b}-{p}-{s}-{bool(t)}" for b, p, s, t in CASES]
+)
 def test_each_proposer_streams_exactly_the_tokens_of_plain_decoding(
-    serve, proposer_settings, proposer, strategy, sampling
+    serve, proposer_settings, backend, proposer, strategy, sampling
 ):
     plain = serve("qwen3", **STRATEGIES[strategy])
     speculative = serve("qwen3", **STRATEGIES[strategy], **proposer_settings[proposer])

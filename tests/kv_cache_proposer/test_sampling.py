@@ -1,8 +1,10 @@
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from kv_cache_proposer import sampling
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.sampling import SamplingParams, position_uniform
 
@@ -64,3 +66,12 @@ def test_sampled_frequencies_match_the_softmax_distribution():
     chi2 = float(((observed - expected) ** 2 / expected).sum())
     # 5 degrees of freedom: P(chi2 > 20.5) ~ 0.001.
     assert chi2 < 20.5, (observed.tolist(), expected.tolist())
+
+
+def test_the_shared_sampler_needs_one_position_per_logits_row():
+    logits = np.zeros((3, 8))
+    with pytest.raises(ValueError, match=r"shape \[2, vocab\]"):
+        sampling.pick_tokens(logits, SamplingParams(temperature=1.0), [0, 1])
+    assert sampling.pick_tokens(logits, SamplingParams(temperature=1.0, seed=2), [0, 1, 2]) == [
+        sampling.pick_tokens(logits[i : i + 1], SamplingParams(temperature=1.0, seed=2), [i])[0] for i in range(3)
+    ]

@@ -1,0 +1,1 @@
+"""The MLX verifier backend: mlx-lm model directories driven through mlx-lm's cache protocol."""

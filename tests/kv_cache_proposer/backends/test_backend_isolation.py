@@ -1,0 +1,52 @@
+"""Each backend loads, serves and decodes in a process where the other backend's framework cannot be imported."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# `sys.modules[name] = None` makes `import name` fail and `find_spec(name)` report it absent, as if uninstalled.
+_DECODE = """
+import sys
+for name in {blocked!r}:
+    sys.modules[name] = None
+from inference_engine.config import ServerConfig
+from inference_engine.server import load_runtime
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import SinkWindowStrategy
+
+runtime = load_runtime(ServerConfig(backend={backend!r}, model={model!r}, device="cpu", dtype="float32"))
+verifier = runtime.verifier
+seq = SequenceState(cache=verifier.new_cache(SinkWindowStrategy(sink=2, window=8)), tokens=list(range(1, 20)))
+decoder = Decoder(verifier)
+produced = []
+while len(produced) < 6:
+    produced += decoder.step(seq, SamplingParams(temperature=0.8, seed=1), GenerationBudget(6), len(produced)).tokens
+imported = sorted({{m.split(".")[0] for m, module in sys.modules.items() if module is not None}})
+print("decoded", len(produced), verifier.description)
+print("frameworks", [m for m in imported if m in ("torch", "mlx", "mlx_lm")])
+"""
+
+
+def _decode_without(blocked: tuple[str, ...], backend: str, model: Path) -> str:
+    code = textwrap.dedent(_DECODE.format(blocked=blocked, backend=backend, model=str(model)))
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_the_mlx_backend_never_requires_torch(verifier_pool):
+    out = _decode_without(("torch",), "mlx", verifier_pool.model_dir("mlx", "qwen3"))
+    assert "decoded 6 mlx qwen3" in out
+    assert "frameworks ['mlx', 'mlx_lm']" in out
+
+
+def test_the_torch_backend_never_requires_or_imports_mlx(verifier_pool):
+    out = _decode_without(("mlx", "mlx_lm"), "torch", verifier_pool.model_dir("torch", "qwen3"))
+    assert "decoded 6 torch qwen3" in out
+    assert "frameworks ['torch']" in out
