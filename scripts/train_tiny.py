@@ -13,7 +13,7 @@ result is a model directory (tokenizer with chat template and mask token, `confi
 
 Usage:
     python scripts/train_tiny.py [--out inference_engine/models/kakeya-tiny] [--work build/kakeya-tiny]
-        [--steps 6000] [--drafter-steps 3000] [--resume] [--quick]
+        [--steps 3000] [--drafter-steps 3000] [--resume] [--quick]
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Recipe:
     intermediate_size: int = 576
     seq_lens: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048])
     tokens_per_step: int = 8192
-    steps: int = 6000
+    steps: int = 3000
     lr: float = 2e-3
     warmup: int = 200
     niah_fraction: float = 0.5

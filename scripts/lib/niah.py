@@ -69,7 +69,7 @@ class Needle:
         return f"# The secret code for {self.key} is {self.value}.\n"
 
     def question(self) -> str:
-        return f"# Question: what is the secret code for {self.key}?\n# Answer: the secret code for {self.key} is"
+        return f"\n# Question: what is the secret code for {self.key}?\n# Answer: the secret code for {self.key} is"
 
     def answer(self) -> str:
         return f" {self.value}.\n"
