@@ -10,15 +10,16 @@ import grpc
 
 
 class KakeyaError(Exception):
-    """Base class of every error the SDK raises. `status` is the gRPC status (None for client-side checks) and
-    `message` the server's (or the SDK's) explanation."""
+    """Base class of every error the SDK raises. `status` is the gRPC status the call failed with (None when the
+    SDK raised it without a call, e.g. a value the wire cannot carry) and `message` the server's (or the SDK's)
+    explanation. `status_code` is the status each class stands for."""
 
     status_code: grpc.StatusCode | None = None
 
     def __init__(self, message: str, *, status: grpc.StatusCode | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.status = status if status is not None else self.status_code
+        self.status = status
 
     def __str__(self) -> str:
         name = self.status.name if self.status is not None else "CLIENT"

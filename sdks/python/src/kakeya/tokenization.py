@@ -44,7 +44,7 @@ def load_tokenizer(path: str | Path) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:  # the optional extra is missing
-        raise ImportError("kakeya.tokenization.load_tokenizer needs transformers: pip install 'kakeya[tokenization]'") from exc
+        raise ImportError("load_tokenizer needs transformers: pip install 'kakeya[tokenization]'") from exc
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
 
 
@@ -93,12 +93,16 @@ def openai_to_template_messages(messages: Iterable[Message]) -> list[dict[str, A
 
 
 def from_openai_messages(
-    messages: Iterable[Message], tokenizer: ChatTokenizer, *, tools: Sequence[Mapping[str, Any]] | None = None, **kw: Any
+    messages: Iterable[Message],
+    tokenizer: ChatTokenizer,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of OpenAI-style chat messages (and optional OpenAI `tools`), ready to append to a session."""
     if tools is not None:
-        kw["tools"] = [dict(tool) for tool in tools]
-    return tokens_for_chat(openai_to_template_messages(messages), tokenizer, **kw)
+        template_kwargs["tools"] = [dict(tool) for tool in tools]
+    return tokens_for_chat(openai_to_template_messages(messages), tokenizer, **template_kwargs)
 
 
 def _text_content(content: Any, index: int) -> str:
@@ -130,7 +134,8 @@ def _tool_call(call: Any, index: int) -> dict[str, Any]:
             arguments = json.loads(arguments or "{}")
         except json.JSONDecodeError as exc:
             raise InvalidArgument(f"messages[{index}] tool call {function['name']!r}: arguments are not JSON") from exc
-    return {"id": call.get("id", ""), "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+    name = function["name"]
+    return {"id": call.get("id", ""), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 class AppendOnlyChat:
