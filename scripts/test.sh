@@ -30,6 +30,7 @@ ruff format --check .
 
 step "mypy"
 mypy
+mypy sdks/python/examples scripts/bench_agentic
 
 step "pytest"
 python -m pytest "$@"
