@@ -61,7 +61,11 @@ class Conversation:
         self._generation: ConverseGeneration | None = None
         self._failure: KakeyaError | None = None
         self._closed = False
-        bound = self._command("bound", bind=pb.BindCommand(session_id=session.id))
+        try:
+            bound = self._command("bound", bind=pb.BindCommand(session_id=session.id))
+        except KakeyaError:
+            self._closed = True
+            raise
         self.history_length = int(bound.bound.history_length)
         """History length as of the latest bind or append."""
 
@@ -202,6 +206,13 @@ class Conversation:
             if generation.tally.stats is not None:
                 self._end(generation)
 
+    def _fail(self, error: KakeyaError) -> KakeyaError:
+        """Record why the conversation ended and release its request stream and watchdog."""
+        self._failure = error
+        self._requests.put(None)
+        self._watchdog.stop()
+        return error
+
     def _end(self, generation: ConverseGeneration) -> None:
         generation.finished = True
         self._generation = None
@@ -216,14 +227,11 @@ class Conversation:
         try:
             reply = next(self._call)
         except StopIteration:
-            self._failure = ProtocolError("the server ended the Converse stream")
-            raise self._failure from None
+            raise self._fail(ProtocolError("the server ended the Converse stream")) from None
         except grpc.RpcError as error:
             if self._watchdog.expired:
-                self._failure = on_timeout(f"no event within {timeout_s} s; the conversation was cancelled")
-            else:
-                self._failure = from_rpc_error(error)
-            raise self._failure from None
+                raise self._fail(on_timeout(f"no event within {timeout_s} s; the conversation was cancelled")) from None
+            raise self._fail(from_rpc_error(error)) from None
         finally:
             self._watchdog.arm(None)
         if reply.command_id != command_id:

@@ -55,7 +55,11 @@ class AsyncConversation:
             raise InvalidArgument("the conversation is already open")
         client = self.session.client
         self._call = client.stub.Converse(self._requests(), metadata=client.metadata)
-        bound = await self._command("bound", bind=pb.BindCommand(session_id=self.session.id))
+        try:
+            bound = await self._command("bound", bind=pb.BindCommand(session_id=self.session.id))
+        except KakeyaError:
+            self._closed = True
+            raise
         self.history_length = int(bound.bound.history_length)
         return self
 
@@ -197,6 +201,13 @@ class AsyncConversation:
             if generation.tally.stats is not None:
                 self._end(generation)
 
+    def _fail(self, error: KakeyaError) -> KakeyaError:
+        """Record why the conversation ended, end its request stream and cancel the call."""
+        self._failure = error
+        self._queue.put_nowait(None)
+        self._call.cancel()
+        return error
+
     def _end(self, generation: ConverseGeneration) -> None:
         generation.finished = True
         self._generation = None
@@ -211,19 +222,14 @@ class AsyncConversation:
             async with asyncio.timeout(timeout_s):
                 reply = await self._call.read()
         except TimeoutError:
-            self._call.cancel()
-            self._failure = on_timeout(f"no event within {timeout_s} s; the conversation was cancelled")
-            raise self._failure from None
+            raise self._fail(on_timeout(f"no event within {timeout_s} s; the conversation was cancelled")) from None
         except asyncio.CancelledError:
-            self._failure = KakeyaError("the task reading the conversation was cancelled")
-            self._call.cancel()
+            self._fail(KakeyaError("the task reading the conversation was cancelled"))
             raise
         except grpc.RpcError as error:
-            self._failure = from_rpc_error(error)
-            raise self._failure from None
+            raise self._fail(from_rpc_error(error)) from None
         if reply is grpc.aio.EOF:
-            self._failure = ProtocolError("the server ended the Converse stream")
-            raise self._failure
+            raise self._fail(ProtocolError("the server ended the Converse stream"))
         if reply.command_id != command_id:
             raise ProtocolError(f"expected an event for command {command_id}, got {reply}")
         return reply
