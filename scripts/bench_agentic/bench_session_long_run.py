@@ -127,8 +127,6 @@ def run_turns(args: argparse.Namespace, client: kakeya.Client) -> list[Sample]:
     started = time.monotonic()
     with client.create_session(initial_tokens=history, label="bench-session", **create) as session:
         for turn in tqdm(range(args.turns), desc="turns", unit="turn", disable=args.quiet):
-            if args.duration_s and time.monotonic() - started > args.duration_s:
-                break
             user = draw(args.user_tokens_per_turn)
             history += user
             begin = time.perf_counter()
@@ -146,6 +144,8 @@ def run_turns(args: argparse.Namespace, client: kakeya.Client) -> list[Sample]:
                 fresh.close()
                 samples.append(sample)
             history += tokens
+            if args.duration_s and time.monotonic() - started >= args.duration_s:
+                break  # checked after a turn, so every run has at least one
     return samples
 
 
@@ -304,7 +304,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--kv-strategy", choices=[s.value for s in kakeya.KvStrategy], default="sink_window")
     parser.add_argument("--sink", type=int, default=4)
     parser.add_argument("--window", type=int, default=1024)
-    parser.add_argument("--duration-s", type=float, default=0.0, help="stop after this long (0: no limit)")
+    parser.add_argument(
+        "--duration-s", type=float, default=0.0, help="end with the turn that reaches this many seconds (0: no limit)"
+    )
     parser.add_argument("--buckets", type=int, default=4)
     parser.add_argument("--baseline-every", type=int, default=1, help="run the baseline arm every N turns")
     parser.add_argument("--token-id-limit", type=int, default=256, help="workload token ids are drawn below this")

@@ -56,6 +56,13 @@ def test_a_run_against_a_running_daemon_uses_it(serve, tmp_path):
     assert server.runtime.store.sessions() == [], "every session the run created was closed"
 
 
+def test_a_duration_limit_ends_the_run_after_the_turn_that_reaches_it(serve, tmp_path):
+    server = serve("qwen3")
+    args = ["--turns", "50", "--duration-s", "0.001", "--initial-tokens", "4", "--token-id-limit", "128"]
+    report = _run(*args, "--address", server.address, "--out", str(tmp_path), "--quiet")
+    assert report["summary"]["turns"] == 1 and report["summary"]["baseline_turns"] == 1
+
+
 def test_buckets_and_summary_follow_their_definitions():
     bench = _load()
 
