@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Create or update the project's environment: .venv (Python, pinned by constraints.txt) and, with --dev,
-# node_modules (buf) and sdks/typescript/node_modules (the TypeScript SDK's dependencies and toolchain).
-# Safe to re-run: a step is skipped when its inputs are unchanged.
+# Create or update the project's environment: .venv (Python, pinned by constraints.txt, with the project and the
+# Python SDK `kakeya` installed editable) and, with --dev, node_modules (buf) and sdks/typescript/node_modules (the
+# TypeScript SDK's dependencies and toolchain). Safe to re-run: a step is skipped when its inputs are unchanged.
 # npm install (not npm ci) because the lock file records platform-specific optional packages only for the
 # platforms the registry served when it was written.
 #
@@ -28,11 +28,11 @@ fi
 
 extras=""
 [[ $dev == 1 ]] && extras="[dev]"
-inputs=(pyproject.toml constraints.txt)
+inputs=(pyproject.toml constraints.txt sdks/python/pyproject.toml)
 want="$extras $(stamp "${inputs[@]}")"
 if [[ "$(cat .venv/.kakeya-stamp 2>/dev/null)" != "$want" ]]; then
   echo "bootstrap: installing Python packages into .venv" >&2
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".$extras"
+  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".$extras" -e "sdks/python[tokenization]"
   echo "$want" > .venv/.kakeya-stamp
 fi
 

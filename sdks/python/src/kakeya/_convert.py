@@ -1,0 +1,168 @@
+"""Every conversion between the SDK's values and the `kakeya.v1` messages, and the client-side checks of what the
+wire cannot carry (meaningful limits are the server's to check)."""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable
+
+from kakeya._generated import runtime_pb2 as pb
+from kakeya.errors import InvalidArgument, ProtocolError
+from kakeya.types import GenerationStats, KvStrategy, SessionInfo, StopReason
+
+_UINT32 = 1 << 32
+_UINT64 = 1 << 64
+
+_STRATEGY_ENUMS = {KvStrategy.FULL: pb.KV_STRATEGY_FULL, KvStrategy.SINK_WINDOW: pb.KV_STRATEGY_SINK_WINDOW}
+_STRATEGIES = {value: strategy for strategy, value in _STRATEGY_ENUMS.items()}
+_STOP_REASONS = {
+    pb.STOP_REASON_MAX_TOKENS: StopReason.MAX_TOKENS,
+    pb.STOP_REASON_EOS: StopReason.EOS,
+    pb.STOP_REASON_CANCELLED: StopReason.CANCELLED,
+    pb.STOP_REASON_TRUNCATED: StopReason.TRUNCATED,
+}
+
+
+def _integer(value: object, what: str, bound: int) -> int:
+    if isinstance(value, bool):
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"{what} must be an integer, got {value!r}") from None
+    if not 0 <= number < bound:
+        raise InvalidArgument(f"{what} must be in [0, {bound}), got {number}")
+    return number
+
+
+def uint32(value: object, what: str) -> int:
+    return _integer(value, what, _UINT32)
+
+
+def token_ids(values: Iterable[object], what: str) -> list[int]:
+    """Token ids as unsigned 32-bit integers; a str or bytes is refused (it is text, not tokens)."""
+    if isinstance(values, (str, bytes)):
+        raise InvalidArgument(f"{what} must be token ids, got text {values!r}")
+    return [uint32(value, f"{what}[{index}]") for index, value in enumerate(values)]
+
+
+def _optional_float(value: float | None, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{what} must be a number, got {value!r}")
+    if math.isfinite(value) and abs(value) > 3.4e38:
+        raise InvalidArgument(f"{what} {value} does not fit a 32-bit float")
+    return float(value)
+
+
+def check_timeout(value: float | None, what: str) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
+        raise InvalidArgument(f"{what} must be a number > 0 or None, got {value!r}")
+
+
+def strategy(value: KvStrategy | str | None) -> int:
+    if value is None:
+        return pb.KV_STRATEGY_UNSPECIFIED
+    try:
+        return _STRATEGY_ENUMS[KvStrategy(value)]
+    except ValueError:
+        names = ", ".join(s.value for s in KvStrategy)
+        raise InvalidArgument(f"unknown KV strategy {value!r}; expected one of {names}") from None
+
+
+def create_request(
+    *,
+    label: str,
+    eos_token_ids: Iterable[int],
+    initial_tokens: Iterable[int],
+    kv_strategy: KvStrategy | str | None,
+    sink_tokens: int | None,
+    window_tokens: int | None,
+) -> pb.CreateSessionRequest:
+    if not isinstance(label, str):
+        raise InvalidArgument(f"label must be a string, got {label!r}")
+    request = pb.CreateSessionRequest(
+        client_label=label,
+        eos_token_ids=token_ids(eos_token_ids, "eos_token_ids"),
+        initial_token_ids=token_ids(initial_tokens, "initial_tokens"),
+        kv_strategy=strategy(kv_strategy),  # type: ignore[arg-type]
+    )
+    if sink_tokens is not None:
+        request.sink_tokens = uint32(sink_tokens, "sink_tokens")
+    if window_tokens is not None:
+        request.window_tokens = uint32(window_tokens, "window_tokens")
+    return request
+
+
+def generate_fields(
+    *,
+    max_tokens: int,
+    seed: int | None,
+    temperature: float | None,
+    top_p: float | None,
+    top_k: int | None,
+    stop_token_ids: Iterable[int],
+) -> dict[str, object]:
+    """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out."""
+    fields: dict[str, object] = {
+        "max_tokens": uint32(max_tokens, "max_tokens"),
+        "stop_token_ids": token_ids(stop_token_ids, "stop_token_ids"),
+    }
+    if seed is not None:
+        fields["seed"] = _integer(seed, "seed", _UINT64)
+    if (value := _optional_float(temperature, "temperature")) is not None:
+        fields["temperature"] = value
+    if (value := _optional_float(top_p, "top_p")) is not None:
+        fields["top_p"] = value
+    if top_k is not None:
+        fields["top_k"] = uint32(top_k, "top_k")
+    return fields
+
+
+def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> GenerationStats:
+    if done.stop_reason not in _STOP_REASONS:
+        raise ProtocolError(f"the server sent an unknown stop reason {done.stop_reason}")
+    return GenerationStats(
+        stop_reason=_STOP_REASONS[done.stop_reason],
+        generated_token_count=done.generated_token_count,
+        prefill_token_count=done.prefill_token_count,
+        prefill_duration_s=done.prefill_duration_seconds,
+        total_duration_s=done.total_duration_seconds,
+        time_to_first_token_s=done.time_to_first_token_seconds,
+        draft_token_count=done.draft_token_count,
+        accepted_draft_token_count=done.accepted_draft_token_count,
+        verifier_forward_count=done.verifier_forward_count,
+        truncated_token_count=truncated_token_count,
+    )
+
+
+def abandoned_stats(received: int, truncated_token_count: int) -> GenerationStats:
+    """What the client knows of a generation it stopped reading before the server's final message."""
+    return GenerationStats(
+        stop_reason=StopReason.CANCELLED,
+        generated_token_count=received,
+        truncated_token_count=truncated_token_count,
+        server_reported=False,
+    )
+
+
+def session_info(reply: pb.GetSessionInfoResponse) -> SessionInfo:
+    return SessionInfo(
+        history_length=reply.history_length,
+        kv_live_bytes=reply.kv_live_bytes,
+        inv1_violations=reply.cache_invariant_inv1_violations,
+        inv2_violations=reply.cache_invariant_inv2_violations,
+        idle_s=reply.idle_seconds,
+        kv_strategy=_STRATEGIES.get(reply.kv_strategy),
+        resident_token_count=reply.resident_token_count,
+        kv_compressed_bytes=reply.kv_compressed_bytes,
+        pending_token_count=reply.pending_token_count,
+        evicted_token_count=reply.evicted_token_count,
+        label=reply.client_label,
+        generating=reply.generating,
+        sink_tokens=reply.sink_tokens,
+        window_tokens=reply.window_tokens,
+        history_tail=tuple(reply.history_tail_token_ids),
+    )

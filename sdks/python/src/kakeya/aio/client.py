@@ -1,0 +1,303 @@
+"""The asyncio client: `AsyncClient`, `AsyncSession` and the `AsyncTokenStream` of one generation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from kakeya import _channel, _convert
+from kakeya._generated import runtime_pb2 as pb
+from kakeya._generated.runtime_pb2_grpc import RuntimeServiceStub
+from kakeya._stream import Tally
+from kakeya.aio.conversation import AsyncConversation
+from kakeya.errors import (
+    Cancelled,
+    InterTokenTimeout,
+    InvalidArgument,
+    ProtocolError,
+    Unavailable,
+    from_rpc_error,
+)
+from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, TlsConfig
+
+R = TypeVar("R")
+
+
+class AsyncClient:
+    """A grpc.aio connection to a Kakeya runtime; the asyncio twin of `kakeya.Client` (same settings).
+
+    One client serves any number of sessions and concurrent tasks. Use it as an async context manager, or
+    `await close()`.
+    """
+
+    def __init__(
+        self,
+        address: str = _channel.DEFAULT_ADDRESS,
+        *,
+        api_key: str | None = None,
+        tls: TlsConfig | bool | None = None,
+        timeout_s: float | None = 30.0,
+        retry: RetryPolicy | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        _channel.check_settings(address, api_key, timeout_s)
+        self.address = address
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        creds, tls_options = _channel.credentials(tls)
+        options = _channel.channel_options(self.retry, [*tls_options, *channel_options])
+        if creds is None:
+            self._channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.aio.secure_channel(address, creds, options=options)
+        self.stub = RuntimeServiceStub(self._channel)
+        self.metadata = _channel.metadata(api_key)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; streams still open on it are cancelled."""
+        await self._channel.close()
+
+    async def wait_until_ready(self, timeout_s: float) -> None:
+        """Wait until the channel is connected; raises `Unavailable` after `timeout_s`."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._channel.channel_ready()
+        except TimeoutError:
+            raise Unavailable(f"no connection to {self.address} within {timeout_s} s") from None
+
+    async def create_session(
+        self,
+        *,
+        initial_tokens: Iterable[int] = (),
+        eos_token_ids: Iterable[int] = (),
+        label: str = "",
+        kv_strategy: KvStrategy | str | None = None,
+        sink_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> AsyncSession:
+        """Create a session (arguments as in `Client.create_session`)."""
+        request = _convert.create_request(
+            label=label,
+            eos_token_ids=eos_token_ids,
+            initial_tokens=initial_tokens,
+            kv_strategy=kv_strategy,
+            sink_tokens=sink_tokens,
+            window_tokens=window_tokens,
+        )
+        reply = await self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
+        return AsyncSession(self, reply.session_id)
+
+    def session(self, session_id: str) -> AsyncSession:
+        """A handle on an existing session (no call is made)."""
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidArgument(f"session_id must be a non-empty string, got {session_id!r}")
+        return AsyncSession(self, session_id)
+
+    async def unary(self, rpc: Callable[..., Awaitable[R]], name: str, request: object, *, idempotent: bool) -> R:
+        """Run one unary call within the client's deadline, retrying idempotent ones on UNAVAILABLE."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        attempt = 1
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await rpc(request, timeout=remaining, metadata=self.metadata)
+            except grpc.RpcError as error:
+                if _channel.should_retry(error, idempotent, attempt, self.retry):
+                    delay = self.retry.backoff_s(attempt)
+                    if deadline is None or time.monotonic() + delay < deadline:
+                        _channel.log_retry(name, attempt, self.retry, delay, error)
+                        await asyncio.sleep(delay)
+                        attempt += 1
+                        continue
+                raise from_rpc_error(error) from None
+
+
+class AsyncSession:
+    """One server-side session (see `kakeya.Session`); close it with `await close()` or `async with`."""
+
+    def __init__(self, client: AsyncClient, session_id: str) -> None:
+        self.client = client
+        self.id = session_id
+        self.last_generation: GenerationStats | None = None
+        """Statistics of the latest generation started through this handle, once it has ended."""
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"AsyncSession({self.id!r})"
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if self._closed:
+            return
+        if exc is None:
+            await self.close()
+            return
+        try:
+            await self.close()
+        except Exception as close_error:  # the error already propagating is the one to report
+            exc.add_note(f"closing {self!r} also failed: {close_error}")
+
+    async def append(self, token_ids: Iterable[int]) -> int:
+        """Append tokens to the history; returns the history length. Never retried."""
+        request = pb.AppendTokensRequest(session_id=self.id, token_ids=_convert.token_ids(token_ids, "token_ids"))
+        reply = await self.client.unary(self.client.stub.AppendTokens, "AppendTokens", request, idempotent=False)
+        return int(reply.history_length)
+
+    def generate(
+        self,
+        max_tokens: int,
+        *,
+        seed: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop_token_ids: Iterable[int] = (),
+        inter_token_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncTokenStream:
+        """Start a generation and return its token ids as an async iterator (parameters as in
+        `Session.generate`). Stopping early (`break`, `aclose()`, leaving an `async with` block, or cancelling the
+        reading task) cancels it on the server. Never retried."""
+        fields = _convert.generate_fields(
+            max_tokens=max_tokens,
+            seed=seed,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=stop_token_ids,
+        )
+        _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
+        _convert.check_timeout(timeout_s, "timeout_s")
+        request = pb.GenerateRequest(session_id=self.id, **fields)  # type: ignore[arg-type]
+        self.last_generation = None
+        call = self.client.stub.Generate(request, timeout=timeout_s, metadata=self.client.metadata)
+        return AsyncTokenStream(self, call, inter_token_timeout_s)
+
+    def converse(self, *, inter_token_timeout_s: float | None = None) -> AsyncConversation:
+        """A `Converse` stream bound to this session; open it with `async with` (or `await open()`)."""
+        _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
+        return AsyncConversation(self, inter_token_timeout_s=inter_token_timeout_s)
+
+    async def info(self, *, history_tail_tokens: int = 0) -> SessionInfo:
+        """Describe the session (see `Session.info`)."""
+        request = pb.GetSessionInfoRequest(
+            session_id=self.id, history_tail_tokens=_convert.uint32(history_tail_tokens, "history_tail_tokens")
+        )
+        reply = await self.client.unary(self.client.stub.GetSessionInfo, "GetSessionInfo", request, idempotent=True)
+        return _convert.session_info(reply)
+
+    async def close(self) -> int:
+        """Close the session and free its memory; returns the final history length."""
+        request = pb.CloseSessionRequest(session_id=self.id)
+        reply = await self.client.unary(self.client.stub.CloseSession, "CloseSession", request, idempotent=True)
+        self._closed = True
+        return int(reply.final_history_length)
+
+
+def task_is_cancelling() -> bool:
+    """Whether the running task itself is being cancelled (as opposed to a call cancelled under it)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+class AsyncTokenStream(AsyncIterator[int]):
+    """The token ids of one `Generate` call (see `kakeya.TokenStream`).
+
+    A `cancel()` from another task makes a waiting reader raise `Cancelled`.
+    """
+
+    def __init__(self, session: AsyncSession, call: Any, inter_token_timeout_s: float | None) -> None:
+        self.session = session
+        self._call = call
+        self._tally = Tally()
+        self._finished = False
+        self._cancel_requested = False
+        self._stats: GenerationStats | None = None
+        self._timeout_s = inter_token_timeout_s
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self._tally.tokens)
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        return self._stats
+
+    @property
+    def truncated_token_count(self) -> int:
+        return self._tally.truncated_token_count
+
+    def __aiter__(self) -> AsyncTokenStream:
+        return self
+
+    async def __anext__(self) -> int:
+        while not self._finished:
+            try:
+                async with asyncio.timeout(self._timeout_s):
+                    reply = await self._call.read()
+            except TimeoutError:
+                self.cancel()
+                raise InterTokenTimeout(
+                    f"no event within inter_token_timeout_s={self._timeout_s} on session {self.session.id!r}; "
+                    "the generation was cancelled"
+                ) from None
+            except asyncio.CancelledError:
+                by_client = self._cancel_requested and not task_is_cancelling()
+                self.cancel()
+                if by_client:
+                    raise Cancelled("the generation was cancelled by the client") from None
+                raise
+            except grpc.RpcError as error:
+                self._finish(self._tally.abandoned())
+                raise from_rpc_error(error) from None
+            if reply is grpc.aio.EOF:
+                self._finish(None)
+                raise ProtocolError("the Generate stream ended without its final message")
+            token = self._tally.feed(reply.WhichOneof("payload"), reply)
+            if token is not None:
+                return token
+            if self._tally.stats is not None:
+                self._finish(self._tally.stats)
+        raise StopAsyncIteration
+
+    def cancel(self) -> None:
+        """Cancel the generation on the server (no-op once the stream has ended)."""
+        self._cancel_requested = True
+        if not self._finished:
+            self._finish(self._tally.abandoned())
+            self._call.cancel()
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> AsyncTokenStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finished", True):
+            with contextlib.suppress(Exception):  # the event loop is already closed
+                self.cancel()
+
+    def _finish(self, stats: GenerationStats | None) -> None:
+        self._finished = True
+        self._stats = stats
+        self.session.last_generation = stats
