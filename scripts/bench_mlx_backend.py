@@ -22,19 +22,19 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.results import write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends.mlx_backend.loader import load_mlx_model, resolve_device, resolve_dtype
@@ -116,13 +116,12 @@ def summarize(samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
+def plot(samples: dict[str, Any], summary: dict[str, Any], config: dict[str, Any], device: str, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    samples, summary, config = result["samples"], result["summary"], result["config"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
     panels = (
         ("time_to_first_token_s", "time to first token (s)", "prefill of the history + first step"),
@@ -138,7 +137,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.set_title(note, fontsize=9)
     fig.suptitle(
         f"{Path(config['model']).name}: {config['history_tokens']}-token history, {config['new_tokens']} new tokens, "
-        f"{result['environment']['device']}\ndecode ratio {summary['decode_tokens_per_s_ratio']:.2f}x, "
+        f"{device}\ndecode ratio {summary['decode_tokens_per_s_ratio']:.2f}x, "
         f"time-to-first-token ratio {summary['time_to_first_token_ratio']:.2f}x (kakeya / mlx_lm, medians)",
         fontsize=10,
     )
@@ -181,37 +180,28 @@ def main(argv: list[str] | None = None) -> int:
             for system in SYSTEMS:
                 samples[system].append(runners[system]())
 
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    result = {
-        "name": "bench_mlx_backend",
-        "stamp": stamp,
-        "config": {
-            "model": str(args.model),
-            "history_tokens": args.history_tokens,
-            "new_tokens": args.new_tokens,
-            "repeats": args.repeats,
-            "prefill_chunk_tokens": args.prefill_chunk,
-            "sampling": "greedy",
-            "kv_strategy": "full",
-            "device": args.device,
-            "dtype": args.dtype,
-        },
-        "environment": {
-            "platform": platform.platform(),
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "mlx": version("mlx"),
-            "mlx_lm": version("mlx-lm"),
-            "device": verifier.description,
-        },
-        "samples": samples,
-        "summary": summarize(samples),
+    summary = summarize(samples)
+    config = {
+        "model": str(args.model),
+        "history_tokens": args.history_tokens,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "prefill_chunk_tokens": args.prefill_chunk,
+        "sampling": "greedy",
+        "kv_strategy": "full",
+        "device": args.device,
+        "dtype": args.dtype,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"bench_mlx_backend_{stamp}.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, json_path.with_suffix(".png"))
-    print(result["summary"]["statement"])
+    json_path = write_results(
+        "bench_mlx_backend",
+        config=config,
+        samples=samples,
+        summary=summary,
+        plot=lambda png: plot(samples, summary, config, verifier.description, png),
+        out_dir=args.out,
+        environment_extra={"mlx": version("mlx"), "mlx_lm": version("mlx-lm"), "device": verifier.description},
+    )
+    print(summary["statement"])
     print(f"wrote {json_path} and {json_path.with_suffix('.png').name}")
     return 0
 

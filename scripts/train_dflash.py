@@ -22,7 +22,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -109,7 +109,7 @@ def self_generate(verifier: TorchVerifier, args: argparse.Namespace, seed_text: 
             else:
                 prompts = generator.integers(0, verifier.vocab_size, (batch, prompt_len))
             with torch.no_grad():
-                rows = verifier.model.generate(
+                rows = verifier.model.generate(  # type: ignore[operator]
                     torch.from_numpy(prompts).to(verifier.device),
                     max_new_tokens=args.seq_len,
                     min_new_tokens=args.seq_len,
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter, spec = build_drafter(args, verifier)
     drafter.to(device).train()
-    embed = verifier.model.get_input_embeddings().weight
+    embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
     head = verifier.model.get_output_embeddings()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=args.lr, weight_decay=0.0)
     generator = torch.Generator().manual_seed(args.seed)

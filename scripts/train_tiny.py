@@ -109,7 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def build_model(recipe: Recipe, tokenizer: PreTrainedTokenizerFast) -> Qwen3ForCausalLM:
-    ids = tokenizer.convert_tokens_to_ids
+    def ids(token: str) -> int:
+        return int(tokenizer.convert_tokens_to_ids(token))  # type: ignore[arg-type]
+
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=recipe.hidden_size,
@@ -236,8 +238,8 @@ def export(model: Qwen3ForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Pat
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    model.to(torch.bfloat16).save_pretrained(out)
-    model.to(torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out)  # type: ignore[arg-type]  # transformers types .to() narrowly
+    model.to(torch.float32)  # type: ignore[arg-type]
     tokenizer.save_pretrained(out)
 
 

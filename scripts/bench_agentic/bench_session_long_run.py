@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import subprocess
@@ -38,12 +37,14 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import kakeya
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lib.results import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "bench_session_long_run"
@@ -276,25 +277,6 @@ def plot(samples: list[Sample], summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-def environment(args: argparse.Namespace, daemon: Daemon | None) -> dict[str, Any]:
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        commit = None
-    return {
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "processor": platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "kakeya_sdk": kakeya.__version__,
-        "git_commit": commit,
-        "daemon_command": daemon.command if daemon else None,
-        "address": args.address,
-    }
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=200)
@@ -340,24 +322,22 @@ def main(argv: Sequence[str] | None = None) -> int:
             daemon.stop()
     rows = buckets(samples, args.buckets)
     summary = summarize(samples, rows)
-    config = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path = args.out / f"{NAME}_{stamp}.json"
-    png_path = json_path.with_suffix(".png")
-    report = {
-        "name": NAME,
-        "config": config,
-        "environment": environment(args, daemon),
-        "samples": [asdict(s) for s in samples],
-        "buckets": rows,
-        "summary": summary,
-        "plot": png_path.name,
-    }
-    json_path.write_text(json.dumps(report, indent=1) + "\n")
-    plot(samples, summary, png_path)
+    json_path = write_results(
+        NAME,
+        config=vars(args),
+        samples=[asdict(s) for s in samples],
+        summary=summary,
+        plot=lambda png: plot(samples, summary, png),
+        out_dir=args.out,
+        environment_extra={
+            "kakeya_sdk": kakeya.__version__,
+            "daemon_command": daemon.command if daemon else None,
+            "address": args.address,
+        },
+        extra={"buckets": rows},
+    )
     print(json.dumps(summary, indent=2))
-    print(f"wrote {json_path} and {png_path.name}")
+    print(f"wrote {json_path} and {json_path.with_suffix('.png').name}")
     return 0
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import os
 import platform
+import subprocess
 import sys
-import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS_DIR = ROOT / "results"
 
 
-def environment() -> dict[str, Any]:
-    """Where a measurement was taken."""
+def environment(**extra: Any) -> dict[str, Any]:
+    """Where and on what a measurement was taken, plus `extra` fields."""
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -24,14 +25,17 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
     }
     try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        info["git_commit"] = None
+    if "torch" in sys.modules:
         import torch
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
-        info["cuda"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    except ImportError:
-        pass
-    return info
+    return {**info, **extra}
 
 
 def write_results(
@@ -42,20 +46,26 @@ def write_results(
     summary: dict[str, Any],
     plot: Callable[[Path], None] | None = None,
     out_dir: Path = RESULTS_DIR,
+    environment_extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write the JSON (and, given `plot`, a PNG of the same stem drawn by `plot(png_path)`); returns the JSON path."""
+    """Write the JSON (and, given `plot`, a PNG of the same stem drawn by `plot(png_path)`); returns the JSON path.
+
+    `extra` adds top-level fields (e.g. per-bucket aggregates) next to the common ones.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     path = out_dir / f"{name}_{stamp}.json"
     payload = {
         "name": name,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "config": config,
-        "environment": environment(),
+        "stamp": stamp,
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in config.items()},
+        "environment": environment(**(environment_extra or {})),
         "summary": summary,
+        **(extra or {}),
         "samples": samples,
     }
-    path.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
     if plot is not None:
         plot(path.with_suffix(".png"))
     return path

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
 
 from lib.corpus import read_text
 from lib.niah import build_document
@@ -22,10 +23,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def train_tokenizer(files: list[Path], vocab_size: int):  # -> PreTrainedTokenizerFast
+def train_tokenizer(files: list[Path], vocab_size: int) -> PreTrainedTokenizerFast:
     """Byte-level BPE (digits split one per token, so numbers copy digit by digit) with chat and mask specials."""
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
@@ -56,10 +55,10 @@ class EncodedCorpus:
     lines: list[list[int]]
 
 
-def encode_corpus(tokenizer, files: list[Path]) -> EncodedCorpus:  # tokenizer: PreTrainedTokenizerFast
+def encode_corpus(tokenizer: PreTrainedTokenizerFast, files: list[Path]) -> EncodedCorpus:
     texts = [read_text(p) for p in files]
     backend = tokenizer.backend_tokenizer
-    separator = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    separator = int(tokenizer.convert_tokens_to_ids("<|endoftext|>"))  # type: ignore[arg-type]
     stream: list[int] = []
     for encoding in backend.encode_batch(texts):
         stream += [*encoding.ids, separator]
@@ -72,7 +71,13 @@ class BatchSampler:
     (needle answers weigh `answer_weight`)."""
 
     def __init__(
-        self, corpus: EncodedCorpus, tokenizer, *, niah_fraction: float, answer_weight: float, seed: int
+        self,
+        corpus: EncodedCorpus,
+        tokenizer: PreTrainedTokenizerFast,
+        *,
+        niah_fraction: float,
+        answer_weight: float,
+        seed: int,
     ) -> None:
         self.corpus = corpus
         self.encode = lambda text: tokenizer.backend_tokenizer.encode(text).ids
