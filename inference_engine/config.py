@@ -14,8 +14,8 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 from kv_cache_proposer.backends import BACKENDS
+from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 
 ENV_PREFIX = "KAKEYA_"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
