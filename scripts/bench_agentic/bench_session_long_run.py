@@ -28,12 +28,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import re
-import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,11 +40,11 @@ import kakeya
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from lib.daemon import Daemon
 from lib.results import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
 NAME = "bench_session_long_run"
-_LISTENING = re.compile(r'"msg": "listening", "grpc": "([^"]+)"')
 
 
 @dataclass(slots=True)
@@ -68,53 +64,6 @@ class Sample:
     inv1_violations: int
     inv2_violations: int
     matches_session: bool | None = None
-
-
-class Daemon:
-    """`kakeya-runtime serve` as a child process on a free loopback port."""
-
-    def __init__(self, flags: Sequence[str]) -> None:
-        script = Path(sys.executable).with_name("kakeya-runtime")
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "inference_engine.cli"]
-        self.command = [*command, "serve", "--port", "0", "--metrics-port", "-1", "--log-format", "json", *flags]
-        self.lines: list[str] = []
-        self.address: str | None = None
-        self._listening = threading.Event()
-        self.process = subprocess.Popen(
-            self.command,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            if len(self.lines) < 200:
-                self.lines.append(line.rstrip())
-            if self.address is None and (match := _LISTENING.search(line)):
-                self.address = match.group(1)
-                self._listening.set()
-
-    def wait_listening(self, timeout_s: float = 180.0) -> str:
-        deadline = time.monotonic() + timeout_s
-        while not self._listening.wait(0.1):
-            if self.process.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the daemon did not start:\n" + "\n".join(self.lines[-30:]))
-        assert self.address is not None
-        return self.address
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
 
 
 def run_turns(args: argparse.Namespace, client: kakeya.Client) -> list[Sample]:

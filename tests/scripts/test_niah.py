@@ -1,0 +1,80 @@
+"""Needle documents (scripts/lib/niah.py) and the NIAH harness (scripts/eval_niah.py) on a live daemon."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from lib.niah import build_document  # noqa: E402
+
+WORDS = {i: f"w{i} " for i in range(50)}
+
+
+def encode(text: str) -> list[int]:
+    """A toy tokenizer: one token per character, offset so filler ids (< 1000) never collide."""
+    return [1000 + ord(c) for c in text]
+
+
+FILLER = [[i % 50] * 7 for i in range(300)]
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_a_document_has_the_asked_length_and_its_needle_at_the_asked_depth(depth):
+    doc = build_document(FILLER, encode, 600, [depth], random.Random(0))
+    assert len(doc.prompt) + len(doc.answer) == 600
+    fact = encode(doc.needles[0].fact())
+    text = doc.prompt
+    at = next(i for i in range(len(text)) if text[i : i + len(fact)] == fact)
+    filler_before = sum(1 for t in text[:at] if t < 1000)
+    filler_total = sum(1 for t in text if t < 1000)
+    assert abs(filler_before / filler_total - depth) < 0.05
+    assert doc.answer == encode(doc.needles[0].answer())
+    assert doc.prompt[-len(encode(doc.needles[0].question())) :] == encode(doc.needles[0].question())
+
+
+def test_several_needles_are_each_asked_and_answered_with_their_spans():
+    doc = build_document(FILLER, encode, 800, [0.2, 0.2, 0.9], random.Random(1))
+    tokens = doc.prompt + doc.answer
+    assert len(doc.answer_spans) == 3
+    for needle, (start, end) in zip(doc.needles, doc.answer_spans, strict=True):
+        assert tokens[start:end] == encode(needle.answer())
+        assert encode(needle.fact()) != [] and needle.value in needle.fact()
+
+
+def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
+    command = [
+        sys.executable,
+        "scripts/eval_niah.py",
+        "--lengths",
+        "128,192",
+        "--depths",
+        "2",
+        "--samples",
+        "2",
+        "--window",
+        "48",
+        "--max-tokens",
+        "4",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("eval_niah_*.json")
+    payload = json.loads(path.read_text())
+    summary = payload["summary"]
+    assert set(summary["recall"]) == {"full", "sink_window"}
+    assert all(0.0 <= v <= 1.0 for rungs in summary["recall"].values() for v in rungs.values())
+    assert summary["samples_per_rung"] == {f"{s}/{n}": 2 for s in ("full", "sink_window") for n in (128, 192)}
+    assert set(summary["recall_by_depth"]["full"]["128"]) == {"0.00", "1.00"}
+    recalled = [s for s in payload["samples"] if s["recalled"]]
+    assert all(s["value"] in s["output"] for s in recalled)
+    assert path.with_suffix(".png").is_file()
