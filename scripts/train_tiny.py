@@ -223,10 +223,10 @@ def train_verifier(
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             entry: dict[str, Any] = {"step": step + 1, "seq_len": seq_len, "loss": float(loss), "lr": lr_at(step)}
+            log.append(entry)
             if (step + 1) % recipe.eval_every == 0 or step + 1 == recipe.steps:
                 entry.update(evaluate(model, held, encode, recipe, args.seed))
                 save(step + 1)
-            log.append(entry)
             bar.set_postfix(loss=f"{float(loss):.3f}", len=seq_len)
     save(recipe.steps)
     model.eval()
