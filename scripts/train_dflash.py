@@ -34,7 +34,8 @@ from transformers import Qwen3Config
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.proposers.dflash.checkpoint import DFlashSpec, save_drafter
+from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
+from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
 from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers, sample_anchors

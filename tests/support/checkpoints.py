@@ -63,7 +63,8 @@ def save_draft_model(directory: Path, seed: int = 1) -> Path:
 
 def save_dflash_drafter(directory: Path, *, block_size: int = 4, seed: int = 2, layers: int = 1) -> Path:
     """A random DFlash drafter in the published format for the test checkpoints (hidden 64, 3 verifier layers)."""
-    from kv_cache_proposer.proposers.dflash.checkpoint import DFlashSpec, save_drafter
+    from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
+    from kv_cache_proposer.proposers.dflash.config import DFlashSpec
     from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 
     config = Qwen3Config(

@@ -1,26 +1,20 @@
-"""DFlash drafting on the PyTorch backend.
-
-Each session keeps the drafter's context K/V for committed positions only, under the session's KV strategy. The
-verifier's features of a position arrive with the commit that makes it resident (captured by the same forward),
-are projected to context K/V at once, and are never recomputed. A proposal runs one drafter forward over
-`[last token, MASK x n]` at the next positions and reads the n drafts through the verifier's LM head; the block's
-own K/V are staged and dropped.
-"""
+"""DFlash drafting on the PyTorch backend: the drafter network bound to a torch verifier's embeddings and head."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from kv_cache_proposer.backends.torch_backend.kv_store import TorchSessionCache
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.errors import EngineError, ModelLoadError
-from kv_cache_proposer.proposers.dflash.checkpoint import DFlashSpec, load_drafter
+from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
+from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
+from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
 from kv_cache_proposer.strategies import KVStrategy
 
 
@@ -30,7 +24,13 @@ class DFlashProposer:
     def __init__(
         self, drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, *, max_draft_tokens: int = 0
     ) -> None:
-        _check_compatible(drafter, spec, verifier)
+        check_compatible(
+            spec,
+            drafter.config.hidden_size,
+            hidden_size=verifier.hidden_size,
+            num_layers=verifier.num_layers,
+            vocab_size=verifier.vocab_size,
+        )
         self.drafter = drafter
         self.spec = spec
         self._embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)  # [V, H]
@@ -52,8 +52,9 @@ class DFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        cache = TorchSessionCache(strategy, num_layers=len(self.drafter.layers), device=self._device)
-        return DFlashDraftSession(self, cache)
+        return DFlashDraftSession(
+            self, TorchSessionCache(strategy, num_layers=len(self.drafter.layers), device=self._device)
+        )
 
     @torch.inference_mode()
     def add_context(self, cache: TorchSessionCache, features: torch.Tensor) -> None:
@@ -84,63 +85,3 @@ class DFlashProposer:
             cap = self.spec.final_logit_softcapping
             logits = torch.tanh(logits / cap) * cap
         return [int(t) for t in logits.argmax(dim=-1).tolist()]
-
-
-class DFlashDraftSession:
-    """One session's drafter context."""
-
-    def __init__(self, proposer: DFlashProposer, cache: TorchSessionCache) -> None:
-        self._proposer = proposer
-        self._cache = cache
-
-    @property
-    def max_draft_tokens(self) -> int:
-        return self._proposer.max_draft_tokens
-
-    @property
-    def feature_layers(self) -> Sequence[int]:
-        return self._proposer.spec.target_layer_ids
-
-    @property
-    def nbytes(self) -> int:
-        return self._cache.nbytes
-
-    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
-        # Drafting needs the features of every position before the last token; after an append the pending
-        # tokens have none yet, so that step verifies them without a draft.
-        if self._cache.next_position != len(history) - 1 or max_tokens < 1:
-            return []
-        return self._proposer.draft(self._cache, history[-1], min(max_tokens, self.max_draft_tokens))
-
-    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
-        if features is None:
-            raise EngineError("the DFlash drafter needs verifier features with every commit")
-        count = int(features.shape[0])
-        if committed - count != self._cache.next_position:
-            raise EngineError(
-                f"DFlash context holds {self._cache.next_position} positions but features arrived for "
-                f"{committed - count}..{committed}"
-            )
-        if count:
-            self._proposer.add_context(self._cache, features)
-
-    def release(self) -> None:
-        self._cache.release()
-
-
-def _check_compatible(drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier) -> None:
-    if drafter.config.hidden_size != verifier.hidden_size:
-        raise ModelLoadError(
-            f"the drafter's hidden size {drafter.config.hidden_size} differs from the verifier's {verifier.hidden_size}"
-        )
-    if max(spec.target_layer_ids) >= verifier.num_layers or min(spec.target_layer_ids) < 0:
-        raise ModelLoadError(
-            f"target_layer_ids {list(spec.target_layer_ids)} do not fit a verifier of {verifier.num_layers} layers"
-        )
-    if spec.num_target_layers is not None and spec.num_target_layers != verifier.num_layers:
-        raise ModelLoadError(
-            f"the drafter was built for a verifier of {spec.num_target_layers} layers, this one has "
-            f"{verifier.num_layers}"
-        )
-    if not 0 <= spec.mask_token_id < verifier.vocab_size:
-        raise ModelLoadError(f"mask_token_id {spec.mask_token_id} is outside the verifier vocabulary")

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from kv_cache_proposer.errors import ModelLoadError
-from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter, read_config
+from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
+from kv_cache_proposer.proposers.dflash.config import read_config
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
 from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers, sample_anchors
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
