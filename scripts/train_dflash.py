@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.results import RESULTS_DIR, environment, write_results
 from transformers import Qwen3Config
 
+from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
@@ -159,9 +160,10 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
 
 
 def features_of(verifier: TorchVerifier, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
-    with torch.no_grad():
-        out = verifier.model(input_ids=tokens, output_hidden_states=True)
-    return torch.cat([out.hidden_states[i + 1] for i in layers], dim=-1).float()  # [N, L, F]
+    """The verifier's outputs of `layers` for every position [N, L, F], exactly as verify forwards capture them."""
+    with torch.no_grad(), layer_outputs(verifier.model, layers) as captured:
+        verifier.model(input_ids=tokens)
+    return concatenated(captured, layers).float()
 
 
 def mean_acceptance_length(

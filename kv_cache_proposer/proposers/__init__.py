@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession, NoProposer, Proposer
 from kv_cache_proposer.verifier import Verifier
 
@@ -57,15 +56,19 @@ def load_proposer(
 
         model = load_verifier(backend, options.draft_model, device=device, dtype=dtype)
         return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=options.prefill_chunk_tokens)
-    if backend != "torch":
-        raise ModelLoadError(f"the dflash proposer runs on the torch backend, not {backend!r}")
+    limit = options.block_size - 1 if options.block_size else 0
+    if options.num_draft_tokens:
+        limit = min(limit, options.num_draft_tokens) if limit else options.num_draft_tokens
+    if backend == "mlx":
+        from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
+        from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
+
+        assert isinstance(verifier, MlxVerifier)
+        return MlxDFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
     from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
     from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
 
     assert isinstance(verifier, TorchVerifier)
-    limit = options.block_size - 1 if options.block_size else 0
-    if options.num_draft_tokens:
-        limit = min(limit, options.num_draft_tokens) if limit else options.num_draft_tokens
     return DFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
 
 

@@ -52,7 +52,7 @@ def proposer_settings(checkpoints, tmp_path_factory):
 CASES = [
     *[("torch", p, s, {}) for p in ("ngram", "draft_model", "draft_model_self", "dflash") for s in STRATEGIES],
     *[("torch", p, "full", {"temperature": 0.8, "seed": 21}) for p in ("ngram", "draft_model_self", "dflash")],
-    *[("mlx", p, s, {}) for p in ("ngram", "draft_model") for s in STRATEGIES],
+    *[("mlx", p, s, {}) for p in ("ngram", "draft_model", "dflash") for s in STRATEGIES],
 ]
 
 

@@ -134,6 +134,16 @@ class MlxSessionCache:
         self._key_positions = np.concatenate([self._slot_positions[: self.stage_offset], self._stage_positions[:end]])
 
     @property
+    def key_positions(self) -> np.ndarray:
+        """Global positions of the keys the model call in flight reads (-1: an empty slot) [K]."""
+        return self._key_positions
+
+    @property
+    def query_positions(self) -> np.ndarray:
+        """Global positions of the queries of the model call in flight [n]."""
+        return self._stage_positions[self._query_start : self._query_end]
+
+    @property
     def query_offset(self) -> int:
         """Global position of the first token of the model call in flight."""
         return self._next_position + self._query_start

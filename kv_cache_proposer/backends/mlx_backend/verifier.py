@@ -10,6 +10,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kv_cache_proposer import sampling
+from kv_cache_proposer.backends.mlx_backend.features import tap_layers
 from kv_cache_proposer.backends.mlx_backend.kv_store import MlxSessionCache
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.errors import EngineError
@@ -75,24 +76,51 @@ class MlxVerifier:
         feature_layers: Sequence[int] = (),
         extend_stage: bool = False,
     ) -> VerifyOutput:
-        if feature_layers:
-            raise EngineError("the mlx backend does not capture layer features (the dflash proposer needs torch)")
         block_len = len(token_ids)
         # Positions before the logits rows only need their K/V: a separate model call for them is never asked for
         # its last layer's output or its LM head rows, as in mlx-lm's own prefill.
         head = block_len - logits_rows if block_len - logits_rows >= _KV_ONLY_MIN_TOKENS else 0
-        with mx.stream(self.device):
-            input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
-            layers = cache.begin_stage(block_len, extend=extend_stage)
-            base = cache.block_start
-            if head:
-                cache.select_queries(base, base + head)
-                self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
-                cache.select_queries(base + head, base + block_len)
-            logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
-            rows = logits[0, -logits_rows:].astype(mx.float32)  # [rows, V]
-            mx.eval(rows, cache.staged_arrays())
-        return VerifyOutput(rows)
+        taps = tap_layers(self.model, feature_layers) if feature_layers else []
+        for tap in taps:
+            tap.recording.outputs = []
+        try:
+            with mx.stream(self.device):
+                input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
+                layers = cache.begin_stage(block_len, extend=extend_stage)
+                base = cache.block_start
+                if head:
+                    cache.select_queries(base, base + head)
+                    self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
+                    cache.select_queries(base + head, base + block_len)
+                logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
+                rows = logits[0, -logits_rows:].astype(mx.float32)  # [rows, V]
+                features = None
+                if taps:
+                    # Each tap saw the block in one or two model calls: [1, part, H] each.
+                    parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
+                    features = mx.concatenate(parts, axis=-1)  # [n, L*H]
+                    mx.eval(rows, features, cache.staged_arrays())
+                else:
+                    mx.eval(rows, cache.staged_arrays())
+        finally:
+            for tap in taps:
+                tap.recording.outputs = None
+        return VerifyOutput(rows, features)
+
+    def embed_tokens(self, token_ids: mx.array) -> mx.array:
+        """The model's input embeddings of token ids [B, T] -> [B, T, H] (before any model-specific scaling)."""
+        return self._inner().embed_tokens(token_ids)
+
+    def lm_head(self, hidden: mx.array) -> mx.array:
+        """Logits [..., V] of final hidden states [..., H] through the model's own LM head."""
+        head = getattr(self.model, "lm_head", None)
+        return head(hidden) if head is not None else self._inner().embed_tokens.as_linear(hidden)
+
+    def _inner(self) -> nn.Module:
+        inner = getattr(self.model, "model", None) or getattr(self.model, "language_model", None)
+        if inner is None or not hasattr(inner, "embed_tokens"):
+            raise EngineError(f"cannot find the input embeddings of this {self._model_type} model")
+        return inner
 
     def commit(self, cache: MlxSessionCache, count: int) -> None:
         with mx.stream(self.device):

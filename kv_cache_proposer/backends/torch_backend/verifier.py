@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.kv_store import StagingCache, TorchSessionCache
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
@@ -78,19 +79,16 @@ class TorchVerifier:
         key_positions = cache.begin_stage(block_len, extend=extend_stage)  # [K]
         query_positions = key_positions[-block_len:]  # [n]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=query_positions[None, :],
-            attention_mask=self._attention_masks(cache.strategy, query_positions, key_positions),
-            past_key_values=StagingCache(cache),
-            use_cache=True,
-            logits_to_keep=logits_rows,
-            output_hidden_states=bool(feature_layers),
-        )
-        features = None
-        if feature_layers:
-            # hidden_states[0] is the embedding output; hidden_states[i + 1] the output of decoder layer i.
-            features = torch.cat([output.hidden_states[i + 1][0] for i in feature_layers], dim=-1)  # [n, L*H]
+        with layer_outputs(self.model, feature_layers) as captured:
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=query_positions[None, :],
+                attention_mask=self._attention_masks(cache.strategy, query_positions, key_positions),
+                past_key_values=StagingCache(cache),
+                use_cache=True,
+                logits_to_keep=logits_rows,
+            )
+        features = concatenated(captured, feature_layers)[0] if feature_layers else None  # [n, L*H]
         return VerifyOutput(output.logits[0, -logits_rows:].float(), features)  # logits [rows, V]
 
     @torch.inference_mode()

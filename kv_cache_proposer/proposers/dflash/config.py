@@ -84,3 +84,10 @@ def check_compatible(
         )
     if not 0 <= spec.mask_token_id < vocab_size:
         raise ModelLoadError(f"mask_token_id {spec.mask_token_id} is outside the verifier vocabulary")
+
+
+def layer_windows(raw: dict[str, Any]) -> list[int | None]:
+    """Per drafter layer: its sliding window (`layer_types` / `sliding_window`), or None for full attention."""
+    types = raw.get("layer_types") or ["full_attention"] * raw["num_hidden_layers"]
+    window = raw.get("sliding_window")
+    return [int(window) if t == "sliding_attention" and window else None for t in types]

@@ -22,6 +22,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
+from kv_cache_proposer.proposers.dflash.config import layer_windows
+
 # Hands a layer's new keys/values [B, KVH, n, D] to storage and returns every key/value the block attends to.
 KVStore = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -98,9 +100,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        window = getattr(config, "sliding_window", None)
-        self.layer_windows: list[int | None] = [window if t == "sliding_attention" else None for t in types]
+        self.layer_windows = layer_windows(config.to_dict())
 
     def layer_masks(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> list[torch.Tensor]:
         """Per-layer masks from the base visibility `allowed`; sliding-window layers also drop keys more than

@@ -18,14 +18,17 @@ from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 
 
 def default_target_layers(num_verifier_layers: int, count: int) -> list[int]:
-    """`count` verifier layers spread from the second to the third-last (fewer when the verifier is shallow)."""
+    """`count` verifier layers spread from the second to the third-last; a shallow verifier spreads them over
+    every layer but the last instead."""
     if count < 1:
         raise ValueError("count must be >= 1")
-    if num_verifier_layers < 4 or count == 1:
-        middle = [num_verifier_layers // 2] if count == 1 else list(range(num_verifier_layers))
-        return middle[:count]
-    last = num_verifier_layers - 3
-    return sorted({round(1 + i * (last - 1) / (count - 1)) for i in range(count)})
+    if count == 1:
+        return [num_verifier_layers // 2]
+    first, last = 1, num_verifier_layers - 3
+    if last - first + 1 < count:
+        first, last = 0, num_verifier_layers - 2
+    count = min(count, last - first + 1)
+    return sorted({round(first + i * (last - first) / (count - 1)) for i in range(count)}) if count > 1 else [first]
 
 
 def sample_anchors(length: int, block_size: int, count: int, generator: torch.Generator) -> torch.Tensor:

@@ -90,9 +90,8 @@ def test_drafting_with_cached_context_equals_the_training_forward(drafter_dir, v
     proposer = DFlashProposer.load(drafter_dir, verifier)
     rng = random.Random(0)
     tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(30)]
-    with torch.no_grad():
-        out = verifier.model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
-    features = torch.cat([out.hidden_states[i + 1] for i in proposer.spec.target_layer_ids], dim=-1)  # [1, L, F]
+    layers = proposer.spec.target_layer_ids
+    features = verifier.verify(verifier.new_cache(FullStrategy()), tokens, 1, feature_layers=layers).features[None]
     anchor = 17
     session = proposer.open(strategy)
     # The context arrives in the chunks the decoder would commit.
@@ -105,20 +104,21 @@ def test_drafting_with_cached_context_equals_the_training_forward(drafter_dir, v
     captured = {}
     original = head.forward
     head.forward = lambda hidden: captured.setdefault("logits", original(hidden))
-    try:
-        block_loss(
-            proposer.drafter,
-            embed,
-            head,
-            torch.tensor([tokens]),
-            features,
-            torch.tensor([anchor]),
-            block_size=4,
-            mask_token_id=proposer.spec.mask_token_id,
-            gamma=4.0,
-        )
-    finally:
-        head.forward = original
+    with torch.no_grad():  # the features were captured in inference mode
+        try:
+            block_loss(
+                proposer.drafter,
+                embed,
+                head,
+                torch.tensor([tokens]),
+                features,
+                torch.tensor([anchor]),
+                block_size=4,
+                mask_token_id=proposer.spec.mask_token_id,
+                gamma=4.0,
+            )
+        finally:
+            head.forward = original
     assert drafts == captured["logits"][0, 0].argmax(-1).tolist()
     assert session.nbytes > 0 and session.propose(tokens[:anchor], 3) == [], "no draft without the context"
 

@@ -1,0 +1,56 @@
+"""Capturing decoder-layer outputs of an mlx-lm model during the verifier's own forwards.
+
+mlx-lm models call their decoder layers in order from `model.layers`; a `LayerTap` wraps one of them and keeps its
+outputs while recording. Taps are installed only for the layers a proposer asks for, so other models and layers
+run untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class Recording:
+    """Outputs kept by a tap; a plain object, so MLX never mistakes them for parameters."""
+
+    def __init__(self) -> None:
+        self.outputs: list[mx.array] | None = None
+
+
+class LayerTap(nn.Module):
+    """A decoder layer that also keeps what it returns while its recording is on."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.recording = Recording()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.layer(*args, **kwargs)
+        if self.recording.outputs is not None:
+            self.recording.outputs.append(out[0] if isinstance(out, tuple) else out)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        # Model code reads attributes of its layers (e.g. whether one uses a sliding window): answer for the layer.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "layer" not in self:
+                raise
+            return getattr(self["layer"], name)
+
+
+def tap_layers(model: nn.Module, layer_ids: Sequence[int]) -> list[LayerTap]:
+    """The taps of `layer_ids`, installing the missing ones in the model's layer list."""
+    layers = model.layers
+    taps = []
+    for index in layer_ids:
+        if not isinstance(layers[index], LayerTap):
+            layers[index] = LayerTap(layers[index])
+        taps.append(layers[index])
+    return taps
