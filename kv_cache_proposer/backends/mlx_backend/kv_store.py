@@ -24,6 +24,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from kv_cache_proposer.backends.slots import check_resident, commit_targets
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy
 
@@ -199,7 +200,7 @@ class MlxSessionCache:
             self._slot_positions[offset : offset + count] = self._stage_positions[:count]
             newly_held = count
         else:
-            slots, sources = self._ring_targets(start, count)
+            slots, sources = commit_targets(self._strategy, start, count)
             before = int((self._slot_positions[slots] >= 0).sum()) if slots else 0
             if slots:
                 slot_idx = mx.array(slots)
@@ -222,22 +223,8 @@ class MlxSessionCache:
 
     def check_invariants(self) -> None:
         """INV-1: every layer holds exactly the strategy's resident count, as does the slot table."""
-        expected = self.resident_count
-        for layer_idx, held in enumerate(self._held):
-            if self._keys[layer_idx] is not None and held != expected:
-                raise InvariantViolation(
-                    "inv1", f"layer {layer_idx} holds {held} K/V but {expected} positions are resident"
-                )
-        occupied = int((self._slot_positions >= 0).sum())
-        if occupied != expected:
-            raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
-
-    def _ring_targets(self, start: int, count: int) -> tuple[list[int], list[int]]:
-        """(slot, stage index) pairs for committing positions [start, start + count); later positions win."""
-        targets: dict[int, int] = {}
-        for i in range(count):
-            targets[self._strategy.slot_of(start + i)] = i
-        return list(targets), list(targets.values())
+        held = [count if self._keys[i] is not None else None for i, count in enumerate(self._held)]
+        check_resident(held, int((self._slot_positions >= 0).sum()), self.resident_count)
 
     def _grow(self, capacity: int) -> None:
         positions = np.full((capacity,), -1, dtype=np.int64)

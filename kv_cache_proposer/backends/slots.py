@@ -1,0 +1,28 @@
+"""Slot bookkeeping shared by the backends' session caches: where a commit writes, and INV-1."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.strategies import KVStrategy
+
+
+def commit_targets(strategy: KVStrategy, start: int, count: int) -> tuple[list[int], list[int]]:
+    """(slot, stage index) pairs for committing positions [start, start + count); later positions win a slot."""
+    targets: dict[int, int] = {}
+    for i in range(count):
+        targets[strategy.slot_of(start + i)] = i
+    return list(targets), list(targets.values())
+
+
+def check_resident(held: Sequence[int | None], occupied: int, expected: int) -> None:
+    """INV-1: every layer that stores K/V (`held[i]` not None) holds exactly `expected` entries, as does the slot
+    table (`occupied`)."""
+    for layer_idx, count in enumerate(held):
+        if count is not None and count != expected:
+            raise InvariantViolation(
+                "inv1", f"layer {layer_idx} holds {count} K/V but {expected} positions are resident"
+            )
+    if occupied != expected:
+        raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
