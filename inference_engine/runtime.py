@@ -267,6 +267,8 @@ class Runtime:
                     self._record_prefill(tally)
                     if seq.cache.evicted_count:
                         yield TruncatedEvent(int(seq.cache.evicted_count))
+                # Every token of the step is in the history now, even if the consumer stops reading midway.
+                self.metrics.generate_tokens.inc(len(step.tokens))
                 for token in step.tokens:
                     now = clock()
                     if tally.last_token_at is not None:
@@ -274,7 +276,6 @@ class Runtime:
                     tally.last_token_at = now
                     tally.generated += 1
                     yield TokenEvent(token)
-                self.metrics.generate_tokens.inc(len(step.tokens))
                 self.store.touch(session)
                 within_budget = self.store.enforce_budget(protect=session)
                 self.store.refresh_gauges()
