@@ -59,7 +59,11 @@ class ServerConfig:
         "(a DFlash drafter, --draft-model)",
         choices=PROPOSERS,
     )
-    draft_model: str = _opt("", "draft_model: local checkpoint directory; dflash: local drafter directory")
+    draft_model: str = _opt(
+        "",
+        "draft_model: local checkpoint directory; dflash: local drafter directory (empty: the model directory's "
+        "dflash/ subdirectory when it has one, as the bundled model does)",
+    )
     num_draft_tokens: int = _opt(
         0, "most tokens drafted per step (0: the proposer's default: ngram 8, draft_model 4, dflash block size - 1)"
     )
@@ -141,13 +145,17 @@ class ServerConfig:
     def proposer_options(self) -> ProposerOptions:
         return ProposerOptions(
             name=self.proposer,
-            draft_model=self.draft_model or None,
+            draft_model=self.draft_model or self._bundled_drafter(),
             num_draft_tokens=self.num_draft_tokens,
             block_size=self.block_size,
             ngram_max_n=self.ngram_max_n,
             ngram_min_n=self.ngram_min_n,
             prefill_chunk_tokens=self.prefill_chunk_tokens,
         )
+
+    def _bundled_drafter(self) -> Path | None:
+        drafter = self.model_dir / "dflash"
+        return drafter if self.proposer == "dflash" and (drafter / "config.json").is_file() else None
 
     @property
     def model_dir(self) -> Path:

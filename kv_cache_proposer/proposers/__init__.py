@@ -28,7 +28,8 @@ class ProposerOptions:
         if self.name not in PROPOSERS:
             raise ValueError(f"unknown proposer {self.name!r}; expected one of {', '.join(PROPOSERS)}")
         if self.name in ("draft_model", "dflash") and not self.draft_model:
-            raise ValueError(f"the {self.name} proposer needs a model directory (--draft-model)")
+            where = "--draft-model" + (", or a dflash/ subdirectory of the model" if self.name == "dflash" else "")
+            raise ValueError(f"the {self.name} proposer needs a model directory ({where})")
         if self.num_draft_tokens < 0 or self.block_size < 0:
             raise ValueError("num_draft_tokens and block_size must be >= 0")
         if self.block_size == 1:

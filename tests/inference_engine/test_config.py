@@ -71,3 +71,15 @@ def test_loopback_detection():
 
 def test_secrets_are_redacted_for_logs():
     assert ServerConfig(api_key="top").redacted()["api_key"] == "***"
+
+
+def test_dflash_without_a_drafter_uses_the_model_directorys_own(tmp_path):
+    bundled = load_config({"proposer": "dflash"}, environ={})
+    assert bundled.proposer_options().draft_model == BUNDLED_MODEL_DIR / "dflash"
+    explicit = load_config({"proposer": "dflash", "draft_model": str(tmp_path)}, environ={})
+    assert explicit.proposer_options().draft_model == str(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="needs a model directory"):
+        load_config({"proposer": "dflash", "model": str(tmp_path)}, environ={})
+    with pytest.raises(ConfigError, match="needs a model directory"):
+        load_config({"proposer": "draft_model"}, environ={})
