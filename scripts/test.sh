@@ -31,7 +31,7 @@ ruff format --check .
 
 step "mypy"
 mypy
-mypy sdks/python/examples scripts/bench_agentic
+mypy sdks/python/examples scripts
 
 step "TypeScript SDK: generated code is current"
 (cd sdks/typescript && node scripts/codegen.mjs --check)
