@@ -4,11 +4,16 @@ Every proposer decodes the same prompts greedily with the same verifier, in one 
 repeat so machine noise hits all of them alike. Greedy outputs must be identical to `none`; the summary states
 each proposer's speedup over `none` (a ratio of tokens/s), whatever it is.
 
-Prompts are slices of a local text corpus tokenized with the verifier's tokenizer (default: a Python standard
-library module, which every machine has), or of a `.npy` token-id file.
+Prompts are slices of a local text corpus tokenized with the verifier's tokenizer (default: the held-out files of
+the standard-library corpus `scripts/train_tiny.py` trains on, text the bundled model never saw), or of a `.npy`
+token-id file.
+
+The dflash arm uses `--dflash`, else the model directory's own `dflash/` drafter when it has one. The draft_model
+arm uses `--draft-model`, else (with `--draft-layers N`) the verifier cut to its first N decoder layers, which keeps
+its embeddings, final norm and LM head: a smaller AR model with the same vocabulary, written to a temporary directory.
 
 Usage:
-    python scripts/bench_speculative.py [--model DIR] [--dflash DRAFTER_DIR] [--draft-model DIR]
+    python scripts/bench_speculative.py [--model DIR] [--dflash DRAFTER_DIR] [--draft-model DIR | --draft-layers N]
         [--corpus FILE] [--prompts 8] [--prompt-tokens 128] [--max-tokens 64] [--repeats 2] [--results-dir DIR]
 """
 
@@ -17,7 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import sysconfig
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
@@ -36,15 +42,19 @@ from kv_cache_proposer.proposers.base import Proposer
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy
 
-DEFAULT_CORPUS = Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py"
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier checkpoint directory")
     p.add_argument("--dflash", type=Path, help="DFlash drafter directory (adds the dflash arm)")
     p.add_argument("--draft-model", type=Path, help="smaller checkpoint (adds the draft_model arm)")
-    p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="text file or .npy token ids")
+    p.add_argument(
+        "--draft-layers",
+        type=int,
+        default=0,
+        help="without --draft-model: add a draft_model arm that is the verifier cut to its first N layers",
+    )
+    p.add_argument("--corpus", type=Path, help="text file or .npy token ids (default: held-out standard library)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -58,17 +68,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_prompts(args: argparse.Namespace) -> list[list[int]]:
-    if args.corpus.suffix == ".npy":
+    if args.corpus is not None and args.corpus.suffix == ".npy":
         ids = np.load(args.corpus).astype(np.int64).reshape(-1)
     else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        ids = np.asarray(tokenizer.encode(args.corpus.read_text(errors="replace")), dtype=np.int64)
+        files = [args.corpus] if args.corpus is not None else split_sources(stdlib_sources())[1]
+        ids = np.asarray(tokenizer.encode("".join(read_text(f) for f in files)), dtype=np.int64)
     if len(ids) < args.prompt_tokens:
-        raise SystemExit(f"{args.corpus} holds {len(ids)} tokens, fewer than --prompt-tokens {args.prompt_tokens}")
+        raise SystemExit(f"the corpus holds {len(ids)} tokens, fewer than --prompt-tokens {args.prompt_tokens}")
     starts = np.linspace(0, len(ids) - args.prompt_tokens, args.prompts).astype(int)
     return [[int(t) for t in ids[s : s + args.prompt_tokens]] for s in starts]
+
+
+def truncated_copy(model_dir: Path, layers: int, out: Path) -> Path:
+    """The checkpoint in `model_dir` cut to its first `layers` decoder layers, saved to `out`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+    config = model.config
+    if not 1 <= layers < config.num_hidden_layers:
+        raise SystemExit(f"--draft-layers must be in 1..{config.num_hidden_layers - 1}, got {layers}")
+    model.model.layers = model.model.layers[:layers]
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    model.save_pretrained(out)
+    return out
 
 
 def decode(verifier: TorchVerifier, proposer: Proposer, prompt: list[int], max_tokens: int) -> dict[str, Any]:
@@ -151,6 +178,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     verifier = TorchVerifier.load(args.model, device=args.device, dtype=args.dtype)
+    scratch = tempfile.TemporaryDirectory(prefix="bench-speculative-")
+    if args.draft_model is None and args.draft_layers:
+        args.draft_model = truncated_copy(args.model, args.draft_layers, Path(scratch.name) / "draft")
+    if args.dflash is None and (args.model / "dflash" / "config.json").is_file():
+        args.dflash = args.model / "dflash"
     arms: dict[str, ProposerOptions] = {"none": ProposerOptions(), "ngram": ProposerOptions(name="ngram")}
     if args.draft_model:
         arms["draft_model"] = ProposerOptions(name="draft_model", draft_model=args.draft_model)

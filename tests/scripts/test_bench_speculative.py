@@ -50,3 +50,26 @@ def test_the_benchmark_compares_every_proposer_on_the_same_prompts(checkpoints, 
     assert proposers["ngram"]["verifier_forwards_per_token"] < 1.0, "the prompt repeats: lookup drafts get accepted"
     assert path.with_suffix(".png").is_file()
     assert len(payload["samples"]["dflash"]) == 2
+
+
+def test_draft_layers_cuts_the_verifier_into_a_draft_model(checkpoints, tmp_path):
+    import numpy as np
+
+    corpus = tmp_path / "corpus.npy"
+    np.save(corpus, np.arange(100) % 60)
+    common = [sys.executable, "scripts/bench_speculative.py", "--model", str(checkpoints["qwen3"])]
+    small = ["--corpus", str(corpus), "--prompts", "1", "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1"]
+    result = subprocess.run(
+        [*common, *small, "--draft-layers", "1", "--results-dir", str(tmp_path / "results")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = (tmp_path / "results").glob("bench_speculative_*.json")
+    proposers = json.loads(path.read_text())["summary"]["proposers"]
+    assert set(proposers) == {"none", "ngram", "draft_model"}
+    assert proposers["draft_model"]["identical_to_none"] and proposers["draft_model"]["draft_acceptance_rate"] > 0
+    too_deep = subprocess.run([*common, *small, "--draft-layers", "9"], cwd=ROOT, capture_output=True, text=True)
+    assert too_deep.returncode != 0 and "--draft-layers must be in" in too_deep.stderr
