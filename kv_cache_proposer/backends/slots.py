@@ -1,4 +1,4 @@
-"""Slot bookkeeping shared by the backends' session caches: where a commit writes, and INV-1."""
+"""Slot bookkeeping shared by the backends' session caches: positions, where a commit writes, and INV-1."""
 
 from __future__ import annotations
 
@@ -6,6 +6,29 @@ from collections.abc import Sequence
 
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy
+
+
+class PositionBookkeeping:
+    """The position counters of a session cache, derived from its strategy and its next position."""
+
+    _strategy: KVStrategy
+    _next_position: int
+
+    @property
+    def strategy(self) -> KVStrategy:
+        return self._strategy
+
+    @property
+    def next_position(self) -> int:
+        return self._next_position
+
+    @property
+    def resident_count(self) -> int:
+        return self._strategy.resident_count(self._next_position)
+
+    @property
+    def evicted_count(self) -> int:
+        return self._next_position - self.resident_count
 
 
 def commit_targets(strategy: KVStrategy, start: int, count: int) -> tuple[list[int], list[int]]:

@@ -24,7 +24,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
-from kv_cache_proposer.backends.slots import check_resident, commit_targets
+from kv_cache_proposer.backends.slots import PositionBookkeeping, check_resident, commit_targets
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy
 
@@ -33,7 +33,7 @@ _GROWTH_TOKENS = 256
 AttentionMask = mx.array | Literal["causal"] | None
 
 
-class MlxSessionCache:
+class MlxSessionCache(PositionBookkeeping):
     """K/V buffers of one session, shared by every layer's slot table."""
 
     def __init__(self, strategy: KVStrategy, *, layer_windows: tuple[int | None, ...]) -> None:
@@ -54,22 +54,6 @@ class MlxSessionCache:
         self.layers = [StagingLayer(self, i, window) for i, window in enumerate(layer_windows)]
 
     # -- SessionCache ------------------------------------------------------------------------------------------
-    @property
-    def strategy(self) -> KVStrategy:
-        return self._strategy
-
-    @property
-    def next_position(self) -> int:
-        return self._next_position
-
-    @property
-    def resident_count(self) -> int:
-        return self._strategy.resident_count(self._next_position)
-
-    @property
-    def evicted_count(self) -> int:
-        return self._next_position - self.resident_count
-
     @property
     def nbytes(self) -> int:
         total = int(self._slot_positions.nbytes)

@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kv_cache_proposer.backends.slots import check_resident, commit_targets
+from kv_cache_proposer.backends.slots import PositionBookkeeping, check_resident, commit_targets
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy
 
 _GROWTH_TOKENS = 256
 
 
-class TorchSessionCache:
+class TorchSessionCache(PositionBookkeeping):
     """K/V buffers of one session, shared by every layer's slot table."""
 
     def __init__(self, strategy: KVStrategy, *, num_layers: int, device: torch.device) -> None:
@@ -42,22 +42,6 @@ class TorchSessionCache:
         self._released = False
 
     # -- SessionCache ------------------------------------------------------------------------------------------
-    @property
-    def strategy(self) -> KVStrategy:
-        return self._strategy
-
-    @property
-    def next_position(self) -> int:
-        return self._next_position
-
-    @property
-    def resident_count(self) -> int:
-        return self._strategy.resident_count(self._next_position)
-
-    @property
-    def evicted_count(self) -> int:
-        return self._next_position - self.resident_count
-
     @property
     def nbytes(self) -> int:
         total = self._slot_positions.numel() * self._slot_positions.element_size()
