@@ -67,7 +67,7 @@ def test_serving_the_bundled_model_and_stopping_gracefully_on_sigterm(daemon):
     with grpc.insecure_channel(f"{host}:{port}") as channel:
         stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
         sid = stub.CreateSession(pb.CreateSessionRequest(initial_token_ids=list(b"Hello"))).session_id
-        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_tokens=200))
+        stream = stub.Generate(pb.GenerateRequest(session_id=sid, max_tokens=64))
         first = next(stream)
         assert first.WhichOneof("payload") == "token_id"
         server.terminate()  # the in-flight generation finishes within the grace period

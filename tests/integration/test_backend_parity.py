@@ -3,6 +3,7 @@ within the documented tolerance, the same sampled token from the same logits, th
 
 from __future__ import annotations
 
+import json
 import random
 
 import grpc
@@ -103,7 +104,8 @@ def test_the_console_script_serves_the_bundled_model_with_backend_mlx():
     )
     try:
         host, port = daemon.wait_listening()
-        assert "mlx qwen3 (2 layers) on cpu float32" in daemon.output
+        layers = json.loads((BUNDLED_MODEL_DIR / "config.json").read_text())["num_hidden_layers"]
+        assert f"mlx qwen3 ({layers} layers) on cpu float32" in daemon.output
         with grpc.insecure_channel(f"{host}:{port}") as channel:
             stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
             served = generate(stub, create(stub, initial=prompt), max_tokens=NEW_TOKENS).tokens

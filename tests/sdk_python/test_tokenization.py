@@ -20,7 +20,6 @@ from transformers import PreTrainedTokenizerFast
 ROOT = Path(__file__).resolve().parents[2]
 BUNDLED = ROOT / "inference_engine" / "models" / "kakeya-tiny"
 QWEN3_STYLE = ROOT / "sdks" / "python" / "examples" / "qwen3_style_chat_template.jinja"
-IM_END = 258
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def qwen3_style():
 
 def _reply(tokenizer, text: str) -> list[int]:
     """Tokens a model would generate for a reply: the text, then its end-of-turn token."""
-    return [*tokenizer.encode(text, add_special_tokens=False), IM_END]
+    return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.convert_tokens_to_ids("<|im_end|>")]
 
 
 def test_tokens_for_chat_is_the_templates_rendering_with_a_generation_prompt(chatml):

@@ -18,7 +18,9 @@ from inference_engine.transport.text_codec import StopStrings, TextCodec, TextDe
 
 TINY = TextCodec.load(BUNDLED_MODEL_DIR)
 TINY_TOKENIZER = TINY._tokenizer
-EOS = 258
+assert TINY_TOKENIZER is not None
+EOS = TINY_TOKENIZER.convert_tokens_to_ids("<|im_end|>")
+END_OF_TEXT = TINY_TOKENIZER.convert_tokens_to_ids("<|endoftext|>")
 
 
 def _run(decoder: TextDecoder, tokens: list[int]) -> tuple[str, list[str]]:
@@ -28,19 +30,19 @@ def _run(decoder: TextDecoder, tokens: list[int]) -> tuple[str, list[str]]:
 
 def _reference(tokens: list[int]) -> str:
     assert TINY_TOKENIZER is not None
-    return TINY_TOKENIZER.decode([t for t in tokens if t != EOS], skip_special_tokens=True)
+    return TINY_TOKENIZER.decode([t for t in tokens if t not in (EOS, END_OF_TEXT)], skip_special_tokens=True)
 
 
 def test_the_bundled_model_has_a_chat_template_and_its_end_of_turn_token_ends_generations():
     assert TINY.has_chat_template and TINY.missing_reason == ""
-    assert TINY.eos_token_ids == (EOS,)
+    assert TINY.eos_token_ids == tuple(sorted((EOS, END_OF_TEXT)))
     rendered = TINY.render_chat([{"role": "user", "content": "hi"}])
     assert TINY_TOKENIZER is not None
     assert TINY_TOKENIZER.decode(rendered) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(min_value=0, max_value=259), max_size=40))
+@given(st.lists(st.integers(min_value=0, max_value=len(TINY_TOKENIZER) - 1), max_size=40))
 def test_incremental_decoding_equals_decoding_all_tokens_at_once(tokens):
     text, _ = _run(TINY.decoder(), tokens)
     assert text == _reference(tokens)
@@ -49,11 +51,11 @@ def test_incremental_decoding_equals_decoding_all_tokens_at_once(tokens):
 def test_a_character_split_across_tokens_is_released_only_when_complete():
     message = "héllo wörld 日本語 🎉 done"
     tokens = TINY.encode_prompt(message)
-    assert len(tokens) == len(message.encode())  # byte-level: multi-byte characters span several tokens
+    # byte-level: some multi-byte characters span several tokens, which decode alone to replacement characters
+    assert any("\ufffd" in TINY_TOKENIZER.decode([t]) for t in tokens)
     text, pieces = _run(TINY.decoder(), tokens)
     assert text == message
     assert all("\ufffd" not in piece for piece in pieces)
-    assert "日" in pieces and "🎉" in pieces
 
 
 def test_pieces_that_depend_on_their_neighbours_decode_as_in_one_piece(tmp_path):
@@ -78,7 +80,6 @@ def test_pieces_that_depend_on_their_neighbours_decode_as_in_one_piece(tmp_path)
     st.integers(min_value=1, max_value=4),
 )
 def test_the_text_ends_before_the_first_stop_string_and_nothing_after_it_leaks(data, start, length):
-    # printable ASCII bytes are single tokens of the byte-level tokenizer
     message = bytes(data).decode()
     tokens = TINY.encode_prompt(message)
     stop = message[start : start + length] or "\x00"
@@ -97,8 +98,11 @@ def test_the_stop_is_found_at_the_token_that_completes_it_and_later_tokens_are_i
         released.append(decoder.push(token))
         if decoder.stopped:
             break
-    assert len(released) == len("hello w")
     assert "".join(released) == "hel"
+    completed = len(released)
+    assert "lo w" in TINY_TOKENIZER.decode(tokens[:completed]) and "lo w" not in TINY_TOKENIZER.decode(
+        tokens[: completed - 1]
+    )
     assert decoder.push(TINY.encode_prompt("x")[0]) == "" and decoder.finish() == ""
 
 
@@ -159,4 +163,4 @@ def test_end_of_sequence_ids_come_from_the_tokenizer_and_the_generation_config(t
     shutil.copytree(BUNDLED_MODEL_DIR, model)
     config = json.loads((model / "generation_config.json").read_text())
     (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [256, 258]}))
-    assert TextCodec.load(model).eos_token_ids == (256, 258)
+    assert TextCodec.load(model).eos_token_ids == tuple(sorted({EOS, 256, 258}))
