@@ -65,10 +65,13 @@ class Recipe:
     eval_every: int = 250
     eval_windows: int = 16
     eval_docs: int = 16
-    drafter_steps: int = 3000
+    drafter_steps: int = 2000
     drafter_layers: int = 1
     drafter_block_size: int = 8
-    drafter_self_generate: int = 200_000
+    drafter_target_layers: list[int] = field(default_factory=lambda: [1, 3])
+    drafter_lr: float = 2e-3
+    drafter_self_generate: int = 400_000  # the verifier's own greedy text: the distribution the drafter meets
+    drafter_corpus_tokens: int = 20_000  # training-set source, also the prompts of the self-generated text
     max_files: int = 0  # 0: every corpus file
 
 
@@ -89,7 +92,9 @@ QUICK = Recipe(
     eval_docs=4,
     drafter_steps=20,
     drafter_block_size=4,
+    drafter_target_layers=[0, 1],
     drafter_self_generate=2000,
+    drafter_corpus_tokens=8000,
     max_files=40,
 )
 
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     export(model, tokenizer, args.out)
 
     corpus_file = args.work / "drafter_corpus.npy"
-    np.save(corpus_file, train.stream[: 4 * recipe.drafter_self_generate].astype(np.int64))
+    np.save(corpus_file, train.stream[: recipe.drafter_corpus_tokens].astype(np.int64))
     drafter_args = [
         "--model",
         str(args.out),
@@ -290,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         str(recipe.drafter_steps),
         "--layers",
         str(recipe.drafter_layers),
+        "--target-layers",
+        *map(str, recipe.drafter_target_layers),
+        "--lr",
+        str(recipe.drafter_lr),
         "--block-size",
         str(recipe.drafter_block_size),
         "--seq-len",
