@@ -1,6 +1,6 @@
 import { afterAll, describe, expect, it } from "vitest";
 import { CancelledError, InvalidArgumentError, KakeyaError, SessionNotFoundError } from "../src/index.js";
-import { PROMPT, eventually, sharedClient } from "./support/fixtures.js";
+import { OUT_OF_VOCABULARY, PROMPT, eventually, sharedClient } from "./support/fixtures.js";
 
 const client = sharedClient();
 afterAll(() => client.close());
@@ -98,7 +98,7 @@ describe("Conversation (Converse)", () => {
   it("an invalid token ends the stream: pending and later commands fail with InvalidArgumentError", async () => {
     const session = await client.createSession({ initialTokens: PROMPT });
     const conversation = await session.converse();
-    const bad = conversation.append([260]);
+    const bad = conversation.append([OUT_OF_VOCABULARY]);
     await expect(bad).rejects.toBeInstanceOf(InvalidArgumentError);
     expect(() => conversation.generate({ maxTokens: 1 })).toThrow(InvalidArgumentError);
     await conversation.close();

@@ -13,13 +13,12 @@ import {
   UnauthenticatedError,
   UnavailableError,
 } from "../src/index.js";
-import { PROMPT, sharedClient } from "./support/fixtures.js";
+import { OUT_OF_VOCABULARY, PROMPT, sharedClient } from "./support/fixtures.js";
 
 const client = sharedClient();
 afterAll(() => client.close());
 
-// The shared daemon's vocabulary has 260 ids and its --max-append-tokens is 512.
-const OUT_OF_VOCABULARY = 260;
+// The shared daemon's --max-append-tokens is 512.
 
 describe("typed errors", () => {
   it("an unknown session id fails every call with SessionNotFoundError (NOT_FOUND)", async () => {

