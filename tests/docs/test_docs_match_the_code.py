@@ -43,7 +43,16 @@ def test_every_exported_metric_is_described_in_the_operator_guide():
     assert not missing
 
 
-def test_every_document_linked_from_the_readme_exists():
+def _anchor(heading: str) -> str:
+    """The fragment a Markdown renderer gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_document_and_section_linked_from_the_readme_exists():
     readme = (ROOT / "README.md").read_text()
     for link in re.findall(r"\]\((docs/[^)]+)\)", readme):
-        assert (ROOT / link).is_file(), link
+        path, _, fragment = link.partition("#")
+        assert (ROOT / path).is_file(), link
+        if fragment:
+            headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), flags=re.MULTILINE)
+            assert fragment in {_anchor(h) for h in headings}, link
