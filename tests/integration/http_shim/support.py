@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -10,10 +11,23 @@ from typing import Any
 import httpx
 import openai
 
+from inference_engine.config import BUNDLED_MODEL_DIR
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.server import Generation, RunningServer, create, generate
 
 MODEL = "kakeya-tiny"
+
+
+def _end_ids() -> list[int]:
+    """The bundled model's end-of-sequence ids as a client reads them: the tokenizer's and generation_config.json's."""
+    tokenizer = json.loads((BUNDLED_MODEL_DIR / "tokenizer_config.json").read_text())
+    vocab = json.loads((BUNDLED_MODEL_DIR / "tokenizer.json").read_text())["added_tokens"]
+    ids = {token["id"] for token in vocab if token["content"] == tokenizer["eos_token"]}
+    generation = json.loads((BUNDLED_MODEL_DIR / "generation_config.json").read_text()).get("eos_token_id", [])
+    return sorted(ids | set(generation if isinstance(generation, list) else [generation]))
+
+
+EOS_IDS = _end_ids()
 DEPRECATION_HEADERS = ("deprecation", "sunset", "link")
 
 

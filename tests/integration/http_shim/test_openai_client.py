@@ -10,6 +10,7 @@ import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
 from tests.integration.http_shim.support import (
+    EOS_IDS,
     MODEL,
     assert_deprecated,
     client,
@@ -33,8 +34,7 @@ def _rendered(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
 
 
 def _expected_text(tokenizer: Any, result: Generation) -> str:
-    eos = {tokenizer.eos_token_id}
-    return tokenizer.decode([t for t in result.tokens if t not in eos], skip_special_tokens=True)
+    return tokenizer.decode([t for t in result.tokens if t not in EOS_IDS], skip_special_tokens=True)
 
 
 def _expected_finish(result: Generation) -> str:
@@ -52,7 +52,7 @@ def _stream_chat(shim: Any, **kwargs: Any) -> tuple[str, list[Any]]:
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_chat_completion_equals_the_grpc_generation_of_the_rendered_tokens(shim, tiny_tokenizer, sampling):
     prompt = _rendered(tiny_tokenizer, MESSAGES)
-    reference = grpc_generation(shim, prompt, [tiny_tokenizer.eos_token_id], max_tokens=24, **sampling)
+    reference = grpc_generation(shim, prompt, EOS_IDS, max_tokens=24, **sampling)
 
     reply = client(shim).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=24, **sampling)
 
@@ -71,7 +71,7 @@ def test_chat_completion_equals_the_grpc_generation_of_the_rendered_tokens(shim,
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_streamed_chat_equals_the_grpc_generation_and_reports_usage_last(shim, tiny_tokenizer, sampling):
     prompt = _rendered(tiny_tokenizer, MESSAGES)
-    reference = grpc_generation(shim, prompt, [tiny_tokenizer.eos_token_id], max_tokens=24, **sampling)
+    reference = grpc_generation(shim, prompt, EOS_IDS, max_tokens=24, **sampling)
 
     text, chunks = _stream_chat(
         shim, messages=MESSAGES, max_tokens=24, stream_options={"include_usage": True}, **sampling
@@ -112,7 +112,7 @@ def test_the_raw_event_stream_ends_with_done_and_carries_the_deprecation_headers
 def test_text_completion_equals_the_grpc_generation_of_the_encoded_prompt(shim, tiny_tokenizer, stream):
     prompt_text = "Once upon a time"
     prompt = tiny_tokenizer.encode(prompt_text, add_special_tokens=True)
-    reference = grpc_generation(shim, prompt, [tiny_tokenizer.eos_token_id], max_tokens=20, **SAMPLED)
+    reference = grpc_generation(shim, prompt, EOS_IDS, max_tokens=20, **SAMPLED)
     api = client(shim).completions
     if stream:
         chunks = list(
@@ -138,14 +138,14 @@ def test_text_completion_equals_the_grpc_generation_of_the_encoded_prompt(shim, 
 
 def test_a_prompt_of_token_ids_is_generated_from_as_given(shim, tiny_tokenizer):
     prompt = tiny_tokenizer.encode("The sky is", add_special_tokens=False)
-    reference = grpc_generation(shim, prompt, [tiny_tokenizer.eos_token_id], max_tokens=12)
+    reference = grpc_generation(shim, prompt, EOS_IDS, max_tokens=12)
     reply = client(shim).completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
     assert reply.choices[0].text == _expected_text(tiny_tokenizer, reference)
     assert reply.usage is not None and reply.usage.prompt_tokens == len(prompt)
 
 
 def test_completions_default_to_sixteen_tokens_and_chat_samples_at_temperature_one(shim, tiny_tokenizer):
-    eos = [tiny_tokenizer.eos_token_id]
+    eos = EOS_IDS
     reference = grpc_generation(shim, tiny_tokenizer.encode("Hello"), eos, max_tokens=16)
     assert len(reference.tokens) == 16, "precondition: greedy decoding from 'Hello' runs 16 tokens without EOS"
     reply = client(shim).completions.create(model=MODEL, prompt="Hello", temperature=0)
@@ -160,11 +160,11 @@ def test_completions_default_to_sixteen_tokens_and_chat_samples_at_temperature_o
 
 def test_an_end_of_sequence_token_finishes_with_stop_and_is_counted_but_not_shown(shim, tiny_tokenizer):
     prompt = _rendered(tiny_tokenizer, MESSAGES)
-    eos = tiny_tokenizer.eos_token_id
     seed, reference = next(
         (seed, result)
         for seed in range(200)
-        if (result := grpc_generation(shim, prompt, [eos], max_tokens=48, temperature=2.0, seed=seed)).tokens[-1] == eos
+        if (result := grpc_generation(shim, prompt, EOS_IDS, max_tokens=48, temperature=2.0, seed=seed)).tokens[-1]
+        in EOS_IDS
     )
     reply = client(shim).chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=48, temperature=2.0, seed=seed
@@ -185,7 +185,7 @@ def _first_ascii_pair(text: str) -> str:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_a_stop_string_ends_the_text_before_it_and_counts_the_tokens_up_to_it(shim, tiny_tokenizer, stream):
     prompt = _rendered(tiny_tokenizer, MESSAGES)
-    reference = grpc_generation(shim, prompt, [tiny_tokenizer.eos_token_id], max_tokens=40)
+    reference = grpc_generation(shim, prompt, EOS_IDS, max_tokens=40)
     full = _expected_text(tiny_tokenizer, reference)
     stop = _first_ascii_pair(full)
     cut = full.index(stop)
