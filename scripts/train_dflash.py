@@ -11,7 +11,8 @@ prompts, and `OUT/training_log.json` plus `results/train_dflash_<stamp>.json` (+
 
 Usage:
     python scripts/train_dflash.py --model VERIFIER_DIR --out DRAFTER_DIR [--corpus FILE ...]
-        [--self-generate TOKENS] [--steps 2000] [--layers 1] [--block-size 8] [--resume]
+        [--self-generate TOKENS [--prompt-corpus FILE] [--generate-prompt-len 16] [--generate-new-tokens N]]
+        [--eval-corpus FILE] [--steps 2000] [--layers 1] [--block-size 8] [--resume]
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", action="append", type=Path, default=[], help=".npy token ids or a text file")
     p.add_argument("--self-generate", type=int, default=0, help="tokens of verifier-generated text to add")
     p.add_argument("--generate-temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    p.add_argument(
+        "--generate-prompt-len", type=int, default=16, help="tokens of corpus text each self-generated row continues"
+    )
+    p.add_argument(
+        "--prompt-corpus",
+        type=Path,
+        help=".npy token ids or text file the self-generated rows continue, not trained on (default: the corpus)",
+    )
+    p.add_argument("--generate-new-tokens", type=int, help="tokens generated per row (default: --seq-len)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
@@ -64,6 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--holdout-fraction", type=float, default=0.05)
+    p.add_argument(
+        "--eval-corpus",
+        type=Path,
+        help="held-out .npy token ids or text file for the evaluation prompts (default: the corpus's held-out tail)",
+    )
     p.add_argument("--eval-prompts", type=int, default=8)
     p.add_argument("--eval-prompt-len", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=64)
@@ -72,23 +87,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("generate_prompt_len", "generate_new_tokens", "eval_prompt_len", "eval_prompts"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    return args
+
+
+def read_tokens(path: Path, model: Path) -> np.ndarray:
+    """Token ids of a `.npy` file, or of a text file tokenized with the verifier's tokenizer."""
+    if path.suffix == ".npy":
+        return np.load(path).astype(np.int64).reshape(-1)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    return np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int64)
 
 
 def load_corpus(args: argparse.Namespace, verifier: TorchVerifier) -> np.ndarray:
-    parts: list[np.ndarray] = []
-    tokenizer = None
-    for path in args.corpus:
-        if path.suffix == ".npy":
-            parts.append(np.load(path).astype(np.int64).reshape(-1))
-            continue
-        if tokenizer is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        parts.append(np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int64))
+    parts = [read_tokens(path, args.model) for path in args.corpus]
     if args.self_generate:
-        parts.append(self_generate(verifier, args, np.concatenate(parts) if parts else None))
+        seeds = np.concatenate(parts) if parts else None
+        if args.prompt_corpus is not None:
+            seeds = read_tokens(args.prompt_corpus, args.model)
+            if len(seeds) <= args.generate_prompt_len:
+                raise SystemExit(
+                    f"--prompt-corpus holds {len(seeds)} tokens, not more than --generate-prompt-len "
+                    f"{args.generate_prompt_len}"
+                )
+        parts.append(self_generate(verifier, args, seeds))
     if not parts:
         raise SystemExit("no corpus: give --corpus files and/or --self-generate N")
     return np.concatenate(parts)
@@ -99,7 +127,8 @@ def self_generate(verifier: TorchVerifier, args: argparse.Namespace, seed_text: 
     tokens), greedy or sampled at `--generate-temperature`."""
     generator = np.random.default_rng(args.seed)
     torch.manual_seed(args.seed)
-    prompt_len, batch = 16, 32
+    prompt_len, batch = args.generate_prompt_len, 32
+    new_tokens = args.generate_new_tokens or args.seq_len
     sampling = {"do_sample": True, "temperature": args.generate_temperature} if args.generate_temperature else {}
     out: list[np.ndarray] = []
     total = 0
@@ -113,8 +142,8 @@ def self_generate(verifier: TorchVerifier, args: argparse.Namespace, seed_text: 
             with torch.no_grad():
                 rows = verifier.model.generate(  # type: ignore[operator]
                     torch.from_numpy(prompts).to(verifier.device),
-                    max_new_tokens=args.seq_len,
-                    min_new_tokens=args.seq_len,
+                    max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens,
                     pad_token_id=0,
                     **sampling,
                 )
@@ -223,6 +252,13 @@ def main(argv: list[str] | None = None) -> int:
     train, held = torch.from_numpy(corpus[:-holdout]), corpus[-holdout:]
     if len(train) < args.seq_len + 1:
         raise SystemExit(f"the training corpus ({len(train)} tokens) is shorter than --seq-len {args.seq_len}")
+    source = held if args.eval_corpus is None else read_tokens(args.eval_corpus, args.model)
+    if len(source) < args.eval_prompt_len:
+        raise SystemExit(
+            f"the evaluation text holds {len(source)} tokens, fewer than --eval-prompt-len {args.eval_prompt_len}"
+        )
+    starts = np.linspace(0, len(source) - args.eval_prompt_len, args.eval_prompts).astype(int)
+    prompts = [[int(t) for t in source[s : s + args.eval_prompt_len]] for s in starts]
 
     drafter, spec = build_drafter(args, verifier)
     drafter.to(device).train()
@@ -285,10 +321,6 @@ def main(argv: list[str] | None = None) -> int:
 
     drafter.eval()
     save_drafter(drafter, spec, args.out)
-    prompts = [
-        [int(t) for t in held[i * args.eval_prompt_len : (i + 1) * args.eval_prompt_len]]
-        for i in range(args.eval_prompts)
-    ]
     evaluation = mean_acceptance_length(drafter, spec, verifier, prompts, args.eval_tokens)
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     config.update(

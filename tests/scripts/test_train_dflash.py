@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,3 +70,36 @@ def test_a_trained_drafter_is_accepted_by_its_verifier_and_training_resumes(chec
     history = json.loads((out / "training_log.json").read_text())["history"]
     assert [h["step"] for h in history] == list(range(1, 131)), "the resumed run continues at step 121"
     assert history[:120] == log["history"]
+
+
+def test_self_generated_rows_continue_the_prompt_corpus_and_evaluation_reads_its_own_corpus(checkpoints, tmp_path):
+    rng = np.random.default_rng(7)
+    prompt_corpus, eval_corpus = tmp_path / "prompts.npy", tmp_path / "held.npy"
+    np.save(prompt_corpus, rng.integers(0, 120, 400))
+    np.save(eval_corpus, rng.integers(0, 120, 20))
+    out = tmp_path / "drafter"
+    common = ["--prompt-corpus", str(prompt_corpus), "--generate-prompt-len", "20", "--generate-new-tokens", "28"]
+
+    short = _train(checkpoints["llama"], out, tmp_path / "results", 2, *common, "--eval-corpus", str(eval_corpus))
+    assert short.returncode != 0
+    assert "the evaluation text holds 20 tokens, fewer than --eval-prompt-len 24" in short.stderr
+    corpus = np.load(out / "corpus.npy")
+    seeds = np.load(prompt_corpus)
+    windows = {tuple(seeds[i : i + 20]) for i in range(len(seeds) - 20)}
+    rows = corpus[: len(corpus) // 48 * 48].reshape(-1, 48)
+    assert len(corpus) == 3000 and all(tuple(row[:20]) in windows for row in rows), "each row opens with a slice"
+
+    np.save(eval_corpus, rng.integers(0, 120, 200))
+    done = _train(checkpoints["llama"], out, tmp_path / "results", 2, *common, "--eval-corpus", str(eval_corpus))
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = json.loads((out / "training_log.json").read_text())
+    assert log["config"]["eval_corpus"] == str(eval_corpus) and log["summary"]["drafting_steps"] > 0
+
+
+def test_a_prompt_corpus_shorter_than_a_prompt_is_refused(checkpoints, tmp_path):
+    prompt_corpus = tmp_path / "prompts.npy"
+    np.save(prompt_corpus, np.arange(10))
+    run = _train(
+        checkpoints["llama"], tmp_path / "drafter", tmp_path / "results", 2, "--prompt-corpus", str(prompt_corpus)
+    )
+    assert run.returncode != 0 and "--prompt-corpus holds 10 tokens" in run.stderr
