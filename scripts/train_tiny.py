@@ -4,7 +4,8 @@ The corpus is the Python standard library's source (it ships with the interprete
 out). The verifier is a small Qwen3 (head dimension 64) trained on windows of that code and on synthetic
 needle-in-a-haystack documents (a `# The secret code for KEY is VALUE.` line hidden anywhere in up to
 `max(--seq-lens)` tokens of code, asked for at the end), with sequence lengths cycling through `--seq-lens`.
-Its DFlash drafter is then trained by `scripts/train_dflash.py` on the same code plus text the verifier writes.
+Its DFlash drafter is then trained by `scripts/train_dflash.py` on the same code plus text the verifier writes,
+and its acceptance is measured by speculative decoding after prompts of held-out code.
 
 Everything is seeded and resumable (`--resume` continues every stage from `--work`), with progress bars. The
 result is a model directory (tokenizer with chat template and mask token, `config.json`, bf16 safetensors,
@@ -72,6 +73,8 @@ class Recipe:
     drafter_lr: float = 2e-3
     drafter_self_generate: int = 400_000  # the verifier's own greedy text: the distribution the drafter meets
     drafter_corpus_tokens: int = 20_000  # training-set source, also the prompts of the self-generated text
+    drafter_eval_prompts: int = 12  # acceptance is measured after prompts of held-out source
+    drafter_eval_prompt_len: int = 128
     max_files: int = 0  # 0: every corpus file
 
 
@@ -95,6 +98,8 @@ QUICK = Recipe(
     drafter_target_layers=[0, 1],
     drafter_self_generate=2000,
     drafter_corpus_tokens=8000,
+    drafter_eval_prompts=4,
+    drafter_eval_prompt_len=32,
     max_files=40,
 )
 
@@ -282,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus_file = args.work / "drafter_corpus.npy"
     np.save(corpus_file, train.stream[: recipe.drafter_corpus_tokens].astype(np.int64))
+    eval_file = args.work / "drafter_eval.npy"
+    np.save(eval_file, held.stream.astype(np.int64))
     drafter_args = [
         "--model",
         str(args.out),
@@ -303,6 +310,12 @@ def main(argv: list[str] | None = None) -> int:
         str(recipe.drafter_block_size),
         "--seq-len",
         str(min(512, max(recipe.seq_lens))),
+        "--eval-corpus",
+        str(eval_file),
+        "--eval-prompts",
+        str(recipe.drafter_eval_prompts),
+        "--eval-prompt-len",
+        str(recipe.drafter_eval_prompt_len),
         "--seed",
         str(args.seed),
         "--results-dir",
@@ -335,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             "sha256": fingerprint(train_files),
         },
         "verifier_eval": {k: v for k, v in final.items() if k not in ("step", "lr", "loss", "seq_len")},
-        "drafter_eval": drafter_log["summary"],
+        "drafter_eval": {k: v for k, v in drafter_log["summary"].items() if k != "train_seconds_this_run"},
         "seed": args.seed,
     }
     (args.out / "kakeya_model.json").write_text(json.dumps(card, indent=2) + "\n")
