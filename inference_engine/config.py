@@ -93,6 +93,11 @@ class ServerConfig:
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
     prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    state_dir: str = _opt(
+        "",
+        "directory where every session's history is saved on graceful shutdown and restored from on start "
+        "(same ids; the K/V is rebuilt by the next generation's prefill); empty keeps sessions in memory only",
+    )
     shutdown_grace_s: float = _opt(10.0, "seconds in-flight generations may run after SIGTERM before cancellation")
     log_format: str = _opt("text", "log line format", choices=LOG_FORMATS)
     log_level: str = _opt("info", "minimum log level", choices=LOG_LEVELS)

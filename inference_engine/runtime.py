@@ -13,6 +13,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
@@ -28,6 +29,7 @@ from inference_engine.domain import (
 )
 from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, ShuttingDown
 from inference_engine.metrics import Metrics
+from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.worker import ModelWorker
@@ -114,22 +116,12 @@ class Runtime:
         strategy = self._strategy_for(params)
         eos = self._check_tokens(params.eos_token_ids, "eos_token_ids")
         initial = self._check_append(0, params.initial_token_ids, "initial_token_ids")
-        seq = SequenceState(
-            cache=self.verifier.new_cache(strategy), tokens=list(initial), draft=self.proposer.open(strategy)
-        )
-        session = Session(
-            session_id=self.store.new_id(),
-            label=params.label,
-            eos_token_ids=frozenset(eos),
-            seq=seq,
-            last_access=self.store.now(),
-        )
-        self.store.add(session)
+        session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
         log.info(
             "session created",
             extra={"session_id": session.session_id, "label": params.label, "strategy": strategy.name},
         )
-        return session.session_id, len(seq.tokens)
+        return session.session_id, len(session.seq.tokens)
 
     async def append(self, session_id: str, token_ids: Iterable[int]) -> int:
         """Append tokens to a session's history (pending until the next generation); returns the history length."""
@@ -212,6 +204,49 @@ class Runtime:
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
+    def model_identity(self) -> dict[str, Any]:
+        """What a session snapshot must match to be restored into this runtime."""
+        return {
+            "model": str(self.config.model_dir.resolve()),
+            "backend": self.config.backend,
+            "vocab_size": self.verifier.vocab_size,
+        }
+
+    def session_records(self) -> list[SessionRecord]:
+        """Every live session as a snapshot record, least recently used first."""
+        now = self.store.now()
+        records = []
+        for session in self.store.sessions():
+            strategy = session.seq.cache.strategy
+            window = isinstance(strategy, SinkWindowStrategy)
+            records.append(
+                SessionRecord(
+                    session_id=session.session_id,
+                    label=session.label,
+                    eos_token_ids=sorted(session.eos_token_ids),
+                    kv_strategy=strategy.name,
+                    sink=strategy.sink if window else 0,
+                    window=strategy.window if window else 0,
+                    idle_seconds=max(0.0, now - session.last_access),
+                    tokens=list(session.seq.tokens),
+                )
+            )
+        return records
+
+    def restore_sessions(self, records: list[SessionRecord]) -> None:
+        """Bring snapshot sessions back under their ids, with their whole history pending."""
+        for record in records:
+            try:
+                strategy = make_strategy(record.kv_strategy, sink=record.sink, window=max(1, record.window))
+                eos = self._check_tokens(record.eos_token_ids, "eos_token_ids")
+                tokens = self._check_tokens(record.tokens, "tokens")
+            except (ValueError, InvalidArgument) as exc:
+                raise SnapshotError(
+                    f"session {record.session_id!r} of the snapshot cannot be restored: {exc}"
+                ) from None
+            last_access = self.store.now() - record.idle_seconds
+            self._open_session(record.session_id, record.label, eos, strategy, tokens, last_access)
+
     def evict_idle(self) -> int:
         return self.store.evict_idle()
 
@@ -239,6 +274,24 @@ class Runtime:
         self.worker.shutdown()
 
     # -- internals ---------------------------------------------------------------------------------------------
+    def _open_session(
+        self,
+        session_id: str,
+        label: str,
+        eos: Iterable[int],
+        strategy: KVStrategy,
+        tokens: list[int],
+        last_access: float,
+    ) -> Session:
+        seq = SequenceState(
+            cache=self.verifier.new_cache(strategy), tokens=list(tokens), draft=self.proposer.open(strategy)
+        )
+        session = Session(
+            session_id=session_id, label=label, eos_token_ids=frozenset(eos), seq=seq, last_access=last_access
+        )
+        self.store.add(session)
+        return session
+
     async def _run_generation(
         self, session: Session, sampling: SamplingParams, budget: GenerationBudget
     ) -> AsyncGenerator[GenerateEvent, None]:

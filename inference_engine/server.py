@@ -16,6 +16,7 @@ from prometheus_client import start_http_server
 from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2, runtime_pb2_grpc
 from inference_engine.metrics import Metrics
+from inference_engine.persistence import SnapshotError, consume_snapshot, read_snapshot, write_snapshot
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_service import RuntimeServicer
@@ -65,6 +66,9 @@ class KakeyaServer:
             ("grpc.so_reuseport", 0),
         ]
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
+        state_dir = Path(config.state_dir) if config.state_dir else None
+        if state_dir is not None:
+            self.runtime.restore_sessions(read_snapshot(state_dir, self.runtime.model_identity()))
         server = grpc.aio.server(options=options, interceptors=interceptors)
         runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(self.runtime), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -79,6 +83,9 @@ class KakeyaServer:
             self.port = server.add_insecure_port(address)
         await server.start()
         self._server = server
+        if state_dir is not None:
+            consume_snapshot(state_dir)
+            log.info("sessions restored", extra={"sessions": len(self.runtime.store), "state_dir": str(state_dir)})
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port >= 0:
@@ -119,6 +126,8 @@ class KakeyaServer:
             await self._server.stop(1.0)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
+        if self.config.state_dir:
+            self._save_sessions(Path(self.config.state_dir))
         self.runtime.shutdown()
         log.info("stopped")
 
@@ -145,6 +154,15 @@ class KakeyaServer:
             "(docs/migration-from-openai.md)",
             extra={"http": f"{self.config.host}:{self.http_port}"},
         )
+
+    def _save_sessions(self, state_dir: Path) -> None:
+        records = self.runtime.session_records()
+        try:
+            path = write_snapshot(state_dir, self.runtime.model_identity(), records)
+        except SnapshotError as exc:
+            log.error("sessions not saved: %s", exc)
+            return
+        log.info("sessions saved", extra={"sessions": len(records), "snapshot": str(path)})
 
     async def _sweep_idle(self) -> None:
         interval = min(30.0, max(0.05, self.config.session_idle_ttl_s / 4))

@@ -99,3 +99,78 @@ def test_sigterm_cancels_generations_that_outlast_the_grace_period(daemon):
     assert replies[-1].done.stop_reason == pb.STOP_REASON_CANCELLED
     assert server.wait() == 0
     assert "grace period over" in server.output
+
+
+def _generated(stub, session_id: str, max_tokens: int) -> list[int]:
+    replies = stub.Generate(pb.GenerateRequest(session_id=session_id, max_tokens=max_tokens))
+    return [r.token_id for r in replies if r.WhichOneof("payload") == "token_id"]
+
+
+def test_sessions_saved_on_sigterm_come_back_under_their_ids_with_state_dir(daemon, tmp_path):
+    state = tmp_path / "state"
+    args = ("serve", "--port", "0", "--metrics-port", "-1", "--log-format", "json", "--state-dir", str(state))
+    first = daemon(*args)
+    host, port = first.wait_listening()
+    prompt = list(range(40, 80))
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
+        full = stub.CreateSession(pb.CreateSessionRequest(initial_token_ids=prompt, client_label="a")).session_id
+        before = _generated(stub, full, 6)
+        windowed = stub.CreateSession(
+            pb.CreateSessionRequest(
+                kv_strategy=pb.KV_STRATEGY_SINK_WINDOW, sink_tokens=2, window_tokens=16, eos_token_ids=[7]
+            )
+        ).session_id
+        stub.AppendTokens(pb.AppendTokensRequest(session_id=windowed, token_ids=prompt))
+        closed = stub.CreateSession(pb.CreateSessionRequest(initial_token_ids=[1])).session_id
+        stub.CloseSession(pb.CloseSessionRequest(session_id=closed))
+    first.terminate()
+    assert first.wait() == 0
+    assert '"msg": "sessions saved", "sessions": 2' in first.output
+    assert (state / "sessions.json").is_file()
+
+    second = daemon(*args)
+    host, port = second.wait_listening()
+    assert not (state / "sessions.json").exists(), "a restored snapshot is consumed"
+    with grpc.insecure_channel(f"{host}:{port}") as channel:
+        stub = runtime_pb2_grpc.RuntimeServiceStub(channel)
+        info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=full, history_tail_tokens=6))
+        assert (info.history_length, info.pending_token_count) == (46, 46)
+        assert list(info.history_tail_token_ids) == before and info.client_label == "a"
+        info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=windowed))
+        assert info.kv_strategy == pb.KV_STRATEGY_SINK_WINDOW and (info.sink_tokens, info.window_tokens) == (2, 16)
+        with pytest.raises(grpc.RpcError) as missing:
+            stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=closed))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+        after = _generated(stub, full, 6)
+        reset = stub.CreateSession(pb.CreateSessionRequest(initial_token_ids=prompt + before)).session_id
+        assert after == _generated(stub, reset, 6), "the restored session continues as if never stopped"
+        restored_window = _generated(stub, windowed, 6)
+        fresh = stub.CreateSession(
+            pb.CreateSessionRequest(
+                kv_strategy=pb.KV_STRATEGY_SINK_WINDOW,
+                sink_tokens=2,
+                window_tokens=16,
+                eos_token_ids=[7],
+                initial_token_ids=prompt,
+            )
+        ).session_id
+        assert restored_window == _generated(stub, fresh, 6)
+        info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=windowed))
+        assert info.evicted_token_count > 0 and info.resident_token_count <= 18
+
+
+@pytest.mark.parametrize(
+    ("snapshot", "message"),
+    [
+        ('{"format": 1, "model": {"model": "/elsewhere"}, "sessions": []}', "was written for"),
+        ("{not json", "cannot read the session snapshot"),
+    ],
+)
+def test_a_snapshot_that_does_not_fit_is_refused_at_start(tmp_path, snapshot, message):
+    (tmp_path / "sessions.json").write_text(snapshot)
+    result = _run("serve", "--port", "0", "--metrics-port", "-1", "--state-dir", str(tmp_path))
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert (tmp_path / "sessions.json").read_text() == snapshot, "a refused snapshot is left as it was"
