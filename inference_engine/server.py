@@ -35,11 +35,10 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
     """Load the configured model and proposer and wrap them in a runtime."""
     verifier: Verifier = load_verifier(config.backend, config.model_dir, device=config.device, dtype=config.dtype)
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
-    proposer = load_proposer(
-        config.proposer_options(), verifier, backend=config.backend, device=config.device, dtype=config.dtype
-    )
+    options = config.proposer_options()
+    proposer = load_proposer(options, verifier, backend=config.backend, device=config.device, dtype=config.dtype)
     if config.proposer != "none":
-        log.info("proposer loaded", extra={"proposer": proposer.name, "model": config.draft_model or "-"})
+        log.info("proposer loaded", extra={"proposer": proposer.name, "model": str(options.draft_model or "-")})
     return Runtime(verifier, config, metrics or Metrics(), proposer=proposer)
 
 
