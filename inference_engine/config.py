@@ -159,8 +159,7 @@ class ServerConfig:
         )
 
     def _bundled_drafter(self) -> Path | None:
-        drafter = self.model_dir / "dflash"
-        return drafter if self.proposer == "dflash" and (drafter / "config.json").is_file() else None
+        return model_drafter(self.model_dir) if self.proposer == "dflash" else None
 
     @property
     def model_dir(self) -> Path:
@@ -173,6 +172,12 @@ class ServerConfig:
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
         return out
+
+
+def model_drafter(model_dir: Path) -> Path | None:
+    """The DFlash drafter a model directory ships in its `dflash/` subdirectory (the bundled model does)."""
+    drafter = model_dir / "dflash"
+    return drafter if (drafter / "config.json").is_file() else None
 
 
 def option_help() -> list[tuple[str, type, Any, str, tuple[str, ...] | None]]:

@@ -15,6 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from inference_engine.sessions import Session
+from kv_cache_proposer.strategies import SinkWindowStrategy
+
 SNAPSHOT_NAME = "sessions.json"
 FORMAT = 1
 
@@ -33,6 +36,27 @@ class SessionRecord:
     window: int
     idle_seconds: float
     tokens: list[int]
+
+
+def session_records(sessions: list[Session], now: float) -> list[SessionRecord]:
+    """`sessions` as snapshot records, in the order given."""
+    records = []
+    for session in sessions:
+        strategy = session.seq.cache.strategy
+        window = isinstance(strategy, SinkWindowStrategy)
+        records.append(
+            SessionRecord(
+                session_id=session.session_id,
+                label=session.label,
+                eos_token_ids=sorted(session.eos_token_ids),
+                kv_strategy=strategy.name,
+                sink=strategy.sink if window else 0,
+                window=strategy.window if window else 0,
+                idle_seconds=max(0.0, now - session.last_access),
+                tokens=list(session.seq.tokens),
+            )
+        )
+    return records
 
 
 def snapshot_path(directory: Path) -> Path:

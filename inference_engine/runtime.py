@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import secrets
 import time
 from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
@@ -32,6 +30,7 @@ from inference_engine.metrics import Metrics
 from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
+from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
@@ -97,7 +96,7 @@ class Runtime:
         self.config = config
         self.metrics = metrics
         self.proposer = proposer or NoProposer()
-        self.default_strategy = make_strategy(config.kv_strategy, sink=config.sink, window=config.window)
+        self.checks = RequestChecks(config, verifier.vocab_size)
         self.worker = ModelWorker()
         self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.store = SessionStore(
@@ -113,9 +112,9 @@ class Runtime:
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
         """Allocate a session; returns (session id, history length)."""
         self._check_accepting()
-        strategy = self._strategy_for(params)
-        eos = self._check_tokens(params.eos_token_ids, "eos_token_ids")
-        initial = self._check_append(0, params.initial_token_ids, "initial_token_ids")
+        strategy = self.checks.strategy(params)
+        eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
+        initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
         session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
         log.info(
             "session created",
@@ -128,7 +127,7 @@ class Runtime:
         self._check_accepting()
         session = self.store.get(session_id)
         async with self.scheduler.session_turn(session):
-            tokens = self._check_append(len(session.seq.tokens), token_ids, "token_ids")
+            tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
             session.seq.tokens.extend(tokens)
             return len(session.seq.tokens)
 
@@ -140,7 +139,7 @@ class Runtime:
         Setting `cancel` stops the generation after its current step with stop reason CANCELLED.
         """
         self._check_accepting()
-        sampling, budget_stops = self._check_generate(params)
+        sampling, budget_stops = self.checks.generate(params)
         session = self.store.get(session_id)
         async with self.scheduler.generation_turn(session):
             seq = session.seq
@@ -212,34 +211,13 @@ class Runtime:
             "vocab_size": self.verifier.vocab_size,
         }
 
-    def session_records(self) -> list[SessionRecord]:
-        """Every live session as a snapshot record, least recently used first."""
-        now = self.store.now()
-        records = []
-        for session in self.store.sessions():
-            strategy = session.seq.cache.strategy
-            window = isinstance(strategy, SinkWindowStrategy)
-            records.append(
-                SessionRecord(
-                    session_id=session.session_id,
-                    label=session.label,
-                    eos_token_ids=sorted(session.eos_token_ids),
-                    kv_strategy=strategy.name,
-                    sink=strategy.sink if window else 0,
-                    window=strategy.window if window else 0,
-                    idle_seconds=max(0.0, now - session.last_access),
-                    tokens=list(session.seq.tokens),
-                )
-            )
-        return records
-
     def restore_sessions(self, records: list[SessionRecord]) -> None:
         """Bring snapshot sessions back under their ids, with their whole history pending."""
         for record in records:
             try:
-                strategy = make_strategy(record.kv_strategy, sink=record.sink, window=max(1, record.window))
-                eos = self._check_tokens(record.eos_token_ids, "eos_token_ids")
-                tokens = self._check_tokens(record.tokens, "tokens")
+                strategy = make_strategy(record.kv_strategy, sink=record.sink, window=record.window)
+                eos = self.checks.tokens(record.eos_token_ids, "eos_token_ids")
+                tokens = self.checks.tokens(record.tokens, "tokens")
             except (ValueError, InvalidArgument) as exc:
                 raise SnapshotError(
                     f"session {record.session_id!r} of the snapshot cannot be restored: {exc}"
@@ -390,59 +368,3 @@ class Runtime:
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
-
-    def _strategy_for(self, params: CreateParams) -> KVStrategy:
-        name = params.kv_strategy or self.default_strategy.name
-        if name == "full":
-            if params.sink is not None or params.window is not None:
-                raise InvalidArgument("sink_tokens and window_tokens apply only to the sink_window strategy")
-            return make_strategy("full")
-        if name == "sink_window":
-            sink = self.config.sink if params.sink is None else params.sink
-            window = self.config.window if params.window is None else params.window
-            if window < 1 or sink < 0:
-                raise InvalidArgument(f"sink_window needs sink >= 0 and window >= 1, got {sink} and {window}")
-            return make_strategy("sink_window", sink=sink, window=window)
-        raise InvalidArgument(f"unknown KV strategy {name!r}")
-
-    def _check_tokens(self, token_ids: Iterable[int], what: str) -> list[int]:
-        tokens = [int(t) for t in token_ids]
-        vocab = self.verifier.vocab_size
-        for index, token in enumerate(tokens):
-            if not 0 <= token < vocab:
-                raise InvalidArgument(f"{what}[{index}] = {token} is outside the vocabulary [0, {vocab})")
-        return tokens
-
-    def _check_append(self, history: int, token_ids: Iterable[int], what: str) -> list[int]:
-        tokens = list(token_ids)
-        if len(tokens) > self.config.max_append_tokens:
-            raise ResourceExhausted(
-                f"{what} carries {len(tokens)} tokens, above the --max-append-tokens limit "
-                f"{self.config.max_append_tokens}"
-            )
-        if history + len(tokens) > self.config.max_history_tokens:
-            raise ResourceExhausted(
-                f"appending {len(tokens)} tokens to a history of {history} exceeds the --max-history-tokens limit "
-                f"{self.config.max_history_tokens}"
-            )
-        return self._check_tokens(tokens, what)
-
-    def _check_generate(self, params: GenerateParams) -> tuple[SamplingParams, frozenset[int]]:
-        limit = self.config.max_generate_tokens
-        if not 1 <= params.max_tokens <= limit:
-            raise InvalidArgument(f"max_tokens must be in 1..{limit}, got {params.max_tokens}")
-        temperature = 0.0 if params.temperature is None else float(params.temperature)
-        if not math.isfinite(temperature) or temperature < 0:
-            raise InvalidArgument(f"temperature must be finite and >= 0, got {temperature}")
-        top_p = 1.0 if params.top_p is None else float(params.top_p)
-        if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-            raise InvalidArgument(f"top_p must be in (0, 1], got {top_p}")
-        top_k = 0 if params.top_k is None else int(params.top_k)
-        if top_k < 0:
-            raise InvalidArgument(f"top_k must be >= 0, got {top_k}")
-        seed = secrets.randbits(64) if params.seed is None else int(params.seed)
-        if not 0 <= seed < 1 << 64:
-            raise InvalidArgument(f"seed must fit in 64 bits, got {seed}")
-        stops = self._check_tokens(params.stop_token_ids, "stop_token_ids")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
-        return sampling, frozenset(stops)

@@ -16,7 +16,13 @@ from prometheus_client import start_http_server
 from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2, runtime_pb2_grpc
 from inference_engine.metrics import Metrics
-from inference_engine.persistence import SnapshotError, consume_snapshot, read_snapshot, write_snapshot
+from inference_engine.persistence import (
+    SnapshotError,
+    consume_snapshot,
+    read_snapshot,
+    session_records,
+    write_snapshot,
+)
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_service import RuntimeServicer
@@ -155,7 +161,8 @@ class KakeyaServer:
         )
 
     def _save_sessions(self, state_dir: Path) -> None:
-        records = self.runtime.session_records()
+        store = self.runtime.store
+        records = session_records(store.sessions(), store.now())
         try:
             path = write_snapshot(state_dir, self.runtime.model_identity(), records)
         except SnapshotError as exc:

@@ -33,8 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.results import RESULTS_DIR, write_results
+from lib.tokens import read_tokens, spread_windows
 
-from inference_engine.config import BUNDLED_MODEL_DIR
+from inference_engine.config import BUNDLED_MODEL_DIR, model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
@@ -68,18 +69,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_prompts(args: argparse.Namespace) -> list[list[int]]:
-    if args.corpus is not None and args.corpus.suffix == ".npy":
-        ids = np.load(args.corpus).astype(np.int64).reshape(-1)
+    if args.corpus is not None:
+        ids = read_tokens(args.corpus, args.model)
     else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-        files = [args.corpus] if args.corpus is not None else split_sources(stdlib_sources())[1]
-        ids = np.asarray(tokenizer.encode("".join(read_text(f) for f in files)), dtype=np.int64)
+        held_out = split_sources(stdlib_sources())[1]
+        ids = np.asarray(tokenizer.encode("".join(read_text(f) for f in held_out)), dtype=np.int64)
     if len(ids) < args.prompt_tokens:
         raise SystemExit(f"the corpus holds {len(ids)} tokens, fewer than --prompt-tokens {args.prompt_tokens}")
-    starts = np.linspace(0, len(ids) - args.prompt_tokens, args.prompts).astype(int)
-    return [[int(t) for t in ids[s : s + args.prompt_tokens]] for s in starts]
+    return spread_windows(ids, args.prompts, args.prompt_tokens)
 
 
 def truncated_copy(model_dir: Path, layers: int, out: Path) -> Path:
@@ -181,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     scratch = tempfile.TemporaryDirectory(prefix="bench-speculative-")
     if args.draft_model is None and args.draft_layers:
         args.draft_model = truncated_copy(args.model, args.draft_layers, Path(scratch.name) / "draft")
-    if args.dflash is None and (args.model / "dflash" / "config.json").is_file():
-        args.dflash = args.model / "dflash"
+    if args.dflash is None:
+        args.dflash = model_drafter(args.model)
     arms: dict[str, ProposerOptions] = {"none": ProposerOptions(), "ngram": ProposerOptions(name="ngram")}
     if args.draft_model:
         arms["draft_model"] = ProposerOptions(name="draft_model", draft_model=args.draft_model)

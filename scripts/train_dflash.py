@@ -31,6 +31,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.results import RESULTS_DIR, environment, write_results
+from lib.tokens import read_tokens, spread_windows
 from transformers import Qwen3Config
 
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
@@ -93,16 +94,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
-
-
-def read_tokens(path: Path, model: Path) -> np.ndarray:
-    """Token ids of a `.npy` file, or of a text file tokenized with the verifier's tokenizer."""
-    if path.suffix == ".npy":
-        return np.load(path).astype(np.int64).reshape(-1)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    return np.asarray(tokenizer.encode(path.read_text(errors="replace")), dtype=np.int64)
 
 
 def load_corpus(args: argparse.Namespace, verifier: TorchVerifier) -> np.ndarray:
@@ -257,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"the evaluation text holds {len(source)} tokens, fewer than --eval-prompt-len {args.eval_prompt_len}"
         )
-    starts = np.linspace(0, len(source) - args.eval_prompt_len, args.eval_prompts).astype(int)
-    prompts = [[int(t) for t in source[s : s + args.eval_prompt_len]] for s in starts]
+    prompts = spread_windows(source, args.eval_prompts, args.eval_prompt_len)
 
     drafter, spec = build_drafter(args, verifier)
     drafter.to(device).train()
