@@ -16,10 +16,10 @@ from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.strategies import STRATEGIES
 
 ENV_PREFIX = "KAKEYA_"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
-KV_STRATEGIES = ("full", "sink_window")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -50,7 +50,7 @@ class ServerConfig:
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
     )
-    kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
+    kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
     proposer: str = _opt(

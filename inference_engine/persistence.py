@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_engine.sessions import Session
-from kv_cache_proposer.strategies import SinkWindowStrategy
+from kv_cache_proposer.strategies import strategy_options
 
 SNAPSHOT_NAME = "sessions.json"
 FORMAT = 1
@@ -43,15 +43,15 @@ def session_records(sessions: list[Session], now: float) -> list[SessionRecord]:
     records = []
     for session in sessions:
         strategy = session.seq.cache.strategy
-        window = isinstance(strategy, SinkWindowStrategy)
+        options = strategy_options(strategy)
         records.append(
             SessionRecord(
                 session_id=session.session_id,
                 label=session.label,
                 eos_token_ids=sorted(session.eos_token_ids),
                 kv_strategy=strategy.name,
-                sink=strategy.sink if window else 0,
-                window=strategy.window if window else 0,
+                sink=options.get("sink", 0),
+                window=options.get("window", 0),
                 idle_seconds=max(0.0, now - session.last_access),
                 tokens=list(session.seq.tokens),
             )

@@ -36,7 +36,7 @@ from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState,
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy, SinkWindowStrategy, make_strategy
+from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -196,8 +196,8 @@ class Runtime:
             evicted_token_count=int(cache.evicted_count),
             client_label=session.label,
             generating=session.generating,
-            sink_tokens=strategy.sink if isinstance(strategy, SinkWindowStrategy) else 0,
-            window_tokens=strategy.window if isinstance(strategy, SinkWindowStrategy) else 0,
+            sink_tokens=strategy_options(strategy).get("sink", 0),
+            window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
             history_tail=tuple(tokens[len(tokens) - history_tail_tokens :]) if history_tail_tokens else (),
         )

@@ -11,7 +11,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, GenerateParams
 from inference_engine.errors import InvalidArgument, ResourceExhausted
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy, make_strategy
+from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
 
 class RequestChecks:
@@ -23,19 +23,18 @@ class RequestChecks:
         self.default_strategy = make_strategy(config.kv_strategy, sink=config.sink, window=config.window)
 
     def strategy(self, params: CreateParams) -> KVStrategy:
-        """The KV strategy a new session asks for, filled from the server defaults."""
+        """The KV strategy a new session asks for, its options filled from the server defaults."""
         name = params.kv_strategy or self.default_strategy.name
-        if name == "full":
-            if params.sink is not None or params.window is not None:
-                raise InvalidArgument("sink_tokens and window_tokens apply only to the sink_window strategy")
-            return make_strategy("full")
-        if name == "sink_window":
-            sink = self.config.sink if params.sink is None else params.sink
-            window = self.config.window if params.window is None else params.window
-            if window < 1 or sink < 0:
-                raise InvalidArgument(f"sink_window needs sink >= 0 and window >= 1, got {sink} and {window}")
-            return make_strategy("sink_window", sink=sink, window=window)
-        raise InvalidArgument(f"unknown KV strategy {name!r}")
+        given = {key: value for key, value in (("sink", params.sink), ("window", params.window)) if value is not None}
+        try:
+            defaults = strategy_options(make_strategy(name, sink=self.config.sink, window=self.config.window))
+            foreign = sorted(set(given) - set(defaults))
+            if foreign:
+                fields = " and ".join(f"{key}_tokens" for key in foreign)
+                raise InvalidArgument(f"{fields} do not apply to the {name} strategy")
+            return make_strategy(name, **{**defaults, **given})
+        except ValueError as exc:
+            raise InvalidArgument(f"{name}: {exc}") from None
 
     def tokens(self, token_ids: Iterable[int], what: str) -> list[int]:
         """Token ids as ints, each inside the vocabulary."""

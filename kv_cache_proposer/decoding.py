@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
 from kv_cache_proposer.sampling import SamplingParams
@@ -55,7 +56,7 @@ class SequenceState:
     against the cache (INV-1) and must never move it backwards (INV-2).
     """
 
-    cache: Any
+    cache: SessionCache[Any]
     tokens: list[int] = field(default_factory=list)
     draft: DraftSession = field(default_factory=NoDraftSession)
     committed: int = 0
@@ -93,7 +94,7 @@ class StepResult:
 class Decoder:
     """Runs decode steps for sequences on one verifier."""
 
-    def __init__(self, verifier: Verifier, *, prefill_chunk_tokens: int = 512) -> None:
+    def __init__(self, verifier: Verifier[Any], *, prefill_chunk_tokens: int = 512) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
