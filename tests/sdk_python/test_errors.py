@@ -65,7 +65,7 @@ def test_an_invariant_violation_is_invariant_violation_and_the_session_is_gone(s
     session = client.create_session(initial_tokens=[1, 2, 3, 4])
     list(session.generate(3))
     cache = server.runtime.store.get(session.id, touch=False).seq.cache
-    cache._held[0] += 1  # corrupt one layer's bookkeeping inside the running daemon
+    cache._layers[0].held += 1  # corrupt one layer's bookkeeping inside the running daemon
     with pytest.raises(kakeya.InvariantViolation) as error:
         list(session.generate(3))
     assert error.value.status == grpc.StatusCode.FAILED_PRECONDITION and "inv1" in error.value.message
