@@ -57,12 +57,15 @@ def reference_models(verifier_pool: VerifierPool) -> Mapping[str, Any]:
 
 
 @pytest.fixture
-def serve(verifiers: Mapping[str, Any], backend: str) -> Iterator[Callable[..., RunningServer]]:
+def serve(
+    verifiers: Mapping[str, Any], verifier_pool: VerifierPool, backend: str
+) -> Iterator[Callable[..., RunningServer]]:
     """Start daemons on loopback: `serve(arch="qwen3", **config)`; all are stopped after the test."""
     started: list[RunningServer] = []
 
     def factory(arch: str = "qwen3", **overrides: Any) -> RunningServer:
-        server = start_server(verifiers[arch], **{"backend": backend, **overrides})
+        model_dir = verifier_pool.model_dir(backend, arch)
+        server = start_server(verifiers[arch], model_dir=model_dir, **{"backend": backend, **overrides})
         started.append(server)
         return server
 

@@ -89,6 +89,12 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
             await _abort(context, exc)
         return convert.session_info(info)
 
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        _begin(context)
+        return convert.model_info(self.runtime.model_info())
+
     async def Converse(
         self, request_iterator: AsyncIterator[pb.ConverseRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ConverseResponse]:

@@ -124,8 +124,9 @@ def test_nothing_listening_is_unavailable(free_port):
             client.wait_until_ready(0.2)
 
 
-def test_a_server_shutting_down_is_unavailable_with_its_message(verifiers):
-    server = start_server(verifiers["qwen3"], shutdown_grace_s=120.0)  # stopped by this test, not by a fixture
+def test_a_server_shutting_down_is_unavailable_with_its_message(verifiers, verifier_pool):
+    model_dir = verifier_pool.model_dir("torch", "qwen3")
+    server = start_server(verifiers["qwen3"], model_dir=model_dir, shutdown_grace_s=120.0)  # stopped by this test
     client = kakeya.Client(server.address)
     idle = client.create_session(initial_tokens=[1, 2])
     stream = client.create_session(initial_tokens=[3, 4]).generate(40)
