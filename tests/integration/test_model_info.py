@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import grpc
@@ -14,6 +13,7 @@ from inference_engine import __version__
 from inference_engine.config import BUNDLED_MODEL_DIR
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from tests.support.checkpoints import copy_with_eos
 from tests.support.server import create, generate, start_server
 
 PROMPT = [5, 17, 42, 9, 63, 2, 88]
@@ -76,12 +76,7 @@ def eos_model(verifier_pool, tmp_path: Path):
         probe.stop()
     eos = stream[2]
     assert eos not in stream[:2], "the prompt must reach the EOS id only at the third token"
-    target = tmp_path / "qwen3-eos"
-    shutil.copytree(source, target)
-    generation_config = json.loads((target / "generation_config.json").read_text())
-    generation_config["eos_token_id"] = [eos]
-    (target / "generation_config.json").write_text(json.dumps(generation_config))
-    server = start_server(verifier, model_dir=target)
+    server = start_server(verifier, model_dir=copy_with_eos(source, tmp_path / "qwen3-eos", [eos]))
     yield server, stream
     server.stop()
 

@@ -58,6 +58,8 @@ def test_plain_bootstrap_reuses_a_plain_environment(tmp_path: Path) -> None:
 
 def test_dev_bootstrap_installs_into_a_plain_environment(tmp_path: Path) -> None:
     root = _project_copy(tmp_path, "")
+    for name in ("package.json", "package-lock.json"):
+        shutil.copy(ROOT / name, root / name)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "npm").write_text("#!/usr/bin/env bash\nmkdir -p node_modules\n")
