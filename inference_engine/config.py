@@ -50,6 +50,11 @@ class ServerConfig:
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
     )
+    threads: int = _opt(
+        0,
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS); 0 uses min(2, cores), "
+        "the fastest measured for small models on a busy machine (docs/operator-guide.md)",
+    )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
@@ -125,6 +130,8 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.sink < 0:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
         try:
@@ -164,6 +171,14 @@ class ServerConfig:
     @property
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    def changed_options(self) -> dict[str, Any]:
+        """The options that differ from their defaults, secrets masked, for the startup log."""
+        return {
+            name: value
+            for name, value in self.redacted().items()
+            if value != next(f.default for f in fields(self) if f.name == name)
+        }
 
     def redacted(self) -> dict[str, Any]:
         """The configuration as a dict with secrets masked, for logs."""
