@@ -52,8 +52,8 @@ class ServerConfig:
     )
     threads: int = _opt(
         0,
-        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS); 0 uses min(2, cores), "
-        "the fastest measured for small models on a busy machine (docs/operator-guide.md)",
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
+        "OMP_WAIT_POLICY is set; 0 uses one per usable core, the fastest measured (docs/operator-guide.md)",
     )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")

@@ -1,5 +1,9 @@
-"""CPU threads of the tensor libraries. Each library otherwise starts one thread per core, and on a machine whose
-cores are busy with other work those threads wait on each other: generation then slows several-fold."""
+"""CPU threads of the tensor libraries.
+
+OpenMP's default is one thread per core that spin-waits at every barrier. On a machine whose cores are busy with other
+work the spinning threads wait on each other and generation slows several-fold; waiting passively removes that.
+scripts/bench_threads.py measured it (docs/operator-guide.md, "CPU threads").
+"""
 
 from __future__ import annotations
 
@@ -9,23 +13,28 @@ import os
 # Read by OpenMP, OpenBLAS (MLX on Linux), MKL and Accelerate when they start, so they are set before any loads.
 _ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 
-DEFAULT_MAX_THREADS = 2
-"""`--threads 0` uses min(this, cores): scripts/bench_threads.py measured decode of small models fastest with one or
-two threads, and several-fold slower with a thread per core once other processes keep the cores busy."""
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS has no affinity call
+        return os.cpu_count() or 1
 
 
-def resolve_threads(requested: int, cpu_count: int | None = None) -> int:
-    """The thread count for `--threads requested` (0: the measured default for this machine)."""
+def resolve_threads(requested: int, cores: int | None = None) -> int:
+    """The thread count for `--threads requested`; 0 means one per usable core."""
     if requested > 0:
         return requested
-    cores = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
-    return max(1, min(DEFAULT_MAX_THREADS, cores))
+    return max(1, cores if cores is not None else usable_cores())
 
 
 def apply_threads(threads: int, backend: str) -> None:
-    """Limit the tensor libraries to `threads` CPU threads. Call before the model loads."""
+    """Limit the tensor libraries to `threads` CPU threads that wait passively (unless `OMP_WAIT_POLICY` is set).
+    Call before the model loads: OpenMP reads its environment once, when torch or the BLAS library loads."""
     for name in _ENV_VARS:
         os.environ[name] = str(threads)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if backend == "torch":
         import torch
 

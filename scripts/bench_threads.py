@@ -5,6 +5,9 @@ interleaved so machine noise hits every pair alike. "Busy" processes spin on the
 measurement, standing in for the other work of a shared machine. The daemon's `--threads 0` default
 (`inference_engine/threads.py`) is the count this measures fastest for small models under load.
 
+OpenMP's wait policy is read when torch loads, so compare policies by running the script twice
+(`OMP_WAIT_POLICY=PASSIVE python scripts/bench_threads.py ...`); the results record it.
+
 Usage:
     python scripts/bench_threads.py [--model DIR] [--threads 1 2 4] [--busy 0 2] [--prompt-tokens 64]
         [--max-tokens 32] [--repeats 2] [--results-dir DIR]
@@ -80,7 +83,7 @@ def decode_tokens_per_s(verifier: TorchVerifier, prompt: list[int], max_tokens: 
 
 def measure(verifier: TorchVerifier, prompt: list[int], threads: int, busy: int, max_tokens: int) -> float:
     torch.set_num_threads(threads)
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")
     stop = context.Event()
     spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
     for spinner in spinners:
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         summary=summary,
         plot=lambda p: plot(summary, p),
         out_dir=args.results_dir,
+        environment_extra={"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
     )
     print(path)
     return 0

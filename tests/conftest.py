@@ -17,6 +17,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# As the daemon does (inference_engine/threads.py): spinning OpenMP threads slow everything on a shared machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from tests.support.backends import VerifierPool  # noqa: E402
