@@ -29,7 +29,7 @@ from inference_engine.domain import (
     TokenEvent,
     TruncatedEvent,
 )
-from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, ShuttingDown
+from inference_engine.errors import InvalidArgument, ResourceExhausted, ServiceError, SessionFailed, ShuttingDown
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
 from inference_engine.persistence import SessionRecord, SnapshotError
@@ -194,6 +194,32 @@ class Runtime:
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
+    async def settle_cancellations(self, session_id: str, max_rounds: int = 64) -> None:
+        """Let a cancellation that already reached the server end the session's generation before it is described.
+
+        A client that cancels a stream and then asks for the session's state sends both on one connection, but the
+        server delivers the cancel to the generation's task asynchronously: without this, the description could
+        still say `generating` for a generation whose cancel has arrived. Bounded to a few event-loop rounds.
+        """
+        try:
+            session = self.store.get(session_id, touch=False)
+        except ServiceError:
+            return  # session_info reports the error
+        for _ in range(max_rounds):
+            if not session.generating:
+                return
+            if session.cancel is not None and session.cancel.is_set():
+                # Cancelled: the generation ends after its current step.
+                await self.wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
+                return
+            await asyncio.sleep(0)
+
+    @staticmethod
+    async def wait_generation_end(session: Session, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while session.generating and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
     def session_info(self, session_id: str, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe a session without counting as an access; optionally include the last history tokens."""
         if history_tail_tokens > self.config.max_append_tokens:
@@ -334,7 +360,10 @@ class Runtime:
                     reason = StopReason.CANCELLED
                     break
                 try:
-                    step = await self.worker.run(self.decoder.step, seq, sampling, budget, tally.generated)
+                    # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
+                    step = await self.worker.run_cancellable(
+                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated
+                    )
                 except InvariantViolation as exc:
                     outcome = "failed"
                     raise self._fail(session, exc) from exc

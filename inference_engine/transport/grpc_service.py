@@ -84,6 +84,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
     ) -> pb.GetSessionInfoResponse:
         _begin(context)
         try:
+            await self.runtime.settle_cancellations(request.session_id)
             info = self.runtime.session_info(request.session_id, request.history_tail_tokens)
         except ServiceError as exc:
             await _abort(context, exc)

@@ -1,5 +1,5 @@
 import { afterAll, describe, expect, it } from "vitest";
-import { InvalidArgumentError, SessionNotFoundError } from "../src/index.js";
+import { CancelledError, InvalidArgumentError, SessionNotFoundError } from "../src/index.js";
 import { SHARED_DAEMON_ARGS } from "./support/global-setup.js";
 import { PROMPT, sharedClient } from "./support/fixtures.js";
 
@@ -65,5 +65,22 @@ describe("model facts and limits", () => {
     await optedOut.close();
     expect(stream).toHaveLength(8);
     expect(stream.slice(0, stopped.length)).toEqual(stopped);
+  });
+
+  it("info() right after an abort resolved does not report generating", async () => {
+    for (let round = 0; round < 5; round++) {
+      const session = await client.createSession({ initialTokens: PROMPT, eosTokenIds: [] });
+      const controller = new AbortController();
+      let received = 0;
+      await expect(
+        (async () => {
+          for await (const _ of session.generate({ maxTokens: 4000, signal: controller.signal })) {
+            if (++received === 2) controller.abort();
+          }
+        })(),
+      ).rejects.toBeInstanceOf(CancelledError);
+      expect((await session.info()).generating).toBe(false);
+      await session.close();
+    }
   });
 });
