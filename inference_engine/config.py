@@ -50,11 +50,6 @@ class ServerConfig:
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
     )
-    threads: int = _opt(
-        0,
-        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
-        "OMP_WAIT_POLICY is set; 0 uses one per usable core, the fastest measured (docs/operator-guide.md)",
-    )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
@@ -98,6 +93,11 @@ class ServerConfig:
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
     prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    threads: int = _opt(
+        0,
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
+        "OMP_WAIT_POLICY is set; 0 uses one per usable core, the fastest measured (docs/operator-guide.md)",
+    )
     state_dir: str = _opt(
         "",
         "directory where every session's history is saved on graceful shutdown and restored from on start "

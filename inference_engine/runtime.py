@@ -210,12 +210,12 @@ class Runtime:
                 return
             if session.cancel is not None and session.cancel.is_set():
                 # Cancelled: the generation ends after its current step.
-                await self.wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
+                await self._wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
                 return
             await asyncio.sleep(0)
 
     @staticmethod
-    async def wait_generation_end(session: Session, timeout_s: float) -> None:
+    async def _wait_generation_end(session: Session, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while session.generating and time.monotonic() < deadline:
             await asyncio.sleep(0.002)
