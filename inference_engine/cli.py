@@ -93,7 +93,7 @@ def run_server(config: ServerConfig) -> int:
     )
     changed = config.changed_options()
     if changed:
-        log.info("options: %s", ", ".join(f"{name}={value}" for name, value in changed.items()), extra=changed)
+        log.info("options: %s", ", ".join(f"{name}={value}" for name, value in changed.items()))
     try:
         runtime = load_runtime(config)
     except ModelLoadError as exc:

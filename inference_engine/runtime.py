@@ -194,25 +194,24 @@ class Runtime:
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
-    async def settle_cancellations(self, session_id: str, max_rounds: int = 64) -> None:
-        """Let a cancellation that already reached the server end the session's generation before it is described.
+    async def settle_cancellations(self, session_id: str, window_s: float = 0.025) -> None:
+        """Let a cancellation sent just before this call end the session's generation before it is described.
 
         A client that cancels a stream and then asks for the session's state sends both on one connection, but the
-        server delivers the cancel to the generation's task asynchronously: without this, the description could
-        still say `generating` for a generation whose cancel has arrived. Bounded to a few event-loop rounds.
+        cancel can reach the generation's task after the question: without this wait, the answer could still say
+        `generating` for a generation the client has already cancelled. A running generation delays the answer by
+        at most `window_s`; a cancelled one ends after its current step.
         """
         try:
             session = self.store.get(session_id, touch=False)
         except ServiceError:
             return  # session_info reports the error
-        for _ in range(max_rounds):
-            if not session.generating:
-                return
+        deadline = time.monotonic() + window_s
+        while session.generating and time.monotonic() < deadline:
             if session.cancel is not None and session.cancel.is_set():
-                # Cancelled: the generation ends after its current step.
                 await self._wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
                 return
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.001)
 
     @staticmethod
     async def _wait_generation_end(session: Session, timeout_s: float) -> None:
