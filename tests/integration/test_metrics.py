@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import threading
+import time
 
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.server import create, generate
@@ -39,6 +41,37 @@ def test_every_required_metric_is_exported(serve):
     exported = names | {name + "_total" for name in names}
     missing = [name for name in REQUIRED if name not in exported]
     assert not missing
+
+
+def test_every_series_is_prefixed_and_none_is_a_created_timestamp(serve):
+    server = serve("qwen3")
+    generate(server.stub, create(server.stub, initial=[1, 2, 3]), max_tokens=3)
+    samples = [line for line in server.metrics_text().splitlines() if line and not line.startswith("#")]
+    assert samples
+    assert [line for line in samples if not line.startswith("kakeya_")] == []
+    assert [line for line in samples if "_created" in line.split(" ")[0]] == []
+    build = next(line for line in samples if line.startswith("kakeya_build_info{"))
+    assert 'backend="torch"' in build and 'proposer="none"' in build and build.endswith(" 1.0")
+
+
+def test_queue_depth_counts_a_generation_waiting_for_the_only_slot(serve):
+    server = serve("qwen3", max_concurrent=1)
+    busy = server.stub.Generate(pb.GenerateRequest(session_id=create(server.stub, initial=[1, 2]), max_tokens=4000))
+    next(busy)  # holds the only generation slot
+    waiter = threading.Thread(
+        target=generate, args=(server.stub, create(server.stub, initial=[3, 4])), kwargs={"max_tokens": 2}
+    )
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while _value(server.metrics_text(), "kakeya_generate_queue_depth") != 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _value(server.metrics_text(), "kakeya_generate_queue_depth") == 1
+    busy.cancel()
+    waiter.join(60)
+    text = server.metrics_text()
+    assert _value(text, "kakeya_generate_queue_depth") == 0
+    assert _value(text, "kakeya_generate_queue_wait_seconds_count") == 2
+    assert _value(text, "kakeya_generate_queue_wait_seconds_sum") > 0
 
 
 def test_metrics_move_with_sessions_and_generations(serve):
