@@ -93,6 +93,11 @@ class ServerConfig:
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
     prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    threads: int = _opt(
+        0,
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
+        "OMP_WAIT_POLICY is set; 0 uses one per usable core, the fastest measured (docs/operator-guide.md)",
+    )
     state_dir: str = _opt(
         "",
         "directory where every session's history is saved on graceful shutdown and restored from on start "
@@ -125,6 +130,8 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.sink < 0:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
         try:
@@ -164,6 +171,14 @@ class ServerConfig:
     @property
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    def changed_options(self) -> dict[str, Any]:
+        """The options that differ from their defaults, secrets masked, for the startup log."""
+        return {
+            name: value
+            for name, value in self.redacted().items()
+            if value != next(f.default for f in fields(self) if f.name == name)
+        }
 
     def redacted(self) -> dict[str, Any]:
         """The configuration as a dict with secrets masked, for logs."""

@@ -21,6 +21,7 @@ class CreateParams:
     kv_strategy: str | None = None  # None: the server default
     sink: int | None = None
     window: int | None = None
+    no_default_eos: bool = False  # with eos_token_ids empty: True gives no EOS ids, False the model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +81,33 @@ class SessionInfo:
     window_tokens: int = 0
     invariant_violations: dict[str, int] = field(default_factory=dict)
     history_tail: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_generate_tokens: int
+    max_append_tokens: int
+    max_history_tokens: int
+    max_sessions: int
+    max_message_bytes: int
+    max_concurrent_generations: int
+    queue_deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model's facts and the server's session defaults and limits."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    trained_context_tokens: int
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str | None
+    default_kv_strategy: str
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from inference_engine import __version__
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
     CreateParams,
@@ -20,13 +22,16 @@ from inference_engine.domain import (
     GenerateEvent,
     GenerateParams,
     GenerationStats,
+    ModelInfo,
+    ServerLimits,
     SessionInfo,
     StopReason,
     TokenEvent,
     TruncatedEvent,
 )
-from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, ShuttingDown
+from inference_engine.errors import InvalidArgument, ResourceExhausted, ServiceError, SessionFailed, ShuttingDown
 from inference_engine.metrics import Metrics
+from inference_engine.model_facts import ModelFacts
 from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
@@ -91,12 +96,24 @@ class Runtime:
         metrics: Metrics,
         *,
         proposer: Proposer | None = None,
+        model_facts: ModelFacts | None = None,
     ) -> None:
+        """`model_facts` default to what `config.model_dir` says; pass them when the verifier was loaded from
+        another directory."""
         self.verifier = verifier
         self.config = config
         self.metrics = metrics
         self.proposer = proposer or NoProposer()
         self.checks = RequestChecks(config, verifier.vocab_size)
+        self.model_facts = model_facts or ModelFacts.read(config.model_dir)
+        self.default_eos_token_ids = self._model_eos(self.model_facts)
+        metrics.build_info.labels(
+            version=__version__,
+            backend=config.backend,
+            model=self.model_facts.name,
+            proposer=self.proposer.name,
+            kv_strategy=config.kv_strategy,
+        ).set(1)
         self.worker = ModelWorker()
         self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.store = SessionStore(
@@ -114,6 +131,8 @@ class Runtime:
         self._check_accepting()
         strategy = self.checks.strategy(params)
         eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
+        if not eos and not params.no_default_eos:
+            eos = list(self.default_eos_token_ids)
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
         session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
         log.info(
@@ -141,7 +160,7 @@ class Runtime:
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
         session = self.store.get(session_id)
-        async with self.scheduler.generation_turn(session):
+        async with self._queued_generation_turn(session):
             seq = session.seq
             if not seq.tokens:
                 raise InvalidArgument("the session history is empty: append tokens before generating")
@@ -175,6 +194,31 @@ class Runtime:
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
+    async def settle_cancellations(self, session_id: str, window_s: float = 0.025) -> None:
+        """Let a cancellation sent just before this call end the session's generation before it is described.
+
+        A client that cancels a stream and then asks for the session's state sends both on one connection, but the
+        cancel can reach the generation's task after the question: without this wait, the answer could still say
+        `generating` for a generation the client has already cancelled. A running generation delays the answer by
+        at most `window_s`; a cancelled one ends after its current step.
+        """
+        try:
+            session = self.store.get(session_id, touch=False)
+        except ServiceError:
+            return  # session_info reports the error
+        deadline = time.monotonic() + window_s
+        while session.generating and time.monotonic() < deadline:
+            if session.cancel is not None and session.cancel.is_set():
+                await self._wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
+                return
+            await asyncio.sleep(0.001)
+
+    @staticmethod
+    async def _wait_generation_end(session: Session, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while session.generating and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
     def session_info(self, session_id: str, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe a session without counting as an access; optionally include the last history tokens."""
         if history_tail_tokens > self.config.max_append_tokens:
@@ -200,6 +244,34 @@ class Runtime:
             window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
             history_tail=tuple(tokens[len(tokens) - history_tail_tokens :]) if history_tail_tokens else (),
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The served model's facts, the session defaults and the request limits."""
+        config = self.config
+        default = self.checks.default_strategy
+        return ModelInfo(
+            vocab_size=self.verifier.vocab_size,
+            eos_token_ids=self.default_eos_token_ids,
+            trained_context_tokens=self.model_facts.trained_context_tokens,
+            backend=config.backend,
+            model_name=self.model_facts.name,
+            description=self.verifier.description,
+            chat_template=self.model_facts.chat_template,
+            default_kv_strategy=default.name,
+            default_sink_tokens=config.sink,
+            default_window_tokens=config.window,
+            limits=ServerLimits(
+                max_generate_tokens=config.max_generate_tokens,
+                max_append_tokens=config.max_append_tokens,
+                max_history_tokens=config.max_history_tokens,
+                max_sessions=config.max_sessions,
+                max_message_bytes=config.max_message_bytes,
+                max_concurrent_generations=config.max_concurrent,
+                queue_deadline_s=config.queue_deadline_s,
+            ),
+            proposer=self.proposer.name,
+            server_version=__version__,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -287,7 +359,10 @@ class Runtime:
                     reason = StopReason.CANCELLED
                     break
                 try:
-                    step = await self.worker.run(self.decoder.step, seq, sampling, budget, tally.generated)
+                    # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
+                    step = await self.worker.run_cancellable(
+                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated
+                    )
                 except InvariantViolation as exc:
                     outcome = "failed"
                     raise self._fail(session, exc) from exc
@@ -364,6 +439,31 @@ class Runtime:
         self.store.refresh_gauges()
         log.error("session failed", extra={"session_id": session.session_id, "violation": str(exc)})
         return SessionFailed(f"session {session.session_id!r} failed and was freed: cache invariant {exc}")
+
+    @asynccontextmanager
+    async def _queued_generation_turn(self, session: Session) -> AsyncIterator[None]:
+        """The scheduler's generation turn, with the wait counted in the queue depth and queue wait metrics."""
+        queued_at = time.perf_counter()
+        waiting = True
+        self.metrics.generate_queue_depth.inc()
+        try:
+            async with self.scheduler.generation_turn(session):
+                waiting = False
+                self.metrics.generate_queue_depth.dec()
+                self.metrics.generate_queue_wait_seconds.observe(time.perf_counter() - queued_at)
+                yield
+        finally:
+            if waiting:
+                self.metrics.generate_queue_depth.dec()
+
+    def _model_eos(self, facts: ModelFacts) -> tuple[int, ...]:
+        inside = tuple(t for t in facts.eos_token_ids if 0 <= t < self.verifier.vocab_size)
+        if inside != facts.eos_token_ids:
+            log.warning(
+                "end-of-sequence ids outside the vocabulary are ignored",
+                extra={"eos_token_ids": list(facts.eos_token_ids), "vocab_size": self.verifier.vocab_size},
+            )
+        return inside
 
     def _check_accepting(self) -> None:
         if not self._accepting:

@@ -31,20 +31,22 @@ STOP_REASON_CANCELLED: StopReason
 STOP_REASON_TRUNCATED: StopReason
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens")
+    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens", "no_default_eos")
     CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NO_DEFAULT_EOS_FIELD_NUMBER: _ClassVar[int]
     client_label: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     initial_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_strategy: KvStrategy
     sink_tokens: int
     window_tokens: int
-    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+    no_default_eos: bool
+    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., no_default_eos: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id", "history_length")
@@ -251,3 +253,55 @@ class AppendedEvent(_message.Message):
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     def __init__(self, history_length: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("vocab_size", "eos_token_ids", "trained_context_tokens", "backend", "model_name", "description", "chat_template", "default_kv_strategy", "default_sink_tokens", "default_window_tokens", "limits", "proposer", "server_version")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    trained_context_tokens: int
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str
+    default_kv_strategy: KvStrategy
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str
+    def __init__(self, vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trained_context_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., model_name: _Optional[str] = ..., description: _Optional[str] = ..., chat_template: _Optional[str] = ..., default_kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., default_sink_tokens: _Optional[int] = ..., default_window_tokens: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., proposer: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class ServerLimits(_message.Message):
+    __slots__ = ("max_generate_tokens", "max_append_tokens", "max_history_tokens", "max_sessions", "max_message_bytes", "max_concurrent_generations", "queue_deadline_seconds")
+    MAX_GENERATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_generate_tokens: int
+    max_append_tokens: int
+    max_history_tokens: int
+    max_sessions: int
+    max_message_bytes: int
+    max_concurrent_generations: int
+    queue_deadline_seconds: float
+    def __init__(self, max_generate_tokens: _Optional[int] = ..., max_append_tokens: _Optional[int] = ..., max_history_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_generations: _Optional[int] = ..., queue_deadline_seconds: _Optional[float] = ...) -> None: ...

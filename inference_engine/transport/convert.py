@@ -10,6 +10,7 @@ from inference_engine.domain import (
     GenerateEvent,
     GenerateParams,
     GenerationStats,
+    ModelInfo,
     SessionInfo,
     StopReason,
     TokenEvent,
@@ -45,6 +46,7 @@ def create_params(request: pb.CreateSessionRequest) -> CreateParams:
         kv_strategy=_STRATEGY_NAMES[request.kv_strategy],
         sink=request.sink_tokens if request.HasField("sink_tokens") else None,
         window=request.window_tokens if request.HasField("window_tokens") else None,
+        no_default_eos=request.no_default_eos,
     )
 
 
@@ -108,4 +110,31 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         sink_tokens=info.sink_tokens,
         window_tokens=info.window_tokens,
         history_tail_token_ids=info.history_tail,
+    )
+
+
+def model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
+    limits = info.limits
+    return pb.GetModelInfoResponse(
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        trained_context_tokens=info.trained_context_tokens,
+        backend=info.backend,
+        model_name=info.model_name,
+        description=info.description,
+        chat_template=info.chat_template,
+        default_kv_strategy=_STRATEGY_ENUMS.get(info.default_kv_strategy, pb.KV_STRATEGY_UNSPECIFIED),
+        default_sink_tokens=info.default_sink_tokens,
+        default_window_tokens=info.default_window_tokens,
+        limits=pb.ServerLimits(
+            max_generate_tokens=limits.max_generate_tokens,
+            max_append_tokens=limits.max_append_tokens,
+            max_history_tokens=limits.max_history_tokens,
+            max_sessions=limits.max_sessions,
+            max_message_bytes=limits.max_message_bytes,
+            max_concurrent_generations=limits.max_concurrent_generations,
+            queue_deadline_seconds=limits.queue_deadline_s,
+        ),
+        proposer=info.proposer,
+        server_version=info.server_version,
     )

@@ -188,8 +188,8 @@ def test_an_invariant_violation_fails_and_frees_only_that_session(server, witnes
     assert _code(lambda: info(server.stub, sid)) == NOT_FOUND
     assert session.seq.cache.nbytes == 0, "the failed session's memory must be freed"
     text = server.metrics_text()
-    assert 'cache_invariant_violations_total{kind="inv1"} 1.0' in text
-    assert 'session_total{outcome="failed"} 1.0' in text
+    assert 'kakeya_cache_invariant_violations_total{kind="inv1"} 1.0' in text
+    assert 'kakeya_session_total{outcome="failed"} 1.0' in text
 
 
 def test_concurrent_bad_calls_do_not_disturb_a_generation(server, witness):

@@ -5,6 +5,7 @@ import {
   type CreateSessionRequest,
   type GenerateCommand,
   type GenerateDone,
+  type GetModelInfoResponse,
   type GetSessionInfoResponse,
   KvStrategy as WireKvStrategy,
   StopReason as WireStopReason,
@@ -13,6 +14,7 @@ import type {
   CreateSessionOptions,
   GenerationStats,
   KvStrategy,
+  ModelInfo,
   SamplingOptions,
   SessionInfo,
   StopReason,
@@ -71,9 +73,12 @@ export function createSessionRequest(options: CreateSessionOptions): CreateSessi
     if (wire === undefined) throw new InvalidArgumentError(`unknown kvStrategy ${JSON.stringify(options.kvStrategy)}`);
     strategy = wire;
   }
+  const eos = options.eosTokenIds === undefined ? undefined : tokenIds(options.eosTokenIds, "eosTokenIds");
   return {
     clientLabel: options.label ?? "",
-    eosTokenIds: tokenIds(options.eosTokenIds, "eosTokenIds"),
+    eosTokenIds: eos ?? [],
+    // Unset takes the model's EOS ids; an empty list asks for none at all.
+    noDefaultEos: eos !== undefined && eos.length === 0,
     initialTokenIds: tokenIds(options.initialTokens, "initialTokens"),
     kvStrategy: strategy,
     sinkTokens: optionalUint32(options.sinkTokens, "sinkTokens"),
@@ -81,13 +86,20 @@ export function createSessionRequest(options: CreateSessionOptions): CreateSessi
   };
 }
 
-/** The sampling fields shared by `GenerateRequest` and the Converse `GenerateCommand`. */
-export function generateCommand(options: SamplingOptions): GenerateCommand {
+/** The sampling fields shared by `GenerateRequest` and the Converse `GenerateCommand`; `maxTokens` must be in
+ * 1..`maxGenerateTokens` (the server's limit, when known). */
+export function generateCommand(options: SamplingOptions, maxGenerateTokens?: number): GenerateCommand {
   if (options === null || typeof options !== "object") {
     throw new InvalidArgumentError("generate needs an options object with maxTokens");
   }
+  const upper = maxGenerateTokens ?? 2 ** 32 - 1;
+  const maxTokens = options.maxTokens;
+  if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > upper) {
+    const range = maxGenerateTokens === undefined ? `1..${upper}` : `1..${upper} (the server's limit)`;
+    throw new InvalidArgumentError(`maxTokens must be an integer in ${range}, got ${String(maxTokens)}`);
+  }
   return {
-    maxTokens: uint32(options.maxTokens, "maxTokens"),
+    maxTokens,
     seed: seed(options.seed),
     temperature: options.temperature,
     topP: options.topP,
@@ -131,6 +143,33 @@ const STRATEGY_NAMES = new Map<WireKvStrategy, KvStrategy>([
   [WireKvStrategy.KV_STRATEGY_FULL, "full"],
   [WireKvStrategy.KV_STRATEGY_SINK_WINDOW, "sink_window"],
 ]);
+
+export function modelInfo(response: GetModelInfoResponse): ModelInfo {
+  const limits = response.limits;
+  return {
+    vocabSize: response.vocabSize,
+    eosTokenIds: [...response.eosTokenIds],
+    trainedContextTokens: count(response.trainedContextTokens),
+    backend: response.backend,
+    modelName: response.modelName,
+    description: response.description,
+    chatTemplate: response.chatTemplate,
+    defaultKvStrategy: STRATEGY_NAMES.get(response.defaultKvStrategy) ?? "unspecified",
+    defaultSinkTokens: response.defaultSinkTokens,
+    defaultWindowTokens: response.defaultWindowTokens,
+    limits: {
+      maxGenerateTokens: limits?.maxGenerateTokens ?? 0,
+      maxAppendTokens: limits?.maxAppendTokens ?? 0,
+      maxHistoryTokens: count(limits?.maxHistoryTokens ?? 0n),
+      maxSessions: limits?.maxSessions ?? 0,
+      maxMessageBytes: count(limits?.maxMessageBytes ?? 0n),
+      maxConcurrentGenerations: limits?.maxConcurrentGenerations ?? 0,
+      queueDeadlineSeconds: limits?.queueDeadlineSeconds ?? 0,
+    },
+    proposer: response.proposer,
+    serverVersion: response.serverVersion,
+  };
+}
 
 export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
   return {

@@ -33,6 +33,7 @@ export class Session {
   historyLength: number | undefined;
   /** Statistics of this object's last generation that ended normally; reset when a new generation starts. */
   lastStats: GenerationStats | undefined;
+  private finalHistoryLength: number | undefined;
 
   constructor(
     private readonly transport: Transport,
@@ -52,10 +53,12 @@ export class Session {
 
   /**
    * Generate token ids; the RPC starts when iteration starts. Each streamed token is already part of the history.
+   * `maxTokens` outside 1..the server's limit throws `InvalidArgumentError` at once (the limit is known after
+   * `client.createSession()` or `client.modelInfo()`).
    * Leaving the `for await` loop early, aborting `options.signal` or calling `cancel()` on the stream cancels it.
    */
   generate(options: GenerateOptions): TokenStream {
-    const command = generateCommand(options);
+    const command = generateCommand(options, this.transport.modelInfo?.limits.maxGenerateTokens);
     this.lastStats = undefined;
     return new TokenStream(() => this.openGenerate(command), {
       signal: options.signal,
@@ -80,10 +83,12 @@ export class Session {
   }
 
   /** Close the session and free its memory on the server (a running generation is cancelled). Returns the final
-   * history length. */
+   * history length. Idempotent: closing again returns the same length without a call. */
   async close(options: CallOptions = {}): Promise<number> {
+    if (this.finalHistoryLength !== undefined) return this.finalHistoryLength;
     const response = await this.transport.unary(this.transport.stub.closeSession, { sessionId: this.id }, options);
     this.historyLength = count(response.finalHistoryLength);
+    this.finalHistoryLength = this.historyLength;
     return this.historyLength;
   }
 

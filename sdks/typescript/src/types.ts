@@ -12,7 +12,8 @@ export type KvStrategy = "full" | "sink_window";
 export interface CreateSessionOptions extends CallOptions {
   /** Free-form label shown in the server's logs and in `SessionInfo.clientLabel`. */
   label?: string;
-  /** Token ids that end every generation of the session with stop reason `eos`. */
+  /** Token ids that end every generation of the session with stop reason `eos`. Unset uses the model's
+   * end-of-sequence ids (`ModelInfo.eosTokenIds`); an empty list gives the session none. */
   eosTokenIds?: Iterable<number>;
   /** History the session starts with (prefilled by its first generation). */
   initialTokens?: Iterable<number>;
@@ -21,6 +22,45 @@ export interface CreateSessionOptions extends CallOptions {
   sinkTokens?: number;
   /** Most recent positions that stay resident under `sink_window`. */
   windowTokens?: number;
+}
+
+/** The limits the server checks requests against. */
+export interface ServerLimits {
+  /** Largest `maxTokens` of a generation (the smallest is 1). */
+  maxGenerateTokens: number;
+  /** Tokens one append (or the initial tokens) may carry. */
+  maxAppendTokens: number;
+  /** History tokens a session may hold. */
+  maxHistoryTokens: number;
+  /** Sessions held at once; creating one more evicts the least recently used idle one. */
+  maxSessions: number;
+  /** Largest gRPC message the server receives or sends. */
+  maxMessageBytes: number;
+  /** Generations running at once across sessions. */
+  maxConcurrentGenerations: number;
+  /** Seconds a request may wait for its session or a generation slot. */
+  queueDeadlineSeconds: number;
+}
+
+/** The served model's facts and the server's session defaults and limits (`client.modelInfo()`). */
+export interface ModelInfo {
+  /** Token ids are in [0, vocabSize). */
+  vocabSize: number;
+  /** The model's end-of-sequence ids: the default `eosTokenIds` of new sessions. */
+  eosTokenIds: number[];
+  /** Context length the model was trained for (0 when the model does not say). */
+  trainedContextTokens: number;
+  backend: string;
+  modelName: string;
+  description: string;
+  /** The tokenizer's chat template (Jinja source), when the model has one. */
+  chatTemplate: string | undefined;
+  defaultKvStrategy: KvStrategy | "unspecified";
+  defaultSinkTokens: number;
+  defaultWindowTokens: number;
+  limits: ServerLimits;
+  proposer: string;
+  serverVersion: string;
 }
 
 export interface SamplingOptions {

@@ -24,7 +24,16 @@ from kakeya.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, StopReason, TlsConfig
+from kakeya.types import (
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    ServerLimits,
+    SessionInfo,
+    StopReason,
+    TlsConfig,
+)
 
 __version__ = "0.1.0"
 
@@ -45,9 +54,11 @@ __all__ = [
     "InvariantViolation",
     "KakeyaError",
     "KvStrategy",
+    "ModelInfo",
     "ProtocolError",
     "ResourceExhausted",
     "RetryPolicy",
+    "ServerLimits",
     "Session",
     "SessionInfo",
     "SessionNotFound",

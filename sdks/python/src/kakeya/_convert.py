@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from kakeya._generated import runtime_pb2 as pb
 from kakeya.errors import InvalidArgument, ProtocolError
-from kakeya.types import GenerationStats, KvStrategy, SessionInfo, StopReason
+from kakeya.types import GenerationStats, KvStrategy, ModelInfo, ServerLimits, SessionInfo, StopReason
 
 _UINT32 = 1 << 32
 _UINT64 = 1 << 64
@@ -75,7 +75,7 @@ def strategy(value: KvStrategy | str | None) -> int:
 def create_request(
     *,
     label: str,
-    eos_token_ids: Iterable[int],
+    eos_token_ids: Iterable[int] | None,
     initial_tokens: Iterable[int],
     kv_strategy: KvStrategy | str | None,
     sink_tokens: int | None,
@@ -83,9 +83,12 @@ def create_request(
 ) -> pb.CreateSessionRequest:
     if not isinstance(label, str):
         raise InvalidArgument(f"label must be a string, got {label!r}")
+    eos = None if eos_token_ids is None else token_ids(eos_token_ids, "eos_token_ids")
     request = pb.CreateSessionRequest(
         client_label=label,
-        eos_token_ids=token_ids(eos_token_ids, "eos_token_ids"),
+        eos_token_ids=eos or [],
+        # None takes the model's EOS ids; an empty list asks for none at all.
+        no_default_eos=eos is not None and not eos,
         initial_token_ids=token_ids(initial_tokens, "initial_tokens"),
         kv_strategy=strategy(kv_strategy),  # type: ignore[arg-type]
     )
@@ -104,10 +107,13 @@ def generate_fields(
     top_p: float | None,
     top_k: int | None,
     stop_token_ids: Iterable[int],
+    max_generate_tokens: int | None = None,
 ) -> dict[str, object]:
-    """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out."""
+    """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out.
+
+    `max_tokens` must be in 1..`max_generate_tokens` (the server's limit, when known)."""
     fields: dict[str, object] = {
-        "max_tokens": uint32(max_tokens, "max_tokens"),
+        "max_tokens": _max_tokens(max_tokens, max_generate_tokens),
         "stop_token_ids": token_ids(stop_token_ids, "stop_token_ids"),
     }
     if seed is not None:
@@ -119,6 +125,48 @@ def generate_fields(
     if top_k is not None:
         fields["top_k"] = uint32(top_k, "top_k")
     return fields
+
+
+def _max_tokens(value: object, limit: int | None) -> int:
+    """`max_tokens` within 1..the server's limit; without the limit, within what the wire carries."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"max_tokens must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"max_tokens must be an integer, got {value!r}") from None
+    upper = limit if limit is not None else _UINT32 - 1
+    if not 1 <= number <= upper:
+        bound = f"1..{limit} (the server's limit)" if limit is not None else f"1..{upper}"
+        raise InvalidArgument(f"max_tokens must be in {bound}, got {number}")
+    return number
+
+
+def model_info(reply: pb.GetModelInfoResponse) -> ModelInfo:
+    limits = reply.limits
+    return ModelInfo(
+        vocab_size=reply.vocab_size,
+        eos_token_ids=tuple(reply.eos_token_ids),
+        trained_context_tokens=reply.trained_context_tokens,
+        backend=reply.backend,
+        model_name=reply.model_name,
+        description=reply.description,
+        chat_template=reply.chat_template if reply.HasField("chat_template") else None,
+        default_kv_strategy=_STRATEGIES.get(reply.default_kv_strategy),
+        default_sink_tokens=reply.default_sink_tokens,
+        default_window_tokens=reply.default_window_tokens,
+        limits=ServerLimits(
+            max_generate_tokens=limits.max_generate_tokens,
+            max_append_tokens=limits.max_append_tokens,
+            max_history_tokens=limits.max_history_tokens,
+            max_sessions=limits.max_sessions,
+            max_message_bytes=limits.max_message_bytes,
+            max_concurrent_generations=limits.max_concurrent_generations,
+            queue_deadline_s=limits.queue_deadline_seconds,
+        ),
+        proposer=reply.proposer,
+        server_version=reply.server_version,
+    )
 
 
 def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> GenerationStats:

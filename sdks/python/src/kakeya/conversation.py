@@ -101,6 +101,7 @@ class Conversation:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=self.session.client.model_info().limits.max_generate_tokens,
         )
         with self._lock:
             self._settle()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 from kakeya.errors import InvalidArgument
@@ -74,13 +74,62 @@ class SessionInfo:
     generating: bool
     sink_tokens: int
     window_tokens: int
-    history_tail: tuple[int, ...] = ()
-    """The last `history_tail_tokens` history tokens, when asked for."""
+    history_tail: tuple[int, ...] = field(default=(), repr=False)
+    """The last `history_tail_tokens` history tokens, when asked for (the repr shows only their count)."""
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in self.__dataclass_fields__ if name != "history_tail"
+        )
+        return f"SessionInfo({shown}, history_tail=<{len(self.history_tail)} tokens>)"
 
     @property
     def invariant_violations(self) -> int:
         """Cache invariant violations counted on the session (INV-1 and INV-2)."""
         return self.inv1_violations + self.inv2_violations
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """The limits the server checks requests against."""
+
+    max_generate_tokens: int
+    """Largest `max_tokens` of a generation (the smallest is 1)."""
+    max_append_tokens: int
+    """Tokens one append (or the initial tokens) may carry."""
+    max_history_tokens: int
+    """History tokens a session may hold."""
+    max_sessions: int
+    """Sessions the server holds at once (creating one more evicts the least recently used idle one)."""
+    max_message_bytes: int
+    """Largest gRPC message the server receives or sends."""
+    max_concurrent_generations: int
+    """Generations running at once across sessions."""
+    queue_deadline_s: float
+    """Seconds a request may wait for its session or a generation slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model's facts and the server's session defaults and limits."""
+
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    eos_token_ids: tuple[int, ...]
+    """The model's end-of-sequence ids: the default `eos_token_ids` of new sessions."""
+    trained_context_tokens: int
+    """Context length the model was trained for (0 when the model does not say)."""
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str | None = field(repr=False)
+    """The tokenizer's chat template (Jinja source), or None when the model has none."""
+    default_kv_strategy: KvStrategy | None
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -95,6 +95,7 @@ class AsyncConversation:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=(await self.session.client.model_info()).limits.max_generate_tokens,
         )
         async with self._lock:
             await self._settle()

@@ -65,7 +65,16 @@ export interface CreateSessionRequest {
     | number
     | undefined;
   /** Window size for KV_STRATEGY_SINK_WINDOW; unset uses the server default. */
-  windowTokens?: number | undefined;
+  windowTokens?:
+    | number
+    | undefined;
+  /**
+   * With `eos_token_ids` empty, a session ends generations on the model's end-of-sequence ids
+   * (GetModelInfoResponse.eos_token_ids). Set this to give the session no end-of-sequence ids at all:
+   * its generations then stop only on max_tokens, per-generation stop ids or the history limit.
+   * Ignored when `eos_token_ids` is not empty.
+   */
+  noDefaultEos: boolean;
 }
 
 export interface CreateSessionResponse {
@@ -246,6 +255,65 @@ export interface AppendedEvent {
   historyLength: bigint;
 }
 
+export interface GetModelInfoRequest {
+}
+
+export interface GetModelInfoResponse {
+  /** Token ids are in [0, vocab_size). */
+  vocabSize: number;
+  /**
+   * End-of-sequence ids from the model's generation config (config.json when it has none); the default
+   * `eos_token_ids` of new sessions.
+   */
+  eosTokenIds: number[];
+  /** Context length the model was trained for (max_position_embeddings); 0 when the model does not say. */
+  trainedContextTokens: bigint;
+  /** Verifier backend: "torch" or "mlx". */
+  backend: string;
+  /** Name of the model directory. */
+  modelName: string;
+  /** Backend, architecture, device and dtype of the loaded verifier, for humans. */
+  description: string;
+  /** The tokenizer's chat template (Jinja source), for clients that render prompts; unset when the model has none. */
+  chatTemplate?:
+    | string
+    | undefined;
+  /** KV strategy of sessions created with KV_STRATEGY_UNSPECIFIED. */
+  defaultKvStrategy: KvStrategy;
+  /** Sink and window sizes of KV_STRATEGY_SINK_WINDOW sessions that do not set their own. */
+  defaultSinkTokens: number;
+  defaultWindowTokens: number;
+  /** Request limits of this server. */
+  limits:
+    | ServerLimits
+    | undefined;
+  /** Speculative proposer: "none", "ngram", "draft_model" or "dflash". */
+  proposer: string;
+  /** Version of the server. */
+  serverVersion: string;
+}
+
+/**
+ * ServerLimits are the limits a request is checked against; exceeding one is INVALID_ARGUMENT or
+ * RESOURCE_EXHAUSTED (see each field).
+ */
+export interface ServerLimits {
+  /** Largest GenerateRequest.max_tokens (INVALID_ARGUMENT above it; the smallest is 1). */
+  maxGenerateTokens: number;
+  /** Tokens one append or initial history may carry (RESOURCE_EXHAUSTED above it). */
+  maxAppendTokens: number;
+  /** History tokens a session may hold. */
+  maxHistoryTokens: bigint;
+  /** Sessions held at once; creating one more evicts the least recently used idle one. */
+  maxSessions: number;
+  /** Largest gRPC message the server receives or sends. */
+  maxMessageBytes: bigint;
+  /** Generations running at once across sessions. */
+  maxConcurrentGenerations: number;
+  /** Seconds a request may wait for its session or a generation slot. */
+  queueDeadlineSeconds: number;
+}
+
 function createBaseCreateSessionRequest(): CreateSessionRequest {
   return {
     clientLabel: "",
@@ -254,6 +322,7 @@ function createBaseCreateSessionRequest(): CreateSessionRequest {
     kvStrategy: 0,
     sinkTokens: undefined,
     windowTokens: undefined,
+    noDefaultEos: false,
   };
 }
 
@@ -284,6 +353,9 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     }
     if (message.windowTokens !== undefined) {
       writer.uint32(48).uint32(message.windowTokens);
+    }
+    if (message.noDefaultEos !== false) {
+      writer.uint32(72).bool(message.noDefaultEos);
     }
     return writer;
   },
@@ -369,6 +441,14 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
             message.windowTokens = reader.uint32();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.noDefaultEos = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -392,6 +472,7 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     message.kvStrategy = object.kvStrategy ?? 0;
     message.sinkTokens = object.sinkTokens ?? undefined;
     message.windowTokens = object.windowTokens ?? undefined;
+    message.noDefaultEos = object.noDefaultEos ?? false;
     return message;
   },
 };
@@ -2257,6 +2338,428 @@ export const AppendedEvent: MessageFns<AppendedEvent> = {
   },
 };
 
+function createBaseGetModelInfoRequest(): GetModelInfoRequest {
+  return {};
+}
+
+export const GetModelInfoRequest: MessageFns<GetModelInfoRequest> = {
+  encode(_: GetModelInfoRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetModelInfoRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetModelInfoRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GetModelInfoRequest>): GetModelInfoRequest {
+    return GetModelInfoRequest.fromPartial(base ?? {});
+  },
+  fromPartial(_: DeepPartial<GetModelInfoRequest>): GetModelInfoRequest {
+    const message = createBaseGetModelInfoRequest();
+    return message;
+  },
+};
+
+function createBaseGetModelInfoResponse(): GetModelInfoResponse {
+  return {
+    vocabSize: 0,
+    eosTokenIds: [],
+    trainedContextTokens: 0n,
+    backend: "",
+    modelName: "",
+    description: "",
+    chatTemplate: undefined,
+    defaultKvStrategy: 0,
+    defaultSinkTokens: 0,
+    defaultWindowTokens: 0,
+    limits: undefined,
+    proposer: "",
+    serverVersion: "",
+  };
+}
+
+export const GetModelInfoResponse: MessageFns<GetModelInfoResponse> = {
+  encode(message: GetModelInfoResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.vocabSize !== 0) {
+      writer.uint32(8).uint32(message.vocabSize);
+    }
+    if (message.eosTokenIds.length !== 0) {
+      writer.uint32(18).fork();
+      for (const v of message.eosTokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.trainedContextTokens !== 0n) {
+      if (BigInt.asUintN(64, message.trainedContextTokens) !== message.trainedContextTokens) {
+        throw new globalThis.Error("value provided for field message.trainedContextTokens of type uint64 too large");
+      }
+      writer.uint32(24).uint64(message.trainedContextTokens);
+    }
+    if (message.backend !== "") {
+      writer.uint32(34).string(message.backend);
+    }
+    if (message.modelName !== "") {
+      writer.uint32(42).string(message.modelName);
+    }
+    if (message.description !== "") {
+      writer.uint32(50).string(message.description);
+    }
+    if (message.chatTemplate !== undefined) {
+      writer.uint32(58).string(message.chatTemplate);
+    }
+    if (message.defaultKvStrategy !== 0) {
+      writer.uint32(64).int32(message.defaultKvStrategy);
+    }
+    if (message.defaultSinkTokens !== 0) {
+      writer.uint32(72).uint32(message.defaultSinkTokens);
+    }
+    if (message.defaultWindowTokens !== 0) {
+      writer.uint32(80).uint32(message.defaultWindowTokens);
+    }
+    if (message.limits !== undefined) {
+      ServerLimits.encode(message.limits, writer.uint32(90).fork()).join();
+    }
+    if (message.proposer !== "") {
+      writer.uint32(98).string(message.proposer);
+    }
+    if (message.serverVersion !== "") {
+      writer.uint32(106).string(message.serverVersion);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetModelInfoResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetModelInfoResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.vocabSize = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag === 16) {
+              message.eosTokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 18) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.eosTokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.trainedContextTokens = reader.uint64() as bigint;
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.backend = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.modelName = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.description = reader.string();
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.chatTemplate = reader.string();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.defaultKvStrategy = reader.int32() as any;
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.defaultSinkTokens = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.defaultWindowTokens = reader.uint32();
+            continue;
+          }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.limits = ServerLimits.decode(reader, reader.uint32());
+            continue;
+          }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            message.proposer = reader.string();
+            continue;
+          }
+          case 13: {
+            if (tag !== 106) {
+              break;
+            }
+
+            message.serverVersion = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GetModelInfoResponse>): GetModelInfoResponse {
+    return GetModelInfoResponse.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<GetModelInfoResponse>): GetModelInfoResponse {
+    const message = createBaseGetModelInfoResponse();
+    message.vocabSize = object.vocabSize ?? 0;
+    message.eosTokenIds = object.eosTokenIds?.map((e) => e) || [];
+    message.trainedContextTokens = (object.trainedContextTokens !== undefined && object.trainedContextTokens !== null)
+      ? BigInt(object.trainedContextTokens)
+      : 0n;
+    message.backend = object.backend ?? "";
+    message.modelName = object.modelName ?? "";
+    message.description = object.description ?? "";
+    message.chatTemplate = object.chatTemplate ?? undefined;
+    message.defaultKvStrategy = object.defaultKvStrategy ?? 0;
+    message.defaultSinkTokens = object.defaultSinkTokens ?? 0;
+    message.defaultWindowTokens = object.defaultWindowTokens ?? 0;
+    message.limits = (object.limits !== undefined && object.limits !== null)
+      ? ServerLimits.fromPartial(object.limits)
+      : undefined;
+    message.proposer = object.proposer ?? "";
+    message.serverVersion = object.serverVersion ?? "";
+    return message;
+  },
+};
+
+function createBaseServerLimits(): ServerLimits {
+  return {
+    maxGenerateTokens: 0,
+    maxAppendTokens: 0,
+    maxHistoryTokens: 0n,
+    maxSessions: 0,
+    maxMessageBytes: 0n,
+    maxConcurrentGenerations: 0,
+    queueDeadlineSeconds: 0,
+  };
+}
+
+export const ServerLimits: MessageFns<ServerLimits> = {
+  encode(message: ServerLimits, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.maxGenerateTokens !== 0) {
+      writer.uint32(8).uint32(message.maxGenerateTokens);
+    }
+    if (message.maxAppendTokens !== 0) {
+      writer.uint32(16).uint32(message.maxAppendTokens);
+    }
+    if (message.maxHistoryTokens !== 0n) {
+      if (BigInt.asUintN(64, message.maxHistoryTokens) !== message.maxHistoryTokens) {
+        throw new globalThis.Error("value provided for field message.maxHistoryTokens of type uint64 too large");
+      }
+      writer.uint32(24).uint64(message.maxHistoryTokens);
+    }
+    if (message.maxSessions !== 0) {
+      writer.uint32(32).uint32(message.maxSessions);
+    }
+    if (message.maxMessageBytes !== 0n) {
+      if (BigInt.asUintN(64, message.maxMessageBytes) !== message.maxMessageBytes) {
+        throw new globalThis.Error("value provided for field message.maxMessageBytes of type uint64 too large");
+      }
+      writer.uint32(40).uint64(message.maxMessageBytes);
+    }
+    if (message.maxConcurrentGenerations !== 0) {
+      writer.uint32(48).uint32(message.maxConcurrentGenerations);
+    }
+    if (message.queueDeadlineSeconds !== 0) {
+      writer.uint32(57).double(message.queueDeadlineSeconds);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ServerLimits {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseServerLimits();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.maxGenerateTokens = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.maxAppendTokens = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.maxHistoryTokens = reader.uint64() as bigint;
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.maxSessions = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.maxMessageBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.maxConcurrentGenerations = reader.uint32();
+            continue;
+          }
+          case 7: {
+            if (tag !== 57) {
+              break;
+            }
+
+            message.queueDeadlineSeconds = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ServerLimits>): ServerLimits {
+    return ServerLimits.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ServerLimits>): ServerLimits {
+    const message = createBaseServerLimits();
+    message.maxGenerateTokens = object.maxGenerateTokens ?? 0;
+    message.maxAppendTokens = object.maxAppendTokens ?? 0;
+    message.maxHistoryTokens = (object.maxHistoryTokens !== undefined && object.maxHistoryTokens !== null)
+      ? BigInt(object.maxHistoryTokens)
+      : 0n;
+    message.maxSessions = object.maxSessions ?? 0;
+    message.maxMessageBytes = (object.maxMessageBytes !== undefined && object.maxMessageBytes !== null)
+      ? BigInt(object.maxMessageBytes)
+      : 0n;
+    message.maxConcurrentGenerations = object.maxConcurrentGenerations ?? 0;
+    message.queueDeadlineSeconds = object.queueDeadlineSeconds ?? 0;
+    return message;
+  },
+};
+
 /**
  * RuntimeService is a session-bound inference service over raw token ids.
  *
@@ -2335,6 +2838,20 @@ export const RuntimeServiceService = {
     responseSerialize: (value: ConverseResponse): Buffer => Buffer.from(ConverseResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): ConverseResponse => ConverseResponse.decode(value),
   },
+  /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo: {
+    path: "/kakeya.v1.RuntimeService/GetModelInfo" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: GetModelInfoRequest): Buffer => Buffer.from(GetModelInfoRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): GetModelInfoRequest => GetModelInfoRequest.decode(value),
+    responseSerialize: (value: GetModelInfoResponse): Buffer =>
+      Buffer.from(GetModelInfoResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): GetModelInfoResponse => GetModelInfoResponse.decode(value),
+  },
 } as const;
 
 export interface RuntimeServiceServer extends UntypedServiceImplementation {
@@ -2353,6 +2870,11 @@ export interface RuntimeServiceServer extends UntypedServiceImplementation {
    * commands flow in, token events flow out, in command order.
    */
   converse: handleBidiStreamingCall<ConverseRequest, ConverseResponse>;
+  /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo: handleUnaryCall<GetModelInfoRequest, GetModelInfoResponse>;
 }
 
 export interface RuntimeServiceClient extends Client {
@@ -2434,6 +2956,25 @@ export interface RuntimeServiceClient extends Client {
   converse(): ClientDuplexStream<ConverseRequest, ConverseResponse>;
   converse(options: Partial<CallOptions>): ClientDuplexStream<ConverseRequest, ConverseResponse>;
   converse(metadata: Metadata, options?: Partial<CallOptions>): ClientDuplexStream<ConverseRequest, ConverseResponse>;
+  /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo(
+    request: GetModelInfoRequest,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
+  getModelInfo(
+    request: GetModelInfoRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
+  getModelInfo(
+    request: GetModelInfoRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
 }
 
 export const RuntimeServiceClient = makeGenericClientConstructor(
