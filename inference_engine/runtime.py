@@ -25,9 +25,25 @@ from inference_engine.domain import (
     TokenEvent,
     TruncatedEvent,
 )
-from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, ShuttingDown
+from inference_engine.errors import (
+    InvalidArgument,
+    JournalUnavailable,
+    ResourceExhausted,
+    SessionFailed,
+    ShuttingDown,
+)
+from inference_engine.journal import (
+    Journal,
+    JournalAppended,
+    JournalDamaged,
+    JournalEnded,
+    JournalEntry,
+    JournalError,
+    JournalOpened,
+    SessionHeader,
+    SessionRecord,
+)
 from inference_engine.metrics import Metrics
-from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
@@ -107,6 +123,7 @@ class Runtime:
         )
         self.scheduler = Scheduler(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
         self._accepting = True
+        self.journal: Journal | None = None
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -116,6 +133,7 @@ class Runtime:
         eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
         session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
+        await self._journal_opened(session)
         log.info(
             "session created",
             extra={"session_id": session.session_id, "label": params.label, "strategy": strategy.name},
@@ -128,6 +146,7 @@ class Runtime:
         session = self.store.get(session_id)
         async with self.scheduler.session_turn(session):
             tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
+            await self._journal_write(JournalAppended(session_id, tuple(tokens), time.time()))
             session.seq.tokens.extend(tokens)
             return len(session.seq.tokens)
 
@@ -172,6 +191,8 @@ class Runtime:
         async with session.lock:
             session.release()
         self.store.refresh_gauges()
+        if self.journal is not None:
+            await self.journal.flush()  # the close is durable once acknowledged
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
@@ -199,7 +220,7 @@ class Runtime:
             sink_tokens=strategy.sink if isinstance(strategy, SinkWindowStrategy) else 0,
             window_tokens=strategy.window if isinstance(strategy, SinkWindowStrategy) else 0,
             invariant_violations=dict(session.invariant_violations),
-            history_tail=tuple(tokens[len(tokens) - history_tail_tokens :]) if history_tail_tokens else (),
+            history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -211,19 +232,41 @@ class Runtime:
             "vocab_size": self.verifier.vocab_size,
         }
 
-    def restore_sessions(self, records: list[SessionRecord]) -> None:
-        """Bring snapshot sessions back under their ids, with their whole history pending."""
+    def attach_journal(self, journal: Journal) -> None:
+        """Record every session change in `journal` from now on; sessions that end are written as ended."""
+        self.journal = journal
+        self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
+
+    def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
+        """Bring journaled sessions back under their ids, with their whole history pending.
+
+        Idle time counts from each session's last journaled activity, so the TTL applies as to any session. A
+        record that does not fit this model raises `JournalDamaged`, or with `drop_invalid` is dropped (and
+        written as ended); returns what was dropped.
+        """
+        dropped = []
+        now_unix = time.time()
         for record in records:
+            header = record.header
             try:
-                strategy = make_strategy(record.kv_strategy, sink=record.sink, window=record.window)
-                eos = self.checks.tokens(record.eos_token_ids, "eos_token_ids")
+                if header.kv_compressor != "none":
+                    raise ValueError(f"KV compressor {header.kv_compressor!r} is not served here")
+                strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
+                eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
                 tokens = self.checks.tokens(record.tokens, "tokens")
+                if len(tokens) > self.config.max_history_tokens:
+                    raise ValueError(f"{len(tokens)} tokens is above the --max-history-tokens limit")
             except (ValueError, InvalidArgument) as exc:
-                raise SnapshotError(
-                    f"session {record.session_id!r} of the snapshot cannot be restored: {exc}"
-                ) from None
-            last_access = self.store.now() - record.idle_seconds
-            self._open_session(record.session_id, record.label, eos, strategy, tokens, last_access)
+                reason = f"session {header.session_id!r} cannot be restored: {exc}"
+                if not drop_invalid:
+                    raise JournalDamaged(reason) from None
+                dropped.append(reason)
+                if self.journal is not None:
+                    self.journal.submit(JournalEnded(header.session_id))
+                continue
+            last_access = self.store.now() - max(0.0, now_unix - record.last_active_unix)
+            self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access)
+        return dropped
 
     def evict_idle(self) -> int:
         return self.store.evict_idle()
@@ -298,7 +341,14 @@ class Runtime:
                     self._record_prefill(tally)
                     if seq.cache.evicted_count:
                         yield TruncatedEvent(int(seq.cache.evicted_count))
-                # Every token of the step is in the history now, even if the consumer stops reading midway.
+                # Every token of the step is in the history now, even if the consumer stops reading midway; it is
+                # journaled before any of it reaches the client.
+                if step.tokens and self.journal is not None:
+                    try:
+                        await self.journal.write(JournalAppended(session.session_id, tuple(step.tokens), time.time()))
+                    except JournalError as exc:
+                        outcome = "failed"
+                        raise self._fail_unjournaled(session, exc) from exc
                 self.metrics.generate_tokens.inc(len(step.tokens))
                 for token in step.tokens:
                     now = clock()
@@ -365,6 +415,48 @@ class Runtime:
         log.error("session failed", extra={"session_id": session.session_id, "violation": str(exc)})
         return SessionFailed(f"session {session.session_id!r} failed and was freed: cache invariant {exc}")
 
+    async def _journal_opened(self, session: Session) -> None:
+        """Journal a new session; if that fails the session is freed and the call fails."""
+        entry = JournalOpened(session_header(session), tuple(session.seq.tokens), time.time())
+        try:
+            await self._journal_write(entry)
+        except JournalUnavailable:
+            self.store.detach(session, "failed", "failed: not journaled")
+            session.release()
+            self.store.refresh_gauges()
+            raise
+
+    async def _journal_write(self, entry: JournalEntry) -> None:
+        if self.journal is None:
+            return
+        try:
+            await self.journal.write(entry)
+        except JournalError as exc:
+            message = f"the session journal cannot record the change, so it was not made: {exc}"
+            raise JournalUnavailable(message) from exc
+
+    def _fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
+        """Fail a session whose generated tokens could not be journaled: its memory and journal would disagree."""
+        self.store.detach(session, "failed", f"failed: {exc}")
+        session.release()
+        self.store.refresh_gauges()
+        log.error("session failed: tokens not journaled", extra={"session_id": session.session_id, "error": str(exc)})
+        return JournalUnavailable(f"session {session.session_id!r} failed and was freed: {exc}")
+
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
+
+
+def session_header(session: Session) -> SessionHeader:
+    """What the journal records about a session besides its tokens."""
+    strategy = session.seq.cache.strategy
+    window = isinstance(strategy, SinkWindowStrategy)
+    return SessionHeader(
+        session_id=session.session_id,
+        label=session.label,
+        eos_token_ids=tuple(sorted(session.eos_token_ids)),
+        kv_strategy=strategy.name,
+        sink=strategy.sink if window else 0,
+        window=strategy.window if window else 0,
+    )

@@ -34,6 +34,14 @@ class RequestChecks:
             window = self.config.window if params.window is None else params.window
             if window < 1 or sink < 0:
                 raise InvalidArgument(f"sink_window needs sink >= 0 and window >= 1, got {sink} and {window}")
+            # Resident slots are allocated up front: a window beyond any history this server accepts only
+            # reserves memory no session can use.
+            limit = self.config.max_history_tokens
+            asked = params.sink is not None or params.window is not None
+            if asked and sink + window > limit:
+                raise InvalidArgument(
+                    f"sink_tokens + window_tokens = {sink + window} is above the --max-history-tokens limit {limit}"
+                )
             return make_strategy("sink_window", sink=sink, window=window)
         raise InvalidArgument(f"unknown KV strategy {name!r}")
 
