@@ -32,6 +32,7 @@ from inference_engine.errors import (
     SessionFailed,
     ShuttingDown,
 )
+from inference_engine.forking import fork_sequence
 from inference_engine.journal import (
     Journal,
     JournalAppended,
@@ -180,6 +181,39 @@ class Runtime:
                 session.generating = False
                 session.cancel = None
                 self.store.touch(session)
+
+    async def fork_session(
+        self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
+    ) -> tuple[str, int, int]:
+        """Create a session whose history is the parent's first `prefix_tokens` tokens (all when None) and whose
+        caches start as copies of the parent's. Waits for the parent's turn. Returns (fork id, history length,
+        positions whose K/V were copied)."""
+        self._check_accepting()
+        parent = self.store.get(session_id)
+        async with self.scheduler.session_turn(parent):
+            history = len(parent.seq.tokens)
+            length = history if prefix_tokens is None else prefix_tokens
+            if not 0 <= length <= history:
+                raise InvalidArgument(f"prefix_tokens {length} is outside the parent's history of {history} tokens")
+            seq = await self.worker.run(fork_sequence, parent.seq, length)
+            fork = Session(
+                session_id=self.store.new_id(),
+                label=parent.label if label is None else label,
+                eos_token_ids=parent.eos_token_ids,
+                seq=seq,
+                last_access=self.store.now(),
+            )
+            try:
+                self.store.add(fork)
+            except ResourceExhausted:
+                fork.release()
+                raise
+            await self._journal_opened(fork)
+        log.info(
+            "session forked",
+            extra={"session_id": fork.session_id, "parent": session_id, "history": length, "copied": seq.committed},
+        )
+        return fork.session_id, length, seq.committed
 
     async def close_session(self, session_id: str) -> int:
         """Close a session: a running generation is cancelled, then its memory is freed. Returns the final

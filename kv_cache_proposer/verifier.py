@@ -57,6 +57,10 @@ class SessionCache(Protocol):
         """Free the storage. The cache must not be used afterwards."""
         ...
 
+    def clone(self, length: int) -> SessionCache:
+        """An independent cache holding positions [0, length) (ValueError if some of them were evicted)."""
+        ...
+
 
 class Verifier(Protocol):
     """A loaded autoregressive model that checks blocks of tokens against per-session caches."""

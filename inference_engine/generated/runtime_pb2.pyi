@@ -251,3 +251,23 @@ class AppendedEvent(_message.Message):
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     def __init__(self, history_length: _Optional[int] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prefix_tokens", "client_label")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prefix_tokens: int
+    client_label: str
+    def __init__(self, session_id: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., client_label: _Optional[str] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("session_id", "history_length", "copied_token_count")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COPIED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    history_length: int
+    copied_token_count: int
+    def __init__(self, session_id: _Optional[str] = ..., history_length: _Optional[int] = ..., copied_token_count: _Optional[int] = ...) -> None: ...

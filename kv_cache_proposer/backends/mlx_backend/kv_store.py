@@ -72,6 +72,37 @@ class MlxSessionCache(PositionBookkeeping):
         self._slot_positions = np.full((0,), -1, dtype=np.int64)
         self._released = True
 
+    def clone(self, length: int) -> MlxSessionCache:
+        """An independent cache holding this cache's positions [0, length) as if only they had been committed.
+
+        Every position the strategy keeps resident at `length` must still be resident here (a bounded cache may
+        have evicted some); raises ValueError otherwise.
+        """
+        if self._released or not 0 <= length <= self._next_position:
+            raise ValueError(f"cannot clone {length} positions of a cache holding {self._next_position}")
+        twin = MlxSessionCache(self._strategy, layer_windows=tuple(layer._window for layer in self.layers))
+        if length == 0:
+            return twin
+        slots, positions = commit_targets(self._strategy, 0, length)  # the resident set at `length`
+        wanted = np.asarray(positions, dtype=np.int64)
+        if not np.array_equal(self._slot_positions[slots], wanted):
+            raise ValueError(f"positions below {length} were evicted; they cannot be cloned")
+        capacity = max(slots) + 1
+        twin._grow(capacity)
+        index = mx.array(slots)
+        for source, target in ((self._keys, twin._keys), (self._values, twin._values)):
+            for i, buf in enumerate(source):
+                if buf is not None:
+                    copy = mx.zeros((*buf.shape[:2], capacity, buf.shape[3]), dtype=buf.dtype)
+                    copy[:, :, index] = buf[:, :, index]  # [1, H, capacity, D]
+                    target[i] = copy
+        twin._slot_positions[slots] = wanted
+        twin._held = [len(slots) if key is not None else 0 for key in twin._keys]
+        twin._next_position = length
+        mx.eval(twin.staged_arrays())
+        twin.check_invariants()
+        return twin
+
     # -- staging -----------------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:

@@ -60,6 +60,36 @@ class TorchSessionCache(PositionBookkeeping):
         self._slot_positions = torch.full((0,), -1, dtype=torch.long, device=self._device)
         self._released = True
 
+    def clone(self, length: int) -> TorchSessionCache:
+        """An independent cache holding this cache's positions [0, length) as if only they had been committed.
+
+        Every position the strategy keeps resident at `length` must still be resident here (a bounded cache may
+        have evicted some); raises ValueError otherwise.
+        """
+        if self._released or not 0 <= length <= self._next_position:
+            raise ValueError(f"cannot clone {length} positions of a cache holding {self._next_position}")
+        twin = TorchSessionCache(self._strategy, num_layers=self._num_layers, device=self._device)
+        if length == 0:
+            return twin
+        slots, positions = commit_targets(self._strategy, 0, length)  # the resident set at `length`
+        slot_idx = torch.tensor(slots, dtype=torch.long, device=self._device)
+        wanted = torch.tensor(positions, dtype=torch.long, device=self._device)
+        if not bool((self._slot_positions[slot_idx] == wanted).all()):
+            raise ValueError(f"positions below {length} were evicted; they cannot be cloned")
+        capacity = max(slots) + 1
+        twin._grow(capacity)
+        for source, target in ((self._keys, twin._keys), (self._values, twin._values)):
+            for i, buf in enumerate(source):
+                if buf is not None:
+                    copy = torch.zeros((*buf.shape[:2], capacity, buf.shape[3]), dtype=buf.dtype, device=buf.device)
+                    copy[:, :, slot_idx] = buf.index_select(2, slot_idx)  # [1, H, capacity, D]
+                    target[i] = copy
+        twin._slot_positions[slot_idx] = wanted
+        twin._held = [len(slots) if key is not None else 0 for key in twin._keys]
+        twin._next_position = length
+        twin.check_invariants()
+        return twin
+
     # -- staging -----------------------------------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
