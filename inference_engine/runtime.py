@@ -10,6 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,6 +125,8 @@ class Runtime:
         )
         self.scheduler = Scheduler(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
         self._accepting = True
+        self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
+        self._generations_in_flight = 0  # running or queued
         self.journal: Journal | None = None
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -161,26 +164,48 @@ class Runtime:
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
         session = self.store.get(session_id)
-        async with self.scheduler.generation_turn(session):
-            seq = session.seq
-            if not seq.tokens:
-                raise InvalidArgument("the session history is empty: append tokens before generating")
-            if len(seq.tokens) >= self.config.max_history_tokens:
-                raise ResourceExhausted(f"the session holds {len(seq.tokens)} tokens, the --max-history-tokens limit")
-            budget = GenerationBudget(
-                max_new_tokens=params.max_tokens,
-                stop_token_ids=session.eos_token_ids | budget_stops,
-                max_history_tokens=self.config.max_history_tokens,
-            )
-            session.cancel = cancel or asyncio.Event()
-            session.generating = True
-            try:
-                async for event in self._run_generation(session, sampling, budget):
+        self._generations_in_flight += 1
+        try:
+            async with (
+                self.scheduler.generation_turn(session),
+                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, cancel)) as events,
+            ):
+                async for event in events:
                     yield event
-            finally:
-                session.generating = False
-                session.cancel = None
-                self.store.touch(session)
+        finally:
+            self._generations_in_flight -= 1
+
+    async def _generate_in_turn(
+        self,
+        session: Session,
+        params: GenerateParams,
+        sampling: SamplingParams,
+        budget_stops: frozenset[int],
+        cancel: asyncio.Event | None,
+    ) -> AsyncGenerator[GenerateEvent, None]:
+        """The generation once it holds the session and a slot."""
+        if self._cancelling:
+            raise ShuttingDown("the server shut down before this generation started")
+        seq = session.seq
+        if not seq.tokens:
+            raise InvalidArgument("the session history is empty: append tokens before generating")
+        if len(seq.tokens) >= self.config.max_history_tokens:
+            raise ResourceExhausted(f"the session holds {len(seq.tokens)} tokens, the --max-history-tokens limit")
+        budget = GenerationBudget(
+            max_new_tokens=params.max_tokens,
+            stop_token_ids=session.eos_token_ids | budget_stops,
+            max_history_tokens=self.config.max_history_tokens,
+        )
+        session.cancel = cancel or asyncio.Event()
+        session.generating = True
+        try:
+            async with aclosing(self._run_generation(session, sampling, budget)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            session.generating = False
+            session.cancel = None
+            self.store.touch(session)
 
     async def fork_session(
         self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
@@ -307,19 +332,21 @@ class Runtime:
 
     @property
     def active_generations(self) -> int:
-        return sum(1 for s in self.store.sessions() if s.generating)
+        """Generations running or queued for their turn."""
+        return self._generations_in_flight
 
     def stop_accepting(self) -> None:
         self._accepting = False
 
     def cancel_all(self) -> None:
-        """Ask every running generation to stop after its current step."""
+        """Ask every running generation to stop after its current step; queued ones end as they get their turn."""
+        self._cancelling = True
         for session in self.store.sessions():
             if session.cancel is not None:
                 session.cancel.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no generation runs, up to `timeout_s`; returns whether it is idle."""
+        """Wait until no generation runs or waits, up to `timeout_s`; returns whether it is idle."""
         deadline = time.monotonic() + timeout_s
         while self.active_generations and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
