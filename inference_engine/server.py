@@ -14,11 +14,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from inference_engine.config import ServerConfig
-from inference_engine.generated import runtime_pb2, runtime_pb2_grpc
+from inference_engine.generated import runtime_pb2
 from inference_engine.journal import Journal, JournalError, open_journal
 from inference_engine.metrics import Metrics
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
+from inference_engine.transport.grpc_handlers import add_runtime_service
 from inference_engine.transport.grpc_service import RuntimeServicer
 from inference_engine.transport.http_server import HttpShimServer
 from inference_engine.transport.text_codec import TextCodec
@@ -72,7 +73,7 @@ class KakeyaServer:
         if config.state_dir:
             self._restore_sessions(Path(config.state_dir))
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(self.runtime), server)
+        add_runtime_service(RuntimeServicer(self.runtime), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{_bracket(config.host)}:{config.port}"
