@@ -15,7 +15,7 @@ from prometheus_client import start_http_server
 
 from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2
-from inference_engine.journal import Journal, JournalError, open_journal
+from inference_engine.journal import Journal, JournalDamaged, open_journal
 from inference_engine.metrics import Metrics
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
@@ -171,9 +171,11 @@ class KakeyaServer:
         salvage = config.journal_recovery == "salvage"
         try:
             dropped = opened.dropped + self.runtime.restore_sessions(opened.records, drop_invalid=salvage)
-        except JournalError:
+        except JournalDamaged as exc:
             opened.journal.close()
-            raise
+            raise JournalDamaged(
+                f"{exc}. Nothing was changed; start with --journal-recovery salvage to drop that session"
+            ) from None
         if opened.moved_to is not None or dropped:
             log.warning(
                 "session journal salvaged",
