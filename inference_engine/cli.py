@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import errno
 import logging
+import os
 import socket
 import sys
 from collections.abc import Sequence
@@ -69,7 +70,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         parser.exit(2, f"kakeya-runtime: error: {exc}\n")
     configure_logging(config.log_format, config.log_level)
-    return run_server(config)
+    code = run_server(config)
+    # Everything the daemon owns is stopped, journaled and flushed by now; the interpreter's own teardown (freeing
+    # the tensor libraries) takes seconds on a busy machine, so leave at once to keep the exit within the grace period.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run_server(config: ServerConfig) -> int:

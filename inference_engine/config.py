@@ -23,6 +23,8 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+JOURNAL_SYNC_POLICIES = ("normal", "full")
+JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
 
 
 class ConfigError(ValueError):
@@ -100,8 +102,21 @@ class ServerConfig:
     )
     state_dir: str = _opt(
         "",
-        "directory where every session's history is saved on graceful shutdown and restored from on start "
-        "(same ids; the K/V is rebuilt by the next generation's prefill); empty keeps sessions in memory only",
+        "directory (created 0700) of the session journal: every session's creation, tokens and end are written as "
+        "they happen and the sessions come back under their ids on the next start, after a crash too (the K/V is "
+        "rebuilt by the next generation's prefill); empty keeps sessions in memory only",
+    )
+    journal_sync: str = _opt(
+        "normal",
+        "when a journal commit counts as done: normal (written to the OS: survives a killed process) or full "
+        "(fsynced: also survives a power cut, slower)",
+        choices=JOURNAL_SYNC_POLICIES,
+    )
+    journal_recovery: str = _opt(
+        "refuse",
+        "a damaged journal: refuse to start, or salvage (move it aside, keep the sessions that still read back, log "
+        "what was dropped)",
+        choices=JOURNAL_RECOVERY_CHOICES,
     )
     shutdown_grace_s: float = _opt(10.0, "seconds in-flight generations may run after SIGTERM before cancellation")
     log_format: str = _opt("text", "log line format", choices=LOG_FORMATS)

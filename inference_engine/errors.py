@@ -54,3 +54,9 @@ class ShuttingDown(ServiceError):
     """The server is draining and accepts no new work."""
 
     status = Status.UNAVAILABLE
+
+
+class JournalUnavailable(ServiceError):
+    """The session journal could not record a change, so the change was not made (or its session was failed)."""
+
+    status = Status.UNAVAILABLE

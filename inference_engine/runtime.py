@@ -10,7 +10,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,10 +29,28 @@ from inference_engine.domain import (
     TokenEvent,
     TruncatedEvent,
 )
-from inference_engine.errors import InvalidArgument, ResourceExhausted, ServiceError, SessionFailed, ShuttingDown
+from inference_engine.errors import (
+    InvalidArgument,
+    JournalUnavailable,
+    ResourceExhausted,
+    ServiceError,
+    SessionFailed,
+    ShuttingDown,
+)
+from inference_engine.forking import fork_sequence
+from inference_engine.journal import (
+    Journal,
+    JournalAppended,
+    JournalDamaged,
+    JournalEnded,
+    JournalEntry,
+    JournalError,
+    JournalOpened,
+    SessionHeader,
+    SessionRecord,
+)
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
-from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
@@ -124,6 +142,9 @@ class Runtime:
         )
         self.scheduler = Scheduler(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
         self._accepting = True
+        self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
+        self._generations_in_flight = 0  # running or queued
+        self.journal: Journal | None = None
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -135,6 +156,7 @@ class Runtime:
             eos = list(self.default_eos_token_ids)
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
         session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
+        await self._journal_opened(session)
         log.info(
             "session created",
             extra={"session_id": session.session_id, "label": params.label, "strategy": strategy.name},
@@ -147,6 +169,7 @@ class Runtime:
         session = self.store.get(session_id)
         async with self.scheduler.session_turn(session):
             tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
+            await self._journal_write(JournalAppended(session_id, tuple(tokens), time.time()))
             session.seq.tokens.extend(tokens)
             return len(session.seq.tokens)
 
@@ -160,26 +183,81 @@ class Runtime:
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
         session = self.store.get(session_id)
-        async with self._queued_generation_turn(session):
-            seq = session.seq
-            if not seq.tokens:
-                raise InvalidArgument("the session history is empty: append tokens before generating")
-            if len(seq.tokens) >= self.config.max_history_tokens:
-                raise ResourceExhausted(f"the session holds {len(seq.tokens)} tokens, the --max-history-tokens limit")
-            budget = GenerationBudget(
-                max_new_tokens=params.max_tokens,
-                stop_token_ids=session.eos_token_ids | budget_stops,
-                max_history_tokens=self.config.max_history_tokens,
-            )
-            session.cancel = cancel or asyncio.Event()
-            session.generating = True
-            try:
-                async for event in self._run_generation(session, sampling, budget):
+        self._generations_in_flight += 1
+        try:
+            async with (
+                self._queued_generation_turn(session),
+                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, cancel)) as events,
+            ):
+                async for event in events:
                     yield event
-            finally:
-                session.generating = False
-                session.cancel = None
-                self.store.touch(session)
+        finally:
+            self._generations_in_flight -= 1
+
+    async def _generate_in_turn(
+        self,
+        session: Session,
+        params: GenerateParams,
+        sampling: SamplingParams,
+        budget_stops: frozenset[int],
+        cancel: asyncio.Event | None,
+    ) -> AsyncGenerator[GenerateEvent, None]:
+        """The generation once it holds the session and a slot."""
+        if self._cancelling:
+            raise ShuttingDown("the server shut down before this generation started")
+        seq = session.seq
+        if not seq.tokens:
+            raise InvalidArgument("the session history is empty: append tokens before generating")
+        if len(seq.tokens) >= self.config.max_history_tokens:
+            raise ResourceExhausted(f"the session holds {len(seq.tokens)} tokens, the --max-history-tokens limit")
+        budget = GenerationBudget(
+            max_new_tokens=params.max_tokens,
+            stop_token_ids=session.eos_token_ids | budget_stops,
+            max_history_tokens=self.config.max_history_tokens,
+        )
+        session.cancel = cancel or asyncio.Event()
+        session.generating = True
+        try:
+            async with aclosing(self._run_generation(session, sampling, budget)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            session.generating = False
+            session.cancel = None
+            self.store.touch(session)
+
+    async def fork_session(
+        self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
+    ) -> tuple[str, int, int]:
+        """Create a session whose history is the parent's first `prefix_tokens` tokens (all when None) and whose
+        caches start as copies of the parent's. Waits for the parent's turn. Returns (fork id, history length,
+        positions whose K/V were copied)."""
+        self._check_accepting()
+        parent = self.store.get(session_id)
+        async with self.scheduler.session_turn(parent):
+            history = len(parent.seq.tokens)
+            length = history if prefix_tokens is None else prefix_tokens
+            if not 0 <= length <= history:
+                raise InvalidArgument(f"prefix_tokens {length} is outside the parent's history of {history} tokens")
+            seq = await self.worker.run(fork_sequence, parent.seq, length)
+            fork = Session(
+                session_id=self.store.new_id(),
+                label=parent.label if label is None else label,
+                eos_token_ids=parent.eos_token_ids,
+                seq=seq,
+                last_access=self.store.now(),
+            )
+            try:
+                self.store.add(fork)
+            except ResourceExhausted:
+                fork.release()
+                raise
+            await self._journal_opened(fork)
+        log.info(
+            "session forked",
+            extra={"session_id": fork.session_id, "parent": session_id, "history": length, "copied": seq.committed},
+        )
+        return fork.session_id, length, seq.committed
 
     async def close_session(self, session_id: str) -> int:
         """Close a session: a running generation is cancelled, then its memory is freed. Returns the final
@@ -191,6 +269,8 @@ class Runtime:
         async with session.lock:
             session.release()
         self.store.refresh_gauges()
+        if self.journal is not None:
+            await self.journal.flush()  # the close is durable once acknowledged
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
@@ -243,7 +323,7 @@ class Runtime:
             sink_tokens=strategy_options(strategy).get("sink", 0),
             window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
-            history_tail=tuple(tokens[len(tokens) - history_tail_tokens :]) if history_tail_tokens else (),
+            history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
         )
 
     def model_info(self) -> ModelInfo:
@@ -283,38 +363,62 @@ class Runtime:
             "vocab_size": self.verifier.vocab_size,
         }
 
-    def restore_sessions(self, records: list[SessionRecord]) -> None:
-        """Bring snapshot sessions back under their ids, with their whole history pending."""
+    def attach_journal(self, journal: Journal) -> None:
+        """Record every session change in `journal` from now on; sessions that end are written as ended."""
+        self.journal = journal
+        self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
+
+    def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
+        """Bring journaled sessions back under their ids, with their whole history pending.
+
+        Idle time counts from each session's last journaled activity, so the TTL applies as to any session. A
+        record that does not fit this model raises `JournalDamaged`, or with `drop_invalid` is dropped (and
+        written as ended); returns what was dropped.
+        """
+        dropped = []
+        now_unix = time.time()
         for record in records:
+            header = record.header
             try:
-                strategy = make_strategy(record.kv_strategy, sink=record.sink, window=record.window)
-                eos = self.checks.tokens(record.eos_token_ids, "eos_token_ids")
+                if header.kv_compressor != "none":
+                    raise ValueError(f"KV compressor {header.kv_compressor!r} is not served here")
+                strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
+                eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
                 tokens = self.checks.tokens(record.tokens, "tokens")
+                if len(tokens) > self.config.max_history_tokens:
+                    raise ValueError(f"{len(tokens)} tokens is above the --max-history-tokens limit")
             except (ValueError, InvalidArgument) as exc:
-                raise SnapshotError(
-                    f"session {record.session_id!r} of the snapshot cannot be restored: {exc}"
-                ) from None
-            last_access = self.store.now() - record.idle_seconds
-            self._open_session(record.session_id, record.label, eos, strategy, tokens, last_access)
+                reason = f"session {header.session_id!r} cannot be restored: {exc}"
+                if not drop_invalid:
+                    raise JournalDamaged(reason) from None
+                dropped.append(reason)
+                if self.journal is not None:
+                    self.journal.submit(JournalEnded(header.session_id))
+                continue
+            last_access = self.store.now() - max(0.0, now_unix - record.last_active_unix)
+            self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access)
+        return dropped
 
     def evict_idle(self) -> int:
         return self.store.evict_idle()
 
     @property
     def active_generations(self) -> int:
-        return sum(1 for s in self.store.sessions() if s.generating)
+        """Generations running or queued for their turn."""
+        return self._generations_in_flight
 
     def stop_accepting(self) -> None:
         self._accepting = False
 
     def cancel_all(self) -> None:
-        """Ask every running generation to stop after its current step."""
+        """Ask every running generation to stop after its current step; queued ones end as they get their turn."""
+        self._cancelling = True
         for session in self.store.sessions():
             if session.cancel is not None:
                 session.cancel.set()
 
     async def wait_idle(self, timeout_s: float) -> bool:
-        """Wait until no generation runs, up to `timeout_s`; returns whether it is idle."""
+        """Wait until no generation runs or waits, up to `timeout_s`; returns whether it is idle."""
         deadline = time.monotonic() + timeout_s
         while self.active_generations and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
@@ -373,7 +477,14 @@ class Runtime:
                     self._record_prefill(tally)
                     if seq.cache.evicted_count:
                         yield TruncatedEvent(int(seq.cache.evicted_count))
-                # Every token of the step is in the history now, even if the consumer stops reading midway.
+                # Every token of the step is in the history now, even if the consumer stops reading midway; it is
+                # journaled before any of it reaches the client.
+                if step.tokens and self.journal is not None:
+                    try:
+                        await self.journal.write(JournalAppended(session.session_id, tuple(step.tokens), time.time()))
+                    except JournalError as exc:
+                        outcome = "failed"
+                        raise self._fail_unjournaled(session, exc) from exc
                 self.metrics.generate_tokens.inc(len(step.tokens))
                 for token in step.tokens:
                     now = clock()
@@ -465,6 +576,48 @@ class Runtime:
             )
         return inside
 
+    async def _journal_opened(self, session: Session) -> None:
+        """Journal a new session; if that fails the session is freed and the call fails."""
+        entry = JournalOpened(session_header(session), tuple(session.seq.tokens), time.time())
+        try:
+            await self._journal_write(entry)
+        except JournalUnavailable:
+            self.store.detach(session, "failed", "failed: not journaled")
+            session.release()
+            self.store.refresh_gauges()
+            raise
+
+    async def _journal_write(self, entry: JournalEntry) -> None:
+        if self.journal is None:
+            return
+        try:
+            await self.journal.write(entry)
+        except JournalError as exc:
+            message = f"the session journal cannot record the change, so it was not made: {exc}"
+            raise JournalUnavailable(message) from exc
+
+    def _fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
+        """Fail a session whose generated tokens could not be journaled: its memory and journal would disagree."""
+        self.store.detach(session, "failed", f"failed: {exc}")
+        session.release()
+        self.store.refresh_gauges()
+        log.error("session failed: tokens not journaled", extra={"session_id": session.session_id, "error": str(exc)})
+        return JournalUnavailable(f"session {session.session_id!r} failed and was freed: {exc}")
+
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
+
+
+def session_header(session: Session) -> SessionHeader:
+    """What the journal records about a session besides its tokens."""
+    strategy = session.seq.cache.strategy
+    options = strategy_options(strategy)
+    return SessionHeader(
+        session_id=session.session_id,
+        label=session.label,
+        eos_token_ids=tuple(sorted(session.eos_token_ids)),
+        kv_strategy=strategy.name,
+        sink=options.get("sink", 0),
+        window=options.get("window", 0),
+    )

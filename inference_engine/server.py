@@ -15,17 +15,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from inference_engine.config import ServerConfig
-from inference_engine.generated import runtime_pb2, runtime_pb2_grpc
+from inference_engine.generated import runtime_pb2
+from inference_engine.journal import Journal, JournalDamaged, open_journal
 from inference_engine.metrics import Metrics
-from inference_engine.persistence import (
-    SnapshotError,
-    consume_snapshot,
-    read_snapshot,
-    session_records,
-    write_snapshot,
-)
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
+from inference_engine.transport.grpc_handlers import add_runtime_service
 from inference_engine.transport.grpc_service import RuntimeServicer
 from inference_engine.transport.http_server import HttpShimServer
 from inference_engine.transport.text_codec import TextCodec
@@ -34,6 +29,9 @@ from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
+
+_CANCEL_WAIT_S = 0.5  # for cancelled generations to finish their step
+_RPC_DRAIN_S = 0.3  # for unary calls still in flight once the generations are done
 
 SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_name
 
@@ -63,6 +61,7 @@ class KakeyaServer:
         self._metrics_http: object | None = None
         self._http: HttpShimServer | None = None
         self._sweeper: asyncio.Task[None] | None = None
+        self._journal: Journal | None = None
 
     async def start(self) -> None:
         config = self.config
@@ -72,11 +71,10 @@ class KakeyaServer:
             ("grpc.so_reuseport", 0),
         ]
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
-        state_dir = Path(config.state_dir) if config.state_dir else None
-        if state_dir is not None:
-            self.runtime.restore_sessions(read_snapshot(state_dir, self.runtime.model_identity()))
+        if config.state_dir:
+            self._restore_sessions(Path(config.state_dir))
         server = grpc.aio.server(options=options, interceptors=interceptors)
-        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(self.runtime), server)
+        add_runtime_service(RuntimeServicer(self.runtime), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
         address = f"{_bracket(config.host)}:{config.port}"
@@ -89,9 +87,6 @@ class KakeyaServer:
             self.port = _add_port(lambda: server.add_insecure_port(address), config.port)
         await server.start()
         self._server = server
-        if state_dir is not None:
-            consume_snapshot(state_dir)
-            log.info("sessions restored", extra={"sessions": len(self.runtime.store), "state_dir": str(state_dir)})
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port >= 0:
@@ -136,18 +131,23 @@ class KakeyaServer:
         if not await self.runtime.wait_idle(grace):
             log.warning("grace period over, cancelling generations", extra={"left": self.runtime.active_generations})
             self.runtime.cancel_all()
-            await self.runtime.wait_idle(max(grace, 5.0))
+            # Running generations stop after their current step and queued ones end as they get their turn, so
+            # every stream ends with CANCELLED or UNAVAILABLE before the server goes (exit within grace + 1 s).
+            if not await self.runtime.wait_idle(_CANCEL_WAIT_S):
+                log.warning(
+                    "generations still running after cancellation", extra={"left": self.runtime.active_generations}
+                )
         if self._http is not None:
             await self._http.wait_stopped(5.0)
         if self._sweeper is not None:
             self._sweeper.cancel()
         if self._server is not None:
-            await self._server.stop(1.0)
+            await self._server.stop(_RPC_DRAIN_S)
         if self._metrics_http is not None:
             self._metrics_http.shutdown()  # type: ignore[attr-defined]
-        if self.config.state_dir:
-            self._save_sessions(Path(self.config.state_dir))
         self.runtime.shutdown()
+        if self._journal is not None:
+            self._journal.close()
         log.info("stopped")
 
     async def serve_until_signal(self) -> None:
@@ -174,15 +174,31 @@ class KakeyaServer:
             extra={"http": f"{self.config.host}:{self.http_port}"},
         )
 
-    def _save_sessions(self, state_dir: Path) -> None:
-        store = self.runtime.store
-        records = session_records(store.sessions(), store.now())
+    def _restore_sessions(self, state_dir: Path) -> None:
+        """Open the session journal and bring its sessions back; raises `JournalError` when it must not be used."""
+        config = self.config
+        opened = open_journal(
+            state_dir, self.runtime.model_identity(), sync=config.journal_sync, recovery=config.journal_recovery
+        )
+        self._journal = opened.journal
+        self.runtime.attach_journal(opened.journal)
+        salvage = config.journal_recovery == "salvage"
         try:
-            path = write_snapshot(state_dir, self.runtime.model_identity(), records)
-        except SnapshotError as exc:
-            log.error("sessions not saved: %s", exc)
-            return
-        log.info("sessions saved", extra={"sessions": len(records), "snapshot": str(path)})
+            dropped = opened.dropped + self.runtime.restore_sessions(opened.records, drop_invalid=salvage)
+        except JournalDamaged as exc:
+            opened.journal.close()
+            raise JournalDamaged(
+                f"{exc}. Nothing was changed; start with --journal-recovery salvage to drop that session"
+            ) from None
+        if opened.moved_to is not None or dropped:
+            log.warning(
+                "session journal salvaged",
+                extra={"moved_to": str(opened.moved_to or "-"), "dropped": "; ".join(dropped) or "nothing"},
+            )
+        log.info(
+            "sessions restored",
+            extra={"sessions": len(self.runtime.store), "journal": opened.journal.backend.location},
+        )
 
     async def _sweep_idle(self) -> None:
         interval = min(30.0, max(0.05, self.config.session_idle_ttl_s / 4))

@@ -70,6 +70,7 @@ class SessionStore:
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended, for NOT_FOUND messages
+        self.on_detach: Callable[[Session], object] | None = None  # told of every session that ends
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -126,6 +127,8 @@ class SessionStore:
             self._ended.popitem(last=False)
         self._metrics.session_total.labels(outcome=outcome).inc()
         self.refresh_gauges()
+        if self.on_detach is not None:
+            self.on_detach(session)
 
     def evict(self, session: Session, reason: str) -> None:
         """Evict an idle session and free its memory."""

@@ -32,9 +32,18 @@ class RequestChecks:
             if foreign:
                 fields = " and ".join(f"{key}_tokens" for key in foreign)
                 raise InvalidArgument(f"{fields} do not apply to the {name} strategy")
-            return make_strategy(name, **{**defaults, **given})
+            strategy = make_strategy(name, **{**defaults, **given})
         except ValueError as exc:
             raise InvalidArgument(f"{name}: {exc}") from None
+        # Resident slots are allocated up front: a bound beyond any history this server accepts only reserves
+        # memory no session can use.
+        limit = self.config.max_history_tokens
+        if given and (strategy.bounded_slots or 0) > limit:
+            bound = strategy.bounded_slots
+            raise InvalidArgument(
+                f"sink_tokens + window_tokens = {bound} is above the --max-history-tokens limit {limit}"
+            )
+        return strategy
 
     def tokens(self, token_ids: Iterable[int], what: str) -> list[int]:
         """Token ids as ints, each inside the vocabulary."""

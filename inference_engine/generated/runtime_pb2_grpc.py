@@ -76,6 +76,11 @@ class RuntimeServiceStub:
                 request_serializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.ForkSession = channel.unary_unary(
+                '/kakeya.v1.RuntimeService/ForkSession',
+                request_serializer=kakeya_dot_v1_dot_runtime__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=kakeya_dot_v1_dot_runtime__pb2.ForkSessionResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -138,6 +143,15 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
+        as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
+        session that is generating waits its turn like any other call on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -175,6 +189,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.FromString,
                     response_serializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=kakeya_dot_v1_dot_runtime__pb2.ForkSessionRequest.FromString,
+                    response_serializer=kakeya_dot_v1_dot_runtime__pb2.ForkSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -372,6 +391,33 @@ class RuntimeService:
             '/kakeya.v1.RuntimeService/GetModelInfo',
             kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
             kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kakeya.v1.RuntimeService/ForkSession',
+            kakeya_dot_v1_dot_runtime__pb2.ForkSessionRequest.SerializeToString,
+            kakeya_dot_v1_dot_runtime__pb2.ForkSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -96,6 +96,18 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
         _begin(context)
         return convert.model_info(self.runtime.model_info())
 
+    async def ForkSession(
+        self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ForkSessionResponse:
+        _begin(context)
+        try:
+            prefix = request.prefix_tokens if request.HasField("prefix_tokens") else None
+            label = request.client_label if request.HasField("client_label") else None
+            session_id, history, copied = await self.runtime.fork_session(request.session_id, prefix, label)
+        except ServiceError as exc:
+            await _abort(context, exc)
+        return pb.ForkSessionResponse(session_id=session_id, history_length=history, copied_token_count=copied)
+
     async def Converse(
         self, request_iterator: AsyncIterator[pb.ConverseRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ConverseResponse]:

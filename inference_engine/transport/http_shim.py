@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from inference_engine.errors import ServiceError
@@ -54,6 +55,7 @@ def build_app(runtime: Runtime, codec: TextCodec, *, model_id: str) -> FastAPI:
     app.add_api_route(MIGRATION_GUIDE_ROUTE, shim.migration_guide, methods=["GET"])
     app.add_exception_handler(ApiError, _api_error_response)  # type: ignore[arg-type]
     app.add_exception_handler(HTTPException, _http_error_response)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _unexpected_error_response)
     app.state.shim = shim
     return app
@@ -290,6 +292,12 @@ def _http_error_response(request: Request, exc: HTTPException) -> JSONResponse:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "invalid_request")
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return _api_error_response(request, ApiError(exc.status_code, message, code=code))
+
+
+def _client_disconnected(request: Request, exc: ClientDisconnect) -> Response:
+    # A client that goes away mid-body is an ordinary event: nobody is left to read a reply.
+    log.info("client disconnected before sending the whole request", extra={"path": request.url.path})
+    return Response(status_code=499)
 
 
 def _unexpected_error_response(request: Request, exc: Exception) -> JSONResponse:

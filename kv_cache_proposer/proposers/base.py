@@ -40,6 +40,11 @@ class DraftSession(Protocol):
 
     def release(self) -> None: ...
 
+    def clone(self, length: int) -> DraftSession:
+        """An independent draft session for a copy of the history's first `length` positions, whose verifier cache
+        is this session's verifier cache cloned at `length`."""
+        ...
+
 
 class Proposer(Protocol):
     """A drafting method loaded once per daemon; each session opens its own draft session."""
@@ -67,6 +72,9 @@ class NoDraftSession:
 
     def release(self) -> None:
         return None
+
+    def clone(self, length: int) -> NoDraftSession:
+        return NoDraftSession()
 
 
 class NoProposer:

@@ -77,6 +77,24 @@ class DraftModelSession:
     def release(self) -> None:
         self._cache.release()
 
+    def clone(self, length: int) -> DraftModelSession:
+        """Copy the draft cache up to `length` positions; when a bounded cache evicted some of them, start empty
+        and let the next proposal prefill the draft model."""
+        keep = min(self._committed, length)
+        try:
+            cache = self._cache.clone(keep)
+        except ValueError:
+            keep, cache = 0, self._cache.clone(0)
+        twin = DraftModelSession(
+            self._model,
+            self._cache.strategy,
+            max_draft_tokens=self._max_draft_tokens,
+            prefill_chunk=self._prefill_chunk,
+        )
+        twin._cache.release()
+        twin._cache, twin._committed = cache, keep
+        return twin
+
 
 class DraftModelProposer:
     """A smaller causal LM loaded by the same backend as the verifier."""

@@ -62,6 +62,10 @@ class NgramDraftSession:
         self._index = [{} for _ in range(self.max_n + 1)]
         self._indexed = 0
 
+    def clone(self, length: int) -> NgramDraftSession:
+        # The index is rebuilt from the fork's own history on its first proposal.
+        return NgramDraftSession(max_n=self.max_n, min_n=self.min_n, lookahead=self.lookahead)
+
     def _extend_index(self, history: Sequence[int], upto: int) -> None:
         for last in range(self._indexed, upto):
             for n in range(1, min(self.max_n, last + 1) + 1):

@@ -138,6 +138,25 @@ class RpcSequences(RuleBasedStateMachine):
         _, code = self._call(self.server.stub.Generate, request)
         assert code == grpc.StatusCode.INVALID_ARGUMENT
 
+    @rule(target=sessions, sid=sessions, prefix=st.one_of(st.none(), st.integers(min_value=0, max_value=80)))
+    def fork(self, sid, prefix):
+        request = pb.ForkSessionRequest(session_id=sid, prefix_tokens=prefix)
+        reply, code = self._call(self.server.stub.ForkSession, request)
+        if code is None:
+            parent = self.lengths[sid]
+            expected = parent if prefix is None else prefix
+            assert expected <= parent and reply.history_length == expected
+            assert reply.copied_token_count <= max(expected - 1, 0)
+            self.lengths[reply.session_id] = expected
+            return reply.session_id
+        alive = self._alive(sid)
+        assert (code, alive) in {
+            (grpc.StatusCode.NOT_FOUND, False),
+            (grpc.StatusCode.INVALID_ARGUMENT, alive and prefix is not None and prefix > self.lengths[sid]),
+            (grpc.StatusCode.RESOURCE_EXHAUSTED, alive),
+        }
+        return "never-created"
+
     @rule(sid=consumes(sessions))
     def close(self, sid):
         reply, code = self._call(self.server.stub.CloseSession, pb.CloseSessionRequest(session_id=sid))

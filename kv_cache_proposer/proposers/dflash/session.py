@@ -76,3 +76,7 @@ class DFlashDraftSession(Generic[A]):
 
     def release(self) -> None:
         self._cache.release()
+
+    def clone(self, length: int) -> DFlashDraftSession:
+        # The context K/V track the verifier's committed positions one for one, so they clone at the same length.
+        return DFlashDraftSession(self._engine, self._cache.clone(length))

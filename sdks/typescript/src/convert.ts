@@ -112,6 +112,23 @@ export function historyTailTokens(value: number | undefined): number {
   return value === undefined ? 0 : uint32(value, "historyTailTokens");
 }
 
+/** A `ForkSessionRequest` for `sessionId`; unset options keep the parent's whole history and label. */
+export function forkRequest(
+  sessionId: string,
+  options: { prefixTokens?: number; label?: string },
+): { sessionId: string; prefixTokens?: bigint; clientLabel?: string } {
+  const request: { sessionId: string; prefixTokens?: bigint; clientLabel?: string } = { sessionId };
+  if (options.prefixTokens !== undefined) {
+    const prefix = options.prefixTokens;
+    if (!Number.isSafeInteger(prefix) || prefix < 0) {
+      throw new InvalidArgumentError(`prefixTokens must be a non-negative integer, got ${prefix}`);
+    }
+    request.prefixTokens = BigInt(prefix);
+  }
+  if (options.label !== undefined) request.clientLabel = options.label;
+  return request;
+}
+
 /** A uint64 count as a number (exact up to 2^53, far above any history or byte count a server holds). */
 export function count(value: bigint): number {
   return Number(value);

@@ -29,6 +29,7 @@ export { TokenStream } from "./stream.js";
 export type {
   CallOptions,
   CreateSessionOptions,
+  ForkOptions,
   GenerateOptions,
   GenerationStats,
   KvStrategy,

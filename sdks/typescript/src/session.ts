@@ -1,11 +1,18 @@
 import { Conversation } from "./conversation.js";
-import { count, generateCommand, historyTailTokens, sessionInfo, tokenIds } from "./convert.js";
+import { count, forkRequest, generateCommand, historyTailTokens, sessionInfo, tokenIds } from "./convert.js";
 import { fromGrpcError } from "./errors.js";
 import type { GenerateResponse } from "./generated/kakeya/v1/runtime.js";
 import { EventQueue } from "./queue.js";
 import { type GenerationEvent, type GenerationSource, TokenStream } from "./stream.js";
 import type { Transport } from "./transport.js";
-import type { CallOptions, GenerateOptions, GenerationStats, SessionInfo, SessionInfoOptions } from "./types.js";
+import type {
+  CallOptions,
+  ForkOptions,
+  GenerateOptions,
+  GenerationStats,
+  SessionInfo,
+  SessionInfoOptions,
+} from "./types.js";
 
 /** Translate one `GenerateResponse` into a generation event (`undefined` for a payload this SDK does not know). */
 function generateEvent(response: GenerateResponse): GenerationEvent | undefined {
@@ -73,6 +80,17 @@ export class Session {
   /** Open a `Converse` stream bound to this session (one long-lived bidirectional RPC). */
   converse(options: { signal?: AbortSignal } = {}): Promise<Conversation> {
     return Conversation.open(this.transport, this.id, options);
+  }
+
+  /**
+   * Branch the session: a new session whose history is this one's (its first `prefixTokens` tokens when given) and
+   * whose KV cache starts as a copy of this one's, so the branch costs no prefill. The two are independent
+   * afterwards; a fork of a generating session waits for the generation to end.
+   */
+  async fork(options: ForkOptions = {}): Promise<Session> {
+    const request = forkRequest(this.id, options);
+    const response = await this.transport.unary(this.transport.stub.forkSession, request, options);
+    return new Session(this.transport, response.sessionId, count(response.historyLength));
   }
 
   /** Describe the session; `historyTailTokens` also returns that many trailing history tokens. */

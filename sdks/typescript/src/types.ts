@@ -9,6 +9,13 @@ export interface CallOptions {
 /** How a session's KV cache is held on the server; unset uses the server's default. */
 export type KvStrategy = "full" | "sink_window";
 
+export interface ForkOptions extends CallOptions {
+  /** Length of the parent's history the fork keeps; unset keeps all of it. */
+  prefixTokens?: number;
+  /** Label of the fork; unset takes the parent's. */
+  label?: string;
+}
+
 export interface CreateSessionOptions extends CallOptions {
   /** Free-form label shown in the server's logs and in `SessionInfo.clientLabel`. */
   label?: string;

@@ -40,6 +40,18 @@ def uint32(value: object, what: str) -> int:
     return _integer(value, what, _UINT32)
 
 
+def fork_request(session_id: str, prefix_tokens: int | None, label: str | None) -> pb.ForkSessionRequest:
+    """A `ForkSessionRequest`; unset fields keep the parent's whole history and its label."""
+    request = pb.ForkSessionRequest(session_id=session_id)
+    if prefix_tokens is not None:
+        request.prefix_tokens = _integer(prefix_tokens, "prefix_tokens", 2**64 - 1)
+    if label is not None:
+        if not isinstance(label, str):
+            raise InvalidArgument(f"label must be a string, got {label!r}")
+        request.client_label = label
+    return request
+
+
 def token_ids(values: Iterable[object], what: str) -> list[int]:
     """Token ids as unsigned 32-bit integers; a str or bytes is refused (it is text, not tokens)."""
     if isinstance(values, (str, bytes)):

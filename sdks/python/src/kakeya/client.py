@@ -210,6 +210,15 @@ class Session:
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         return Conversation(self, inter_token_timeout_s=inter_token_timeout_s)
 
+    def fork(self, *, prefix_tokens: int | None = None, label: str | None = None) -> Session:
+        """Branch the session: a new session whose history is this one's (its first `prefix_tokens` tokens when
+        given) and whose KV cache starts as a copy of this one's, so the branch costs no prefill. `label` defaults
+        to this session's. The two are independent afterwards; a fork of a generating session waits for the
+        generation to end. Never retried (a retry could create a second fork)."""
+        request = _convert.fork_request(self.id, prefix_tokens, label)
+        reply = self.client.unary(self.client.stub.ForkSession, "ForkSession", request, idempotent=False)
+        return Session(self.client, reply.session_id)
+
     def info(self, *, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe the session; `history_tail_tokens` > 0 also returns that many trailing history tokens
         (a client that stopped reading a stream early learns from it which tokens entered the history)."""

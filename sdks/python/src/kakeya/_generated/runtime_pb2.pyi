@@ -305,3 +305,23 @@ class ServerLimits(_message.Message):
     max_concurrent_generations: int
     queue_deadline_seconds: float
     def __init__(self, max_generate_tokens: _Optional[int] = ..., max_append_tokens: _Optional[int] = ..., max_history_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_generations: _Optional[int] = ..., queue_deadline_seconds: _Optional[float] = ...) -> None: ...
+
+class ForkSessionRequest(_message.Message):
+    __slots__ = ("session_id", "prefix_tokens", "client_label")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    prefix_tokens: int
+    client_label: str
+    def __init__(self, session_id: _Optional[str] = ..., prefix_tokens: _Optional[int] = ..., client_label: _Optional[str] = ...) -> None: ...
+
+class ForkSessionResponse(_message.Message):
+    __slots__ = ("session_id", "history_length", "copied_token_count")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    COPIED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    history_length: int
+    copied_token_count: int
+    def __init__(self, session_id: _Optional[str] = ..., history_length: _Optional[int] = ..., copied_token_count: _Optional[int] = ...) -> None: ...

@@ -213,6 +213,12 @@ class AsyncSession:
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         return AsyncConversation(self, inter_token_timeout_s=inter_token_timeout_s)
 
+    async def fork(self, *, prefix_tokens: int | None = None, label: str | None = None) -> AsyncSession:
+        """Branch the session (see `Session.fork`)."""
+        request = _convert.fork_request(self.id, prefix_tokens, label)
+        reply = await self.client.unary(self.client.stub.ForkSession, "ForkSession", request, idempotent=False)
+        return AsyncSession(self.client, reply.session_id)
+
     async def info(self, *, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe the session (see `Session.info`)."""
         request = pb.GetSessionInfoRequest(

@@ -314,6 +314,29 @@ export interface ServerLimits {
   queueDeadlineSeconds: number;
 }
 
+export interface ForkSessionRequest {
+  /** The parent session. */
+  sessionId: string;
+  /** Length of the parent's history the fork keeps; unset keeps all of it. */
+  prefixTokens?:
+    | bigint
+    | undefined;
+  /** Label of the fork; unset takes the parent's. */
+  clientLabel?: string | undefined;
+}
+
+export interface ForkSessionResponse {
+  /** The fork's server-issued id. */
+  sessionId: string;
+  /** Tokens in the fork's history. */
+  historyLength: bigint;
+  /**
+   * History positions whose K/V were copied from the parent; the rest are pending and prefilled by the fork's next
+   * generation (a bounded cache that already evicted positions the prefix needs copies none of them).
+   */
+  copiedTokenCount: bigint;
+}
+
 function createBaseCreateSessionRequest(): CreateSessionRequest {
   return {
     clientLabel: "",
@@ -2760,6 +2783,179 @@ export const ServerLimits: MessageFns<ServerLimits> = {
   },
 };
 
+function createBaseForkSessionRequest(): ForkSessionRequest {
+  return { sessionId: "", prefixTokens: undefined, clientLabel: undefined };
+}
+
+export const ForkSessionRequest: MessageFns<ForkSessionRequest> = {
+  encode(message: ForkSessionRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.sessionId !== "") {
+      writer.uint32(10).string(message.sessionId);
+    }
+    if (message.prefixTokens !== undefined) {
+      if (BigInt.asUintN(64, message.prefixTokens) !== message.prefixTokens) {
+        throw new globalThis.Error("value provided for field message.prefixTokens of type uint64 too large");
+      }
+      writer.uint32(16).uint64(message.prefixTokens);
+    }
+    if (message.clientLabel !== undefined) {
+      writer.uint32(26).string(message.clientLabel);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ForkSessionRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseForkSessionRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.prefixTokens = reader.uint64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.clientLabel = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ForkSessionRequest>): ForkSessionRequest {
+    return ForkSessionRequest.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ForkSessionRequest>): ForkSessionRequest {
+    const message = createBaseForkSessionRequest();
+    message.sessionId = object.sessionId ?? "";
+    message.prefixTokens = (object.prefixTokens !== undefined && object.prefixTokens !== null)
+      ? BigInt(object.prefixTokens)
+      : undefined;
+    message.clientLabel = object.clientLabel ?? undefined;
+    return message;
+  },
+};
+
+function createBaseForkSessionResponse(): ForkSessionResponse {
+  return { sessionId: "", historyLength: 0n, copiedTokenCount: 0n };
+}
+
+export const ForkSessionResponse: MessageFns<ForkSessionResponse> = {
+  encode(message: ForkSessionResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.sessionId !== "") {
+      writer.uint32(10).string(message.sessionId);
+    }
+    if (message.historyLength !== 0n) {
+      if (BigInt.asUintN(64, message.historyLength) !== message.historyLength) {
+        throw new globalThis.Error("value provided for field message.historyLength of type uint64 too large");
+      }
+      writer.uint32(16).uint64(message.historyLength);
+    }
+    if (message.copiedTokenCount !== 0n) {
+      if (BigInt.asUintN(64, message.copiedTokenCount) !== message.copiedTokenCount) {
+        throw new globalThis.Error("value provided for field message.copiedTokenCount of type uint64 too large");
+      }
+      writer.uint32(24).uint64(message.copiedTokenCount);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ForkSessionResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseForkSessionResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.sessionId = reader.string();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.historyLength = reader.uint64() as bigint;
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.copiedTokenCount = reader.uint64() as bigint;
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ForkSessionResponse>): ForkSessionResponse {
+    return ForkSessionResponse.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ForkSessionResponse>): ForkSessionResponse {
+    const message = createBaseForkSessionResponse();
+    message.sessionId = object.sessionId ?? "";
+    message.historyLength = (object.historyLength !== undefined && object.historyLength !== null)
+      ? BigInt(object.historyLength)
+      : 0n;
+    message.copiedTokenCount = (object.copiedTokenCount !== undefined && object.copiedTokenCount !== null)
+      ? BigInt(object.copiedTokenCount)
+      : 0n;
+    return message;
+  },
+};
+
 /**
  * RuntimeService is a session-bound inference service over raw token ids.
  *
@@ -2852,6 +3048,20 @@ export const RuntimeServiceService = {
       Buffer.from(GetModelInfoResponse.encode(value).finish()),
     responseDeserialize: (value: Buffer): GetModelInfoResponse => GetModelInfoResponse.decode(value),
   },
+  /**
+   * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
+   * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
+   * session that is generating waits its turn like any other call on it.
+   */
+  forkSession: {
+    path: "/kakeya.v1.RuntimeService/ForkSession" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: ForkSessionRequest): Buffer => Buffer.from(ForkSessionRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): ForkSessionRequest => ForkSessionRequest.decode(value),
+    responseSerialize: (value: ForkSessionResponse): Buffer => Buffer.from(ForkSessionResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): ForkSessionResponse => ForkSessionResponse.decode(value),
+  },
 } as const;
 
 export interface RuntimeServiceServer extends UntypedServiceImplementation {
@@ -2875,6 +3085,12 @@ export interface RuntimeServiceServer extends UntypedServiceImplementation {
    * template) and the server's session defaults and request limits.
    */
   getModelInfo: handleUnaryCall<GetModelInfoRequest, GetModelInfoResponse>;
+  /**
+   * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
+   * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
+   * session that is generating waits its turn like any other call on it.
+   */
+  forkSession: handleUnaryCall<ForkSessionRequest, ForkSessionResponse>;
 }
 
 export interface RuntimeServiceClient extends Client {
@@ -2974,6 +3190,26 @@ export interface RuntimeServiceClient extends Client {
     metadata: Metadata,
     options: Partial<CallOptions>,
     callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
+  /**
+   * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
+   * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
+   * session that is generating waits its turn like any other call on it.
+   */
+  forkSession(
+    request: ForkSessionRequest,
+    callback: (error: ServiceError | null, response: ForkSessionResponse) => void,
+  ): ClientUnaryCall;
+  forkSession(
+    request: ForkSessionRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: ForkSessionResponse) => void,
+  ): ClientUnaryCall;
+  forkSession(
+    request: ForkSessionRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: ForkSessionResponse) => void,
   ): ClientUnaryCall;
 }
 

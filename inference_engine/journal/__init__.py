@@ -1,0 +1,35 @@
+"""The session journal behind `--state-dir`: every session's creation, appended and generated tokens, and end,
+written durably as they happen, so neither a restart nor a crash loses an acknowledged token.
+
+`JournalBackend` is the storage (one class per database); `Journal` feeds it from the event loop through one writer
+thread that commits queued entries together; `open_journal` opens the configured backend and reads its sessions.
+"""
+
+from inference_engine.journal.entries import (
+    JournalAppended,
+    JournalBackend,
+    JournalDamaged,
+    JournalEnded,
+    JournalEntry,
+    JournalError,
+    JournalOpened,
+    SessionHeader,
+    SessionRecord,
+)
+from inference_engine.journal.opening import OpenedJournal, open_journal
+from inference_engine.journal.writer import Journal
+
+__all__ = [
+    "Journal",
+    "JournalAppended",
+    "JournalBackend",
+    "JournalDamaged",
+    "JournalEnded",
+    "JournalEntry",
+    "JournalError",
+    "JournalOpened",
+    "OpenedJournal",
+    "SessionHeader",
+    "SessionRecord",
+    "open_journal",
+]
