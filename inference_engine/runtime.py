@@ -26,12 +26,14 @@ from inference_engine.domain import (
     TruncatedEvent,
 )
 from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, ShuttingDown
+from inference_engine.grammars import ModelGrammars
 from inference_engine.metrics import Metrics
 from inference_engine.persistence import SessionRecord, SnapshotError
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
+from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
@@ -45,6 +47,8 @@ _STOP_REASONS = {
     StopCause.EOS: StopReason.EOS,
     StopCause.MAX_TOKENS: StopReason.MAX_TOKENS,
     StopCause.HISTORY_LIMIT: StopReason.TRUNCATED,
+    StopCause.STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
+    StopCause.GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
 }
 
 
@@ -60,11 +64,14 @@ class _Tally:
     forwards: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    stop_sequence_index: int | None = None
 
     def add(self, step: StepResult) -> None:
         self.drafted += step.drafted
         self.accepted += step.accepted
         self.forwards += step.forwards
+        if step.stop_sequence_index is not None:
+            self.stop_sequence_index = step.stop_sequence_index
 
     def stats(self, reason: StopReason, now: float) -> GenerationStats:
         first = self.first_token_at
@@ -78,6 +85,7 @@ class _Tally:
             draft_token_count=self.drafted,
             accepted_draft_token_count=self.accepted,
             verifier_forward_count=self.forwards,
+            stop_sequence_index=self.stop_sequence_index,
         )
 
 
@@ -107,6 +115,7 @@ class Runtime:
         )
         self.scheduler = Scheduler(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
         self._accepting = True
+        self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -140,6 +149,14 @@ class Runtime:
         """
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
+        controls = DecodeControls(
+            penalties=self.checks.penalties(params),
+            stop_sequences=self.checks.stop_sequences(params),
+            top_logprobs=self.checks.top_logprobs(params),
+        )
+        if params.grammar is not None:
+            controls.grammar, grammar_stops = await asyncio.to_thread(self.grammars.start, params.grammar)
+            budget_stops |= grammar_stops
         session = self.store.get(session_id)
         async with self.scheduler.generation_turn(session):
             seq = session.seq
@@ -155,7 +172,7 @@ class Runtime:
             session.cancel = cancel or asyncio.Event()
             session.generating = True
             try:
-                async for event in self._run_generation(session, sampling, budget):
+                async for event in self._run_generation(session, sampling, budget, controls):
                     yield event
             finally:
                 session.generating = False
@@ -271,7 +288,7 @@ class Runtime:
         return session
 
     async def _run_generation(
-        self, session: Session, sampling: SamplingParams, budget: GenerationBudget
+        self, session: Session, sampling: SamplingParams, budget: GenerationBudget, controls: DecodeControls
     ) -> AsyncGenerator[GenerateEvent, None]:
         seq = session.seq
         cancel = session.cancel
@@ -287,7 +304,7 @@ class Runtime:
                     reason = StopReason.CANCELLED
                     break
                 try:
-                    step = await self.worker.run(self.decoder.step, seq, sampling, budget, tally.generated)
+                    step = await self.worker.run(self.decoder.step, seq, sampling, budget, tally.generated, controls)
                 except InvariantViolation as exc:
                     outcome = "failed"
                     raise self._fail(session, exc) from exc
@@ -300,13 +317,13 @@ class Runtime:
                         yield TruncatedEvent(int(seq.cache.evicted_count))
                 # Every token of the step is in the history now, even if the consumer stops reading midway.
                 self.metrics.generate_tokens.inc(len(step.tokens))
-                for token in step.tokens:
+                for index, token in enumerate(step.tokens):
                     now = clock()
                     if tally.last_token_at is not None:
                         self.metrics.generate_inter_token_latency_seconds.observe(now - tally.last_token_at)
                     tally.last_token_at = now
                     tally.generated += 1
-                    yield TokenEvent(token)
+                    yield TokenEvent(token, step.logprobs[index] if step.logprobs is not None else None)
                 self.store.touch(session)
                 within_budget = self.store.enforce_budget(protect=session)
                 self.store.refresh_gauges()

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 
@@ -104,4 +106,8 @@ class Verifier(Protocol):
 
     def pick_tokens(self, logits: Any, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         """Choose one token per logits row; row i samples the token at global position `positions[i]`."""
+        ...
+
+    def host_logits(self, logits: Any) -> np.ndarray:
+        """A float64 host copy [rows, vocab] of logits rows, for the controls that reshape them (controls.py)."""
         ...

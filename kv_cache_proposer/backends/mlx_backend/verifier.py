@@ -127,4 +127,7 @@ class MlxVerifier:
             cache.commit(count)
 
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
-        return sampling.pick_tokens(np.array(logits, dtype=np.float64), params, positions)
+        return sampling.pick_tokens(self.host_logits(logits), params, positions)
+
+    def host_logits(self, logits: mx.array) -> np.ndarray:
+        return np.array(logits, dtype=np.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -97,6 +98,9 @@ class TorchVerifier:
 
     def pick_tokens(self, logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         return pick_tokens(logits, params, positions)
+
+    def host_logits(self, logits: torch.Tensor) -> np.ndarray:
+        return logits.double().cpu().numpy()
 
     def _attention_masks(
         self, strategy: KVStrategy, query_positions: torch.Tensor, key_positions: torch.Tensor
