@@ -89,7 +89,7 @@ class GrammarCompiler:
                 self._cache[spec] = template
                 if len(self._cache) > self.cache_size:
                     self._cache.popitem(last=False)
-            return GrammarState(template.deep_copy(), self.vocab_size)
+            return GrammarState(template, self.vocab_size, self.eos_token_ids)
 
     def _compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         try:
@@ -106,11 +106,13 @@ class GrammarCompiler:
 class GrammarState:
     """One generation's position in its grammar. It advances only on committed tokens."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
-        self._matcher = matcher
+    def __init__(self, compiled: llguidance.LLMatcher, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self._compiled = compiled  # the cache's pristine matcher, never advanced
+        self._matcher = compiled.deep_copy()
+        self._committed: list[int] = []
         self._vocab_size = vocab_size
+        self._eos = np.array(sorted(eos_token_ids), dtype=np.int64)
         self._words = (vocab_size + 31) // 32
-        self.committed_count = 0
 
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many leading `tokens` the grammar accepts from the committed state (a draft is cut there)."""
@@ -121,22 +123,34 @@ class GrammarState:
     def masks_along(self, draft: Sequence[int]) -> np.ndarray:
         """Allowed tokens [len(draft) + 1, vocab] after each prefix `draft[:i]` of a grammar-valid draft.
 
+        A row with no allowed token is a dead end: the grammar cannot go on, yet its sentence is incomplete
+        (llguidance then offers only end-of-sequence, which would end an invalid output as if it were complete).
         The draft is consumed to reach each state and rolled back afterwards: the committed state is unchanged.
         """
         bitmask = np.empty((len(draft) + 1, self._words), dtype=np.int32)  # 32 tokens per word
+        incomplete = np.zeros(len(draft) + 1, dtype=bool)
         consumed = 0
         try:
             for i in range(len(draft) + 1):
                 self._fill(bitmask, i)
+                incomplete[i] = not self._matcher.is_accepting()
                 if i < len(draft):
                     if not self._matcher.consume_token(int(draft[i])):
                         raise EngineError(f"the grammar rejected draft token {draft[i]} it had validated")
                     consumed += 1
         finally:
-            if consumed:
+            if self._matcher.is_error():
+                # Computing the mask of a dead end leaves llguidance's matcher in an error state that a rollback
+                # does not clear; the committed state is rebuilt from the committed tokens.
+                self._matcher = self._compiled.deep_copy()
+                self._matcher.consume_tokens(self._committed)
+            elif consumed:
                 self._matcher.rollback(consumed)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")  # [rows, 32 * words]
-        return bits[:, : self._vocab_size].astype(bool)
+        allowed = bits[:, : self._vocab_size].astype(bool)  # [rows, V]
+        only_eos = allowed.sum(axis=-1) == allowed[:, self._eos].sum(axis=-1)
+        allowed[only_eos & incomplete] = False
+        return allowed
 
     def advance(self, tokens: Sequence[int]) -> None:
         """Commit generated tokens: the grammar state moves past them."""
@@ -144,7 +158,7 @@ class GrammarState:
         for token in tokens:
             if not self._matcher.consume_token(int(token)):
                 raise EngineError(f"the grammar rejected committed token {token}: {self._matcher.get_error()}")
-            self.committed_count += 1
+            self._committed.append(int(token))
 
     @property
     def accepting(self) -> bool:
