@@ -24,7 +24,17 @@ from kakeya.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, StopReason, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    Grammar,
+    KvStrategy,
+    RetryPolicy,
+    SessionInfo,
+    StopReason,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 __version__ = "0.1.0"
 
@@ -39,7 +49,9 @@ __all__ = [
     "Conversation",
     "ConverseTokenStream",
     "DeadlineExceeded",
+    "GenerationControls",
     "GenerationStats",
+    "Grammar",
     "InterTokenTimeout",
     "InvalidArgument",
     "InvariantViolation",
@@ -53,6 +65,7 @@ __all__ = [
     "SessionNotFound",
     "StopReason",
     "TlsConfig",
+    "TokenLogprobs",
     "TokenStream",
     "Unauthenticated",
     "Unavailable",
