@@ -31,11 +31,13 @@ export type {
   CreateSessionOptions,
   GenerateOptions,
   GenerationStats,
+  Grammar,
   KvStrategy,
   SamplingOptions,
   SessionInfo,
   SessionInfoOptions,
   StopReason,
+  TokenLogprobs,
 } from "./types.js";
 /** The generated protocol messages and gRPC client, for callers that need the raw wire types. */
 export * as wire from "./generated/kakeya/v1/runtime.js";
