@@ -131,6 +131,10 @@ class Constraint:
         return self.compiler.start(self.spec)
 
 
+def _decode_rate(run: dict[str, Any]) -> float:
+    return (len(run["tokens"]) - run["first_step_tokens"]) / max(1e-9, run["seconds"] - run["first_step_seconds"])
+
+
 def grammar_cost(constraint: Constraint, outputs: list[list[int]]) -> dict[str, float]:
     """Seconds per token of mask computation and advance, replaying constrained outputs without the model."""
     per_token: list[float] = []
@@ -227,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     summary["grammar_cost"] = grammar_cost(constraint, constrained)
     arms_summary = summary["arms"]
+    # Runs of the same prompt and repeat ran back to back: their ratio cancels most of the machine's drift.
+    summary["paired_decode_ratio_median"] = {
+        name: statistics.median(
+            _decode_rate(c) / _decode_rate(u)
+            for c, u in zip(runs[f"{name} json_schema"], runs[f"{name} unconstrained"], strict=True)
+        )
+        for name in proposers
+    }
     summary["constrained_vs_unconstrained"] = {
         name: arms_summary[f"{name} json_schema"]["tokens_per_s"]
         / arms_summary[f"{name} unconstrained"]["tokens_per_s"]
@@ -251,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     cost = summary["grammar_cost"]
     print(f"grammar: {cost['mean_us']:.0f} µs/token mean, {cost['p95_us']:.0f} µs p95 over {cost['tokens']} tokens")
+    print(f"constrained / unconstrained decode speed, median of paired runs: {summary['paired_decode_ratio_median']}")
     print(
         f"valid JSON {summary['constrained_valid_json_fraction']:.2f}, constrained identical with "
         f"{args.proposer}: {summary['constrained_identical_with_proposer']}"

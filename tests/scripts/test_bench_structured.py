@@ -37,3 +37,5 @@ def test_the_benchmark_compares_constrained_and_unconstrained_generation_with_an
     assert summary["constrained_identical_with_proposer"] is True
     assert summary["grammar_cost"]["tokens"] > 0 and summary["grammar_cost"]["mean_us"] > 0
     assert set(summary["constrained_vs_unconstrained"]) == {"none", "ngram"}
+    assert set(summary["paired_decode_ratio_median"]) == {"none", "ngram"}
+    assert all(arm["decode_tokens_per_s"] > 0 for arm in summary["arms"].values())
