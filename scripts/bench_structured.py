@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     valid = 0
     for tokens in constrained:
         try:
-            json.loads(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in constraint.eos else tokens))
+            json.loads(str(tokenizer.decode(tokens[:-1] if tokens and tokens[-1] in constraint.eos else tokens)))
             valid += 1
         except json.JSONDecodeError:
             pass
