@@ -92,6 +92,10 @@ class ServerConfig:
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
     max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
     max_generate_tokens: int = _opt(8192, "largest max_tokens a generation may ask for")
+    max_top_logprobs: int = _opt(20, "most alternatives a generation may ask for per token (top_logprobs)")
+    max_stop_sequences: int = _opt(16, "most stop sequences one generation may carry")
+    max_stop_sequence_tokens: int = _opt(64, "most tokens in one stop sequence")
+    grammar_cache_size: int = _opt(32, "compiled grammars kept for reuse (least recently used dropped first)")
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
     prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
@@ -136,6 +140,10 @@ class ServerConfig:
             "max_history_tokens",
             "max_append_tokens",
             "max_generate_tokens",
+            "max_top_logprobs",
+            "max_stop_sequences",
+            "max_stop_sequence_tokens",
+            "grammar_cache_size",
             "max_message_bytes",
             "prefill_chunk_tokens",
         )

@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kv_cache_proposer.controls import TokenLogprob
+from kv_cache_proposer.grammar import GrammarSpec
+
 
 class StopReason(Enum):
     MAX_TOKENS = "max_tokens"
     EOS = "eos"
     CANCELLED = "cancelled"
     TRUNCATED = "truncated"
+    STOP_SEQUENCE = "stop_sequence"
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +37,21 @@ class GenerateParams:
     top_p: float | None = None
     top_k: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_window_tokens: int | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int
+    logprobs: TokenLogprob | None = None  # when the generation asked for log-probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +70,7 @@ class GenerationStats:
     draft_token_count: int = 0
     accepted_draft_token_count: int = 0
     verifier_forward_count: int = 0
+    stop_sequence_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ from inference_engine.errors import (
     ShuttingDown,
 )
 from inference_engine.forking import fork_sequence
+from inference_engine.grammars import ModelGrammars
 from inference_engine.journal import (
     Journal,
     JournalAppended,
@@ -55,6 +56,7 @@ from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
+from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
@@ -68,6 +70,8 @@ _STOP_REASONS = {
     StopCause.EOS: StopReason.EOS,
     StopCause.MAX_TOKENS: StopReason.MAX_TOKENS,
     StopCause.HISTORY_LIMIT: StopReason.TRUNCATED,
+    StopCause.STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
+    StopCause.GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
 }
 
 
@@ -83,11 +87,14 @@ class _Tally:
     forwards: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    stop_sequence_index: int | None = None
 
     def add(self, step: StepResult) -> None:
         self.drafted += step.drafted
         self.accepted += step.accepted
         self.forwards += step.forwards
+        if step.stop_sequence_index is not None:
+            self.stop_sequence_index = step.stop_sequence_index
 
     def stats(self, reason: StopReason, now: float) -> GenerationStats:
         first = self.first_token_at
@@ -101,6 +108,7 @@ class _Tally:
             draft_token_count=self.drafted,
             accepted_draft_token_count=self.accepted,
             verifier_forward_count=self.forwards,
+            stop_sequence_index=self.stop_sequence_index,
         )
 
 
@@ -145,6 +153,7 @@ class Runtime:
         self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
         self._generations_in_flight = 0  # running or queued
         self.journal: Journal | None = None
+        self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -182,12 +191,20 @@ class Runtime:
         """
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
+        controls = DecodeControls(
+            penalties=self.checks.penalties(params),
+            stop_sequences=self.checks.stop_sequences(params),
+            top_logprobs=self.checks.top_logprobs(params),
+        )
+        if params.grammar is not None:
+            controls.grammar, grammar_stops = await asyncio.to_thread(self.grammars.start, params.grammar)
+            budget_stops |= grammar_stops
         session = self.store.get(session_id)
         self._generations_in_flight += 1
         try:
             async with (
                 self._queued_generation_turn(session),
-                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, cancel)) as events,
+                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, controls, cancel)) as events,
             ):
                 async for event in events:
                     yield event
@@ -200,6 +217,7 @@ class Runtime:
         params: GenerateParams,
         sampling: SamplingParams,
         budget_stops: frozenset[int],
+        controls: DecodeControls,
         cancel: asyncio.Event | None,
     ) -> AsyncGenerator[GenerateEvent, None]:
         """The generation once it holds the session and a slot."""
@@ -218,7 +236,7 @@ class Runtime:
         session.cancel = cancel or asyncio.Event()
         session.generating = True
         try:
-            async with aclosing(self._run_generation(session, sampling, budget)) as events:
+            async with aclosing(self._run_generation(session, sampling, budget, controls)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -447,7 +465,7 @@ class Runtime:
         return session
 
     async def _run_generation(
-        self, session: Session, sampling: SamplingParams, budget: GenerationBudget
+        self, session: Session, sampling: SamplingParams, budget: GenerationBudget, controls: DecodeControls
     ) -> AsyncGenerator[GenerateEvent, None]:
         seq = session.seq
         cancel = session.cancel
@@ -465,7 +483,7 @@ class Runtime:
                 try:
                     # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
                     step = await self.worker.run_cancellable(
-                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated
+                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated, controls
                     )
                 except InvariantViolation as exc:
                     outcome = "failed"
@@ -486,13 +504,13 @@ class Runtime:
                         outcome = "failed"
                         raise self._fail_unjournaled(session, exc) from exc
                 self.metrics.generate_tokens.inc(len(step.tokens))
-                for token in step.tokens:
+                for index, token in enumerate(step.tokens):
                     now = clock()
                     if tally.last_token_at is not None:
                         self.metrics.generate_inter_token_latency_seconds.observe(now - tally.last_token_at)
                     tally.last_token_at = now
                     tally.generated += 1
-                    yield TokenEvent(token)
+                    yield TokenEvent(token, step.logprobs[index] if step.logprobs is not None else None)
                 self.store.touch(session)
                 within_budget = self.store.enforce_budget(protect=session)
                 self.store.refresh_gauges()

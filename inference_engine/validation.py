@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, GenerateParams
 from inference_engine.errors import InvalidArgument, ResourceExhausted
+from kv_cache_proposer.controls import DEFAULT_PENALTY_WINDOW_TOKENS, Penalties
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
@@ -86,6 +87,52 @@ class RequestChecks:
         seed = secrets.randbits(64) if params.seed is None else int(params.seed)
         if not 0 <= seed < 1 << 64:
             raise InvalidArgument(f"seed must fit in 64 bits, got {seed}")
+        min_p = 0.0 if params.min_p is None else float(params.min_p)
+        if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
         stops = self.tokens(params.stop_token_ids, "stop_token_ids")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         return sampling, frozenset(stops)
+
+    def stop_sequences(self, params: GenerateParams) -> tuple[tuple[int, ...], ...]:
+        """The generation's stop sequences: within the count and length limits, every id in the vocabulary."""
+        sequences = params.stop_sequences
+        if len(sequences) > self.config.max_stop_sequences:
+            raise InvalidArgument(
+                f"stop_sequences holds {len(sequences)} sequences, above the limit {self.config.max_stop_sequences}"
+            )
+        out = []
+        for index, sequence in enumerate(sequences):
+            if not 1 <= len(sequence) <= self.config.max_stop_sequence_tokens:
+                raise InvalidArgument(
+                    f"stop_sequences[{index}] holds {len(sequence)} tokens; a stop sequence holds 1.."
+                    f"{self.config.max_stop_sequence_tokens}"
+                )
+            out.append(tuple(self.tokens(sequence, f"stop_sequences[{index}].token_ids")))
+        return tuple(out)
+
+    def top_logprobs(self, params: GenerateParams) -> int | None:
+        """How many alternatives to report per token, or None when the generation asks for no log-probabilities."""
+        limit = self.config.max_top_logprobs
+        if params.top_logprobs and not params.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs")
+        if not 0 <= params.top_logprobs <= limit:
+            raise InvalidArgument(f"top_logprobs must be in 0..{limit}, got {params.top_logprobs}")
+        return params.top_logprobs if params.logprobs else None
+
+    def penalties(self, params: GenerateParams) -> Penalties:
+        """Repetition, presence and frequency penalties and their history window."""
+        repetition = 1.0 if params.repetition_penalty is None else float(params.repetition_penalty)
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise InvalidArgument(f"repetition_penalty must be finite and > 0, got {repetition}")
+        presence = 0.0 if params.presence_penalty is None else float(params.presence_penalty)
+        frequency = 0.0 if params.frequency_penalty is None else float(params.frequency_penalty)
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be finite, got {value}")
+        window = (
+            DEFAULT_PENALTY_WINDOW_TOKENS if params.penalty_window_tokens is None else int(params.penalty_window_tokens)
+        )
+        if not 1 <= window <= self.config.max_history_tokens:
+            raise InvalidArgument(f"penalty_window_tokens must be in 1..{self.config.max_history_tokens}, got {window}")
+        return Penalties(repetition=repetition, presence=presence, frequency=frequency, window_tokens=window)

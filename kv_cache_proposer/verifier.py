@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol
 
+import numpy as np
+
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.cache.layer_store import LayerStoreFactory
 from kv_cache_proposer.cache.protocol import SessionCache
@@ -62,6 +64,10 @@ class CausalLM(Protocol[A]):
 
     def pick_tokens(self, logits: A, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         """Choose one token per logits row; row i samples the token at global position `positions[i]`."""
+        ...
+
+    def host_logits(self, logits: A) -> np.ndarray:
+        """A float64 host copy [rows, vocab] of logits rows, for the controls that reshape them (controls.py)."""
         ...
 
 

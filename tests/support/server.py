@@ -111,6 +111,7 @@ class Generation:
     tokens: list[int]
     done: pb.GenerateDone | None
     truncated: list[int]
+    scored: list[pb.TokenLogprobs] = field(default_factory=list)  # when the request asked for logprobs
 
 
 def create(stub: runtime_pb2_grpc.RuntimeServiceStub, initial: list[int] | None = None, **kwargs: Any) -> str:
@@ -122,16 +123,20 @@ def generate(stub: runtime_pb2_grpc.RuntimeServiceStub, session_id: str, **kwarg
     kwargs.setdefault("max_tokens", 16)
     tokens: list[int] = []
     truncated: list[int] = []
+    scored: list[pb.TokenLogprobs] = []
     done = None
     for reply in stub.Generate(pb.GenerateRequest(session_id=session_id, **kwargs)):
         kind = reply.WhichOneof("payload")
         if kind == "token_id":
             tokens.append(reply.token_id)
+        elif kind == "scored_token":
+            tokens.append(reply.scored_token.token_id)
+            scored.append(reply.scored_token)
         elif kind == "truncated":
             truncated.append(reply.truncated.dropped_token_count)
         else:
             done = reply.done
-    return Generation(tokens, done, truncated)
+    return Generation(tokens, done, truncated, scored)
 
 
 def info(stub: runtime_pb2_grpc.RuntimeServiceStub, session_id: str, tail: int = 0) -> pb.GetSessionInfoResponse:

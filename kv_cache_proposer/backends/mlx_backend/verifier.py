@@ -108,4 +108,7 @@ class MlxVerifier(BackendModel[mx.array]):
             cache.commit(count)
 
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
-        return sampling.pick_tokens(np.array(logits, dtype=np.float64), params, positions)
+        return sampling.pick_tokens(self.host_logits(logits), params, positions)
+
+    def host_logits(self, logits: mx.array) -> np.ndarray:
+        return np.array(logits, dtype=np.float64)

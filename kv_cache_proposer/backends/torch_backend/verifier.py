@@ -87,6 +87,9 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def pick_tokens(self, logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         return pick_tokens(logits, params, positions)
 
+    def host_logits(self, logits: torch.Tensor) -> np.ndarray:
+        return logits.double().cpu().numpy()
+
     def _attention_masks(
         self, strategy: KVStrategy, query_positions: np.ndarray, key_positions: np.ndarray
     ) -> torch.Tensor | dict[str, torch.Tensor]:

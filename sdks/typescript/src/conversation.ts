@@ -1,5 +1,5 @@
 import { status, type ClientDuplexStream } from "@grpc/grpc-js";
-import { count, generateCommand, tokenIds } from "./convert.js";
+import { count, generateCommand, tokenIds, tokenLogprobs } from "./convert.js";
 import { CancelledError, fromGrpcError, KakeyaError, UnavailableError } from "./errors.js";
 import type { ConverseRequest, ConverseResponse } from "./generated/kakeya/v1/runtime.js";
 import { EventQueue } from "./queue.js";
@@ -161,6 +161,11 @@ export class Conversation {
         return;
       case "tokenId":
         this.generations.get(id)?.push({ kind: "token", tokenId: event.value });
+        return;
+      case "scoredToken":
+        this.generations
+          .get(id)
+          ?.push({ kind: "token", tokenId: event.value.tokenId, logprobs: tokenLogprobs(event.value) });
         return;
       case "truncated":
         this.generations.get(id)?.push({ kind: "truncated", droppedTokenCount: count(event.value.droppedTokenCount) });

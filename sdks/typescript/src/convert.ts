@@ -7,17 +7,21 @@ import {
   type GenerateDone,
   type GetModelInfoResponse,
   type GetSessionInfoResponse,
+  type GrammarConstraint,
   KvStrategy as WireKvStrategy,
   StopReason as WireStopReason,
+  type TokenLogprobs as WireTokenLogprobs,
 } from "./generated/kakeya/v1/runtime.js";
 import type {
   CreateSessionOptions,
   GenerationStats,
+  Grammar,
   KvStrategy,
   ModelInfo,
   SamplingOptions,
   SessionInfo,
   StopReason,
+  TokenLogprobs,
 } from "./types.js";
 
 const UINT32_MAX = 0xffff_ffff;
@@ -105,6 +109,37 @@ export function generateCommand(options: SamplingOptions, maxGenerateTokens?: nu
     topP: options.topP,
     topK: optionalUint32(options.topK, "topK"),
     stopTokenIds: tokenIds(options.stopTokenIds, "stopTokenIds"),
+    grammar: grammarConstraint(options.grammar),
+    stopSequences: [...(options.stopSequences ?? [])].map((ids, i) => ({
+      tokenIds: tokenIds(ids, `stopSequences[${i}]`),
+    })),
+    logprobs: options.logprobs ?? false,
+    topLogprobs: options.topLogprobs === undefined ? 0 : uint32(options.topLogprobs, "topLogprobs"),
+    repetitionPenalty: options.repetitionPenalty,
+    presencePenalty: options.presencePenalty,
+    frequencyPenalty: options.frequencyPenalty,
+    penaltyWindowTokens: optionalUint32(options.penaltyWindowTokens, "penaltyWindowTokens"),
+    minP: options.minP,
+  };
+}
+
+function grammarConstraint(grammar: Grammar | undefined): GrammarConstraint | undefined {
+  if (grammar === undefined) return undefined;
+  if ("jsonSchema" in grammar) {
+    const text = typeof grammar.jsonSchema === "string" ? grammar.jsonSchema : JSON.stringify(grammar.jsonSchema);
+    return { grammar: { $case: "jsonSchema", value: text } };
+  }
+  if ("regex" in grammar) return { grammar: { $case: "regex", value: grammar.regex } };
+  if ("lark" in grammar) return { grammar: { $case: "lark", value: grammar.lark } };
+  if ("gbnf" in grammar) return { grammar: { $case: "gbnf", value: grammar.gbnf } };
+  throw new InvalidArgumentError("grammar must be one of { jsonSchema }, { regex }, { lark } or { gbnf }");
+}
+
+export function tokenLogprobs(scored: WireTokenLogprobs): TokenLogprobs {
+  return {
+    tokenId: scored.tokenId,
+    logprob: scored.logprob,
+    topLogprobs: scored.topLogprobs.map((a) => ({ tokenId: a.tokenId, logprob: a.logprob })),
   };
 }
 
@@ -139,6 +174,8 @@ const STOP_REASONS = new Map<WireStopReason, StopReason>([
   [WireStopReason.STOP_REASON_EOS, "eos"],
   [WireStopReason.STOP_REASON_CANCELLED, "cancelled"],
   [WireStopReason.STOP_REASON_TRUNCATED, "truncated"],
+  [WireStopReason.STOP_REASON_STOP_SEQUENCE, "stop_sequence"],
+  [WireStopReason.STOP_REASON_GRAMMAR_DEAD_END, "grammar_dead_end"],
 ]);
 
 export function generationStats(done: GenerateDone, droppedTokenCount: number): GenerationStats {
@@ -153,6 +190,7 @@ export function generationStats(done: GenerateDone, droppedTokenCount: number): 
     acceptedDraftTokenCount: done.acceptedDraftTokenCount,
     verifierForwardCount: done.verifierForwardCount,
     droppedTokenCount,
+    ...(done.stopSequenceIndex === undefined ? {} : { stopSequenceIndex: done.stopSequenceIndex }),
   };
 }
 

@@ -1,5 +1,13 @@
 import { Conversation } from "./conversation.js";
-import { count, forkRequest, generateCommand, historyTailTokens, sessionInfo, tokenIds } from "./convert.js";
+import {
+  count,
+  forkRequest,
+  generateCommand,
+  historyTailTokens,
+  sessionInfo,
+  tokenIds,
+  tokenLogprobs,
+} from "./convert.js";
 import { fromGrpcError } from "./errors.js";
 import type { GenerateResponse } from "./generated/kakeya/v1/runtime.js";
 import { EventQueue } from "./queue.js";
@@ -20,6 +28,8 @@ function generateEvent(response: GenerateResponse): GenerationEvent | undefined 
   switch (payload?.$case) {
     case "tokenId":
       return { kind: "token", tokenId: payload.value };
+    case "scoredToken":
+      return { kind: "token", tokenId: payload.value.tokenId, logprobs: tokenLogprobs(payload.value) };
     case "truncated":
       return { kind: "truncated", droppedTokenCount: count(payload.value.droppedTokenCount) };
     case "done":

@@ -25,7 +25,9 @@ from kakeya.errors import (
     Unavailable,
 )
 from kakeya.types import (
+    GenerationControls,
     GenerationStats,
+    Grammar,
     KvStrategy,
     ModelInfo,
     RetryPolicy,
@@ -33,6 +35,7 @@ from kakeya.types import (
     SessionInfo,
     StopReason,
     TlsConfig,
+    TokenLogprobs,
 )
 
 __version__ = "0.1.0"
@@ -48,7 +51,9 @@ __all__ = [
     "Conversation",
     "ConverseTokenStream",
     "DeadlineExceeded",
+    "GenerationControls",
     "GenerationStats",
+    "Grammar",
     "InterTokenTimeout",
     "InvalidArgument",
     "InvariantViolation",
@@ -64,6 +69,7 @@ __all__ = [
     "SessionNotFound",
     "StopReason",
     "TlsConfig",
+    "TokenLogprobs",
     "TokenStream",
     "Unauthenticated",
     "Unavailable",

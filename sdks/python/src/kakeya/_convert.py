@@ -9,7 +9,16 @@ from collections.abc import Iterable
 
 from kakeya._generated import runtime_pb2 as pb
 from kakeya.errors import InvalidArgument, ProtocolError
-from kakeya.types import GenerationStats, KvStrategy, ModelInfo, ServerLimits, SessionInfo, StopReason
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    ServerLimits,
+    SessionInfo,
+    StopReason,
+    TokenLogprobs,
+)
 
 _UINT32 = 1 << 32
 _UINT64 = 1 << 64
@@ -21,6 +30,8 @@ _STOP_REASONS = {
     pb.STOP_REASON_EOS: StopReason.EOS,
     pb.STOP_REASON_CANCELLED: StopReason.CANCELLED,
     pb.STOP_REASON_TRUNCATED: StopReason.TRUNCATED,
+    pb.STOP_REASON_STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
+    pb.STOP_REASON_GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
 }
 
 
@@ -120,6 +131,7 @@ def generate_fields(
     top_k: int | None,
     stop_token_ids: Iterable[int],
     max_generate_tokens: int | None = None,
+    controls: GenerationControls | None = None,
 ) -> dict[str, object]:
     """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out.
 
@@ -136,6 +148,8 @@ def generate_fields(
         fields["top_p"] = value
     if top_k is not None:
         fields["top_k"] = uint32(top_k, "top_k")
+    if controls is not None:
+        fields.update(_control_fields(controls))
     return fields
 
 
@@ -181,6 +195,36 @@ def model_info(reply: pb.GetModelInfoResponse) -> ModelInfo:
     )
 
 
+def _control_fields(controls: GenerationControls) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "stop_sequences": [
+            pb.StopSequence(token_ids=token_ids(s, f"stop_sequences[{i}]"))
+            for i, s in enumerate(controls.stop_sequences)
+        ],
+        "logprobs": bool(controls.logprobs),
+        "top_logprobs": uint32(controls.top_logprobs, "top_logprobs"),
+    }
+    grammar = controls.grammar
+    if grammar is not None:
+        if grammar.kind not in ("json_schema", "regex", "lark", "gbnf"):
+            raise InvalidArgument(f"unknown grammar kind {grammar.kind!r}")
+        fields["grammar"] = pb.GrammarConstraint(**{grammar.kind: grammar.source})
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
+        if (value := _optional_float(getattr(controls, name), name)) is not None:
+            fields[name] = value
+    if controls.penalty_window_tokens is not None:
+        fields["penalty_window_tokens"] = uint32(controls.penalty_window_tokens, "penalty_window_tokens")
+    return fields
+
+
+def token_logprobs(scored: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=scored.token_id,
+        logprob=scored.logprob,
+        top_logprobs=tuple((a.token_id, a.logprob) for a in scored.top_logprobs),
+    )
+
+
 def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> GenerationStats:
     if done.stop_reason not in _STOP_REASONS:
         raise ProtocolError(f"the server sent an unknown stop reason {done.stop_reason}")
@@ -195,6 +239,7 @@ def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> Gener
         accepted_draft_token_count=done.accepted_draft_token_count,
         verifier_forward_count=done.verifier_forward_count,
         truncated_token_count=truncated_token_count,
+        stop_sequence_index=done.stop_sequence_index if done.HasField("stop_sequence_index") else None,
     )
 
 

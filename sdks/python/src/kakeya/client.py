@@ -16,7 +16,16 @@ from kakeya._generated.runtime_pb2_grpc import RuntimeServiceStub
 from kakeya._stream import Tally, Watchdog
 from kakeya.conversation import Conversation
 from kakeya.errors import InterTokenTimeout, InvalidArgument, ProtocolError, Unavailable, from_rpc_error
-from kakeya.types import GenerationStats, KvStrategy, ModelInfo, RetryPolicy, SessionInfo, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    SessionInfo,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 R = TypeVar("R")
 
@@ -178,6 +187,7 @@ class Session:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
         inter_token_timeout_s: float | None = None,
         timeout_s: float | None = None,
     ) -> TokenStream:
@@ -197,6 +207,7 @@ class Session:
             top_k=top_k,
             stop_token_ids=stop_token_ids,
             max_generate_tokens=self.client.model_info().limits.max_generate_tokens,
+            controls=controls,
         )
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         _convert.check_timeout(timeout_s, "timeout_s")
@@ -265,6 +276,12 @@ class TokenStream(Iterator[int]):
     def tokens(self) -> list[int]:
         """Tokens received so far."""
         return list(self._tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

@@ -24,7 +24,16 @@ from kakeya.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kakeya.types import GenerationStats, KvStrategy, ModelInfo, RetryPolicy, SessionInfo, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    SessionInfo,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 R = TypeVar("R")
 
@@ -184,6 +193,7 @@ class AsyncSession:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
         inter_token_timeout_s: float | None = None,
         timeout_s: float | None = None,
     ) -> AsyncTokenStream:
@@ -200,6 +210,7 @@ class AsyncSession:
             top_k=top_k,
             stop_token_ids=stop_token_ids,
             max_generate_tokens=known.limits.max_generate_tokens if known is not None else None,
+            controls=controls,
         )
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         _convert.check_timeout(timeout_s, "timeout_s")
@@ -263,6 +274,12 @@ class AsyncTokenStream(AsyncIterator[int]):
     @property
     def tokens(self) -> list[int]:
         return list(self._tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

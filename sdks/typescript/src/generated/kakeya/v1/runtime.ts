@@ -48,6 +48,10 @@ export enum StopReason {
   STOP_REASON_CANCELLED = 3,
   /** STOP_REASON_TRUNCATED - The session reached the server's maximum history length. */
   STOP_REASON_TRUNCATED = 4,
+  /** STOP_REASON_STOP_SEQUENCE - A stop sequence was generated (it is included in the stream); GenerateDone says which. */
+  STOP_REASON_STOP_SEQUENCE = 5,
+  /** STOP_REASON_GRAMMAR_DEAD_END - The grammar allowed no token at all (for instance one the tokenizer cannot spell). */
+  STOP_REASON_GRAMMAR_DEAD_END = 6,
   UNRECOGNIZED = -1,
 }
 
@@ -115,6 +119,85 @@ export interface GenerateRequest {
     | undefined;
   /** Extra token ids that end this generation with stop reason EOS (in addition to the session's). */
   stopTokenIds: number[];
+  /**
+   * Constrains the generated tokens to spell a sentence of a grammar (JSON schema, regex, Lark or GBNF).
+   * A completed grammar allows only the model's end-of-sequence token, which ends the generation (STOP_REASON_EOS).
+   */
+  grammar:
+    | GrammarConstraint
+    | undefined;
+  /**
+   * Token-id sequences that end this generation after their first complete match in the generated tokens
+   * (STOP_REASON_STOP_SEQUENCE; the matched tokens are streamed and stay in the history).
+   */
+  stopSequences: StopSequence[];
+  /** Stream every token as `scored_token` with its log-probability instead of `token_id`. */
+  logprobs: boolean;
+  /** With `logprobs`: also the N most likely alternatives at each position (N up to the server's limit). */
+  topLogprobs: number;
+  /** Repetition penalty (CTRL) > 0 on tokens seen in the penalty window; unset or 1 means none. */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of every token seen in the penalty window; unset means 0. */
+  presencePenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of a token once per occurrence in the penalty window; unset means 0. */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /** How many of the latest history tokens the penalties look at; unset means 64. */
+  penaltyWindowTokens?:
+    | number
+    | undefined;
+  /** Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; unset means 0. */
+  minP?: number | undefined;
+}
+
+/**
+ * GrammarConstraint is the grammar a generation's tokens must follow, compiled against the model's tokenizer.
+ * A grammar that does not compile is INVALID_ARGUMENT.
+ */
+export interface GrammarConstraint {
+  grammar:
+    | //
+    /** A JSON schema (as JSON text); the output is one JSON value valid for it. */
+    { $case: "jsonSchema"; value: string }
+    | //
+    /** A regular expression the whole output matches. */
+    { $case: "regex"; value: string }
+    | //
+    /** A context-free grammar in Lark syntax (llguidance's dialect), starting at `start`. */
+    { $case: "lark"; value: string }
+    | //
+    /** A context-free grammar in llama.cpp's GBNF syntax, starting at `root`. */
+    { $case: "gbnf"; value: string }
+    | undefined;
+}
+
+/** StopSequence is a sequence of token ids that ends a generation when the generated tokens end with it. */
+export interface StopSequence {
+  tokenIds: number[];
+}
+
+/**
+ * TokenLogprobs is one generated token with its log-probability under the distribution it was drawn from
+ * (after penalties, the grammar mask and the sampling transforms).
+ */
+export interface TokenLogprobs {
+  tokenId: number;
+  logprob: number;
+  /**
+   * The most likely tokens at this position, most likely first (as many as `top_logprobs` asked, fewer when
+   * fewer tokens could be drawn).
+   */
+  topLogprobs: LogprobAlternative[];
+}
+
+export interface LogprobAlternative {
+  tokenId: number;
+  logprob: number;
 }
 
 export interface GenerateResponse {
@@ -128,6 +211,9 @@ export interface GenerateResponse {
     | //
     /** Sent before the first token when the generation starts with evicted history positions. */
     { $case: "truncated"; value: HistoryTruncated }
+    | //
+    /** One generated token with its log-probabilities (instead of `token_id`, when the request asks for them). */
+    { $case: "scoredToken"; value: TokenLogprobs }
     | undefined;
 }
 
@@ -148,6 +234,8 @@ export interface GenerateDone {
   verifierForwardCount: number;
   /** Time from the start of the generation to its first token. */
   timeToFirstTokenSeconds: number;
+  /** With STOP_REASON_STOP_SEQUENCE: the index in `stop_sequences` of the sequence that matched. */
+  stopSequenceIndex?: number | undefined;
 }
 
 export interface HistoryTruncated {
@@ -226,6 +314,40 @@ export interface GenerateCommand {
   topP?: number | undefined;
   topK?: number | undefined;
   stopTokenIds: number[];
+  /**
+   * Constrains the generated tokens to spell a sentence of a grammar (JSON schema, regex, Lark or GBNF).
+   * A completed grammar allows only the model's end-of-sequence token, which ends the generation (STOP_REASON_EOS).
+   */
+  grammar:
+    | GrammarConstraint
+    | undefined;
+  /**
+   * Token-id sequences that end this generation after their first complete match in the generated tokens
+   * (STOP_REASON_STOP_SEQUENCE; the matched tokens are streamed and stay in the history).
+   */
+  stopSequences: StopSequence[];
+  /** Stream every token as `scored_token` with its log-probability instead of `token_id`. */
+  logprobs: boolean;
+  /** With `logprobs`: also the N most likely alternatives at each position (N up to the server's limit). */
+  topLogprobs: number;
+  /** Repetition penalty (CTRL) > 0 on tokens seen in the penalty window; unset or 1 means none. */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of every token seen in the penalty window; unset means 0. */
+  presencePenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of a token once per occurrence in the penalty window; unset means 0. */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /** How many of the latest history tokens the penalties look at; unset means 64. */
+  penaltyWindowTokens?:
+    | number
+    | undefined;
+  /** Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; unset means 0. */
+  minP?: number | undefined;
 }
 
 /**
@@ -244,6 +366,9 @@ export interface ConverseResponse {
     | { $case: "tokenId"; value: number }
     | { $case: "truncated"; value: HistoryTruncated }
     | { $case: "done"; value: GenerateDone }
+    | //
+    /** A generated token with its log-probabilities (instead of `token_id`, when the command asks for them). */
+    { $case: "scoredToken"; value: TokenLogprobs }
     | undefined;
 }
 
@@ -722,6 +847,15 @@ function createBaseGenerateRequest(): GenerateRequest {
     topP: undefined,
     topK: undefined,
     stopTokenIds: [],
+    grammar: undefined,
+    stopSequences: [],
+    logprobs: false,
+    topLogprobs: 0,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    penaltyWindowTokens: undefined,
+    minP: undefined,
   };
 }
 
@@ -754,6 +888,33 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.grammar !== undefined) {
+      GrammarConstraint.encode(message.grammar, writer.uint32(66).fork()).join();
+    }
+    for (const v of message.stopSequences) {
+      StopSequence.encode(v!, writer.uint32(74).fork()).join();
+    }
+    if (message.logprobs !== false) {
+      writer.uint32(80).bool(message.logprobs);
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(88).uint32(message.topLogprobs);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(101).float(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(109).float(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(117).float(message.frequencyPenalty);
+    }
+    if (message.penaltyWindowTokens !== undefined) {
+      writer.uint32(120).uint32(message.penaltyWindowTokens);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(133).float(message.minP);
     }
     return writer;
   },
@@ -837,6 +998,78 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
 
             break;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.grammar = GrammarConstraint.decode(reader, reader.uint32());
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.stopSequences.push(StopSequence.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.logprobs = reader.bool();
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.topLogprobs = reader.uint32();
+            continue;
+          }
+          case 12: {
+            if (tag !== 101) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.float();
+            continue;
+          }
+          case 13: {
+            if (tag !== 109) {
+              break;
+            }
+
+            message.presencePenalty = reader.float();
+            continue;
+          }
+          case 14: {
+            if (tag !== 117) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.float();
+            continue;
+          }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.penaltyWindowTokens = reader.uint32();
+            continue;
+          }
+          case 16: {
+            if (tag !== 133) {
+              break;
+            }
+
+            message.minP = reader.float();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -861,6 +1094,347 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.topP = object.topP ?? undefined;
     message.topK = object.topK ?? undefined;
     message.stopTokenIds = object.stopTokenIds?.map((e) => e) || [];
+    message.grammar = (object.grammar !== undefined && object.grammar !== null)
+      ? GrammarConstraint.fromPartial(object.grammar)
+      : undefined;
+    message.stopSequences = object.stopSequences?.map((e) => StopSequence.fromPartial(e)) || [];
+    message.logprobs = object.logprobs ?? false;
+    message.topLogprobs = object.topLogprobs ?? 0;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.penaltyWindowTokens = object.penaltyWindowTokens ?? undefined;
+    message.minP = object.minP ?? undefined;
+    return message;
+  },
+};
+
+function createBaseGrammarConstraint(): GrammarConstraint {
+  return { grammar: undefined };
+}
+
+export const GrammarConstraint: MessageFns<GrammarConstraint> = {
+  encode(message: GrammarConstraint, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    switch (message.grammar?.$case) {
+      case "jsonSchema":
+        writer.uint32(10).string(message.grammar.value);
+        break;
+      case "regex":
+        writer.uint32(18).string(message.grammar.value);
+        break;
+      case "lark":
+        writer.uint32(26).string(message.grammar.value);
+        break;
+      case "gbnf":
+        writer.uint32(34).string(message.grammar.value);
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GrammarConstraint {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGrammarConstraint();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.grammar = { $case: "jsonSchema", value: reader.string() };
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.grammar = { $case: "regex", value: reader.string() };
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.grammar = { $case: "lark", value: reader.string() };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.grammar = { $case: "gbnf", value: reader.string() };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GrammarConstraint>): GrammarConstraint {
+    return GrammarConstraint.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<GrammarConstraint>): GrammarConstraint {
+    const message = createBaseGrammarConstraint();
+    switch (object.grammar?.$case) {
+      case "jsonSchema": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "jsonSchema", value: object.grammar.value };
+        }
+        break;
+      }
+      case "regex": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "regex", value: object.grammar.value };
+        }
+        break;
+      }
+      case "lark": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "lark", value: object.grammar.value };
+        }
+        break;
+      }
+      case "gbnf": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "gbnf", value: object.grammar.value };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseStopSequence(): StopSequence {
+  return { tokenIds: [] };
+}
+
+export const StopSequence: MessageFns<StopSequence> = {
+  encode(message: StopSequence, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenIds.length !== 0) {
+      writer.uint32(10).fork();
+      for (const v of message.tokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): StopSequence {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseStopSequence();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag === 8) {
+              message.tokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 10) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.tokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<StopSequence>): StopSequence {
+    return StopSequence.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<StopSequence>): StopSequence {
+    const message = createBaseStopSequence();
+    message.tokenIds = object.tokenIds?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseTokenLogprobs(): TokenLogprobs {
+  return { tokenId: 0, logprob: 0, topLogprobs: [] };
+}
+
+export const TokenLogprobs: MessageFns<TokenLogprobs> = {
+  encode(message: TokenLogprobs, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenId !== 0) {
+      writer.uint32(8).uint32(message.tokenId);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(21).float(message.logprob);
+    }
+    for (const v of message.topLogprobs) {
+      LogprobAlternative.encode(v!, writer.uint32(26).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TokenLogprobs {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTokenLogprobs();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tokenId = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 21) {
+              break;
+            }
+
+            message.logprob = reader.float();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.topLogprobs.push(LogprobAlternative.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<TokenLogprobs>): TokenLogprobs {
+    return TokenLogprobs.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<TokenLogprobs>): TokenLogprobs {
+    const message = createBaseTokenLogprobs();
+    message.tokenId = object.tokenId ?? 0;
+    message.logprob = object.logprob ?? 0;
+    message.topLogprobs = object.topLogprobs?.map((e) => LogprobAlternative.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseLogprobAlternative(): LogprobAlternative {
+  return { tokenId: 0, logprob: 0 };
+}
+
+export const LogprobAlternative: MessageFns<LogprobAlternative> = {
+  encode(message: LogprobAlternative, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenId !== 0) {
+      writer.uint32(8).uint32(message.tokenId);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(21).float(message.logprob);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LogprobAlternative {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLogprobAlternative();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tokenId = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 21) {
+              break;
+            }
+
+            message.logprob = reader.float();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<LogprobAlternative>): LogprobAlternative {
+    return LogprobAlternative.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<LogprobAlternative>): LogprobAlternative {
+    const message = createBaseLogprobAlternative();
+    message.tokenId = object.tokenId ?? 0;
+    message.logprob = object.logprob ?? 0;
     return message;
   },
 };
@@ -880,6 +1454,9 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         break;
       case "truncated":
         HistoryTruncated.encode(message.payload.value, writer.uint32(26).fork()).join();
+        break;
+      case "scoredToken":
+        TokenLogprobs.encode(message.payload.value, writer.uint32(34).fork()).join();
         break;
     }
     return writer;
@@ -922,6 +1499,14 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
             message.payload = { $case: "truncated", value: HistoryTruncated.decode(reader, reader.uint32()) };
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.payload = { $case: "scoredToken", value: TokenLogprobs.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -958,6 +1543,12 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         }
         break;
       }
+      case "scoredToken": {
+        if (object.payload?.value !== undefined && object.payload?.value !== null) {
+          message.payload = { $case: "scoredToken", value: TokenLogprobs.fromPartial(object.payload.value) };
+        }
+        break;
+      }
     }
     return message;
   },
@@ -974,6 +1565,7 @@ function createBaseGenerateDone(): GenerateDone {
     acceptedDraftTokenCount: 0,
     verifierForwardCount: 0,
     timeToFirstTokenSeconds: 0,
+    stopSequenceIndex: undefined,
   };
 }
 
@@ -1005,6 +1597,9 @@ export const GenerateDone: MessageFns<GenerateDone> = {
     }
     if (message.timeToFirstTokenSeconds !== 0) {
       writer.uint32(73).double(message.timeToFirstTokenSeconds);
+    }
+    if (message.stopSequenceIndex !== undefined) {
+      writer.uint32(80).uint32(message.stopSequenceIndex);
     }
     return writer;
   },
@@ -1094,6 +1689,14 @@ export const GenerateDone: MessageFns<GenerateDone> = {
             message.timeToFirstTokenSeconds = reader.double();
             continue;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.stopSequenceIndex = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1120,6 +1723,7 @@ export const GenerateDone: MessageFns<GenerateDone> = {
     message.acceptedDraftTokenCount = object.acceptedDraftTokenCount ?? 0;
     message.verifierForwardCount = object.verifierForwardCount ?? 0;
     message.timeToFirstTokenSeconds = object.timeToFirstTokenSeconds ?? 0;
+    message.stopSequenceIndex = object.stopSequenceIndex ?? undefined;
     return message;
   },
 };
@@ -1920,7 +2524,23 @@ export const AppendCommand: MessageFns<AppendCommand> = {
 };
 
 function createBaseGenerateCommand(): GenerateCommand {
-  return { maxTokens: 0, seed: undefined, temperature: undefined, topP: undefined, topK: undefined, stopTokenIds: [] };
+  return {
+    maxTokens: 0,
+    seed: undefined,
+    temperature: undefined,
+    topP: undefined,
+    topK: undefined,
+    stopTokenIds: [],
+    grammar: undefined,
+    stopSequences: [],
+    logprobs: false,
+    topLogprobs: 0,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    penaltyWindowTokens: undefined,
+    minP: undefined,
+  };
 }
 
 export const GenerateCommand: MessageFns<GenerateCommand> = {
@@ -1949,6 +2569,33 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.grammar !== undefined) {
+      GrammarConstraint.encode(message.grammar, writer.uint32(58).fork()).join();
+    }
+    for (const v of message.stopSequences) {
+      StopSequence.encode(v!, writer.uint32(66).fork()).join();
+    }
+    if (message.logprobs !== false) {
+      writer.uint32(72).bool(message.logprobs);
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(80).uint32(message.topLogprobs);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(93).float(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(101).float(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(109).float(message.frequencyPenalty);
+    }
+    if (message.penaltyWindowTokens !== undefined) {
+      writer.uint32(112).uint32(message.penaltyWindowTokens);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(125).float(message.minP);
     }
     return writer;
   },
@@ -2024,6 +2671,78 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
 
             break;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.grammar = GrammarConstraint.decode(reader, reader.uint32());
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.stopSequences.push(StopSequence.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.logprobs = reader.bool();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.topLogprobs = reader.uint32();
+            continue;
+          }
+          case 11: {
+            if (tag !== 93) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.float();
+            continue;
+          }
+          case 12: {
+            if (tag !== 101) {
+              break;
+            }
+
+            message.presencePenalty = reader.float();
+            continue;
+          }
+          case 13: {
+            if (tag !== 109) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.float();
+            continue;
+          }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.penaltyWindowTokens = reader.uint32();
+            continue;
+          }
+          case 15: {
+            if (tag !== 125) {
+              break;
+            }
+
+            message.minP = reader.float();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2047,6 +2766,17 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
     message.topP = object.topP ?? undefined;
     message.topK = object.topK ?? undefined;
     message.stopTokenIds = object.stopTokenIds?.map((e) => e) || [];
+    message.grammar = (object.grammar !== undefined && object.grammar !== null)
+      ? GrammarConstraint.fromPartial(object.grammar)
+      : undefined;
+    message.stopSequences = object.stopSequences?.map((e) => StopSequence.fromPartial(e)) || [];
+    message.logprobs = object.logprobs ?? false;
+    message.topLogprobs = object.topLogprobs ?? 0;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.penaltyWindowTokens = object.penaltyWindowTokens ?? undefined;
+    message.minP = object.minP ?? undefined;
     return message;
   },
 };
@@ -2122,6 +2852,9 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
       case "done":
         GenerateDone.encode(message.event.value, writer.uint32(50).fork()).join();
         break;
+      case "scoredToken":
+        TokenLogprobs.encode(message.event.value, writer.uint32(58).fork()).join();
+        break;
     }
     return writer;
   },
@@ -2187,6 +2920,14 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
             message.event = { $case: "done", value: GenerateDone.decode(reader, reader.uint32()) };
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.event = { $case: "scoredToken", value: TokenLogprobs.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2233,6 +2974,12 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
       case "done": {
         if (object.event?.value !== undefined && object.event?.value !== null) {
           message.event = { $case: "done", value: GenerateDone.fromPartial(object.event.value) };
+        }
+        break;
+      }
+      case "scoredToken": {
+        if (object.event?.value !== undefined && object.event?.value !== null) {
+          message.event = { $case: "scoredToken", value: TokenLogprobs.fromPartial(object.event.value) };
         }
         break;
       }
