@@ -17,7 +17,6 @@ from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, reso
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import VerifyOutput
 
 
@@ -48,6 +47,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         self._layer_types: list[str] = list(layer_types)
         self._sliding_window: int | None = int(sliding_window) if sliding_window else None
         self._per_type_masks = len(set(self._layer_types)) > 1
+        self._all_full_attention = set(self._layer_types) == {"full_attention"}
         self._additive_mask = model.config._attn_implementation == "eager"
 
     @classmethod
@@ -72,7 +72,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             output = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=self._attention_masks(cache.strategy, query_positions, cache.key_positions),
+                attention_mask=self._attention_masks(cache),
                 past_key_values=StagingCache(cache),
                 use_cache=True,
                 logits_to_keep=logits_rows,
@@ -90,9 +90,12 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def host_logits(self, logits: torch.Tensor) -> np.ndarray:
         return logits.double().cpu().numpy()
 
-    def _attention_masks(
-        self, strategy: KVStrategy, query_positions: np.ndarray, key_positions: np.ndarray
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
+    def _attention_masks(self, cache: SessionCache[torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The masks of the forward in flight; None where the library's own causal mask says the same (an unbounded
+        cache read alone is in position order), which lets attention skip the mask for a single query."""
+        strategy, query_positions, key_positions = cache.strategy, cache.query_positions, cache.key_positions
+        if strategy.bounded_slots is None and cache.prefix is None and self._all_full_attention:
+            return None
         masks = {"full_attention": visible_keys(strategy, query_positions, key_positions)}  # [n, K]
         if "sliding_attention" in self._layer_types:
             window = self._sliding_window or 0
