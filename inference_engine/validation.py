@@ -122,9 +122,11 @@ class RequestChecks:
         for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
             if not math.isfinite(value):
                 raise InvalidArgument(f"{name} must be finite, got {value}")
-        window = (
-            DEFAULT_PENALTY_WINDOW_TOKENS if params.penalty_window_tokens is None else int(params.penalty_window_tokens)
-        )
-        if not 1 <= window <= self.config.max_history_tokens:
-            raise InvalidArgument(f"penalty_window_tokens must be in 1..{self.config.max_history_tokens}, got {window}")
+        limit = self.config.max_history_tokens
+        # The default window never exceeds the history limit; an explicit one must not either.
+        window = min(DEFAULT_PENALTY_WINDOW_TOKENS, limit)
+        if params.penalty_window_tokens is not None:
+            window = int(params.penalty_window_tokens)
+            if not 1 <= window <= limit:
+                raise InvalidArgument(f"penalty_window_tokens must be in 1..{limit}, got {window}")
         return Penalties(repetition=repetition, presence=presence, frequency=frequency, window_tokens=window)
