@@ -131,11 +131,10 @@ class RequestChecks:
             if not math.isfinite(value):
                 raise InvalidArgument(f"{name} must be finite, got {value}")
         limit = self.config.max_history_tokens
-        if params.penalty_window_tokens is None:
-            # The default window covers the whole history when the server's history limit is smaller.
-            window = min(DEFAULT_PENALTY_WINDOW_TOKENS, limit)
-        else:
+        # The default window never exceeds the history limit; an explicit one must not either.
+        window = min(DEFAULT_PENALTY_WINDOW_TOKENS, limit)
+        if params.penalty_window_tokens is not None:
             window = int(params.penalty_window_tokens)
-        if not 1 <= window <= limit:
-            raise InvalidArgument(f"penalty_window_tokens must be in 1..{limit}, got {window}")
+            if not 1 <= window <= limit:
+                raise InvalidArgument(f"penalty_window_tokens must be in 1..{limit}, got {window}")
         return Penalties(repetition=repetition, presence=presence, frequency=frequency, window_tokens=window)

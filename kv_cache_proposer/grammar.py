@@ -143,7 +143,8 @@ class GrammarState:
                 # Computing the mask of a dead end leaves llguidance's matcher in an error state that a rollback
                 # does not clear; the committed state is rebuilt from the committed tokens.
                 self._matcher = self._compiled.deep_copy()
-                self._matcher.consume_tokens(self._committed)
+                for token in self._committed:
+                    self._matcher.consume_token(token)
             elif consumed:
                 self._matcher.rollback(consumed)
         bits = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")  # [rows, 32 * words]

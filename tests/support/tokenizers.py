@@ -1,4 +1,4 @@
-"""A byte-level BPE tokenizer for the tiny test checkpoints (vocabulary 128), saved next to nothing else.
+"""A byte-level BPE tokenizer for the tiny test checkpoints (vocabulary 128), saved into a directory of its own.
 
 Token 0 is the end-of-sequence token; then space, newline and the 94 printable ASCII characters as byte-level
 symbols; then merges of common JSON and English pairs up to the vocabulary size. Bytes outside that set have no
