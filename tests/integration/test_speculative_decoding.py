@@ -94,5 +94,5 @@ def test_speculation_is_counted_in_generate_done_and_metrics(serve, proposer_set
     assert value("kakeya_speculative_draft_tokens_total") == done.draft_token_count
     assert value("kakeya_speculative_accepted_tokens_total") == done.accepted_draft_token_count
     assert value("kakeya_verifier_forwards_total") == done.verifier_forward_count
-    assert value("generate_verifier_forwards_per_token_count") == 1
+    assert value("kakeya_generate_verifier_forwards_per_token_count") == 1
     assert value("kakeya_speculative_acceptance_length_count") == value("kakeya_speculative_drafts_total") > 0
