@@ -85,7 +85,20 @@ class KVSessionCache(Generic[A]):
 
     @property
     def compressed_bytes(self) -> int:
-        return 0
+        return sum(layer.footprint().compressed_bytes for layer in self._layers)
+
+    @property
+    def dense_equivalent_bytes(self) -> int:
+        return sum(layer.footprint().dense_equivalent_bytes for layer in self._layers)
+
+    @property
+    def escaped_vectors(self) -> int:
+        return sum(layer.footprint().escaped_vectors for layer in self._layers)
+
+    def park(self) -> None:
+        """Between generations: every layer drops what only speeds up forwards."""
+        for layer in self._layers:
+            layer.park()
 
     @property
     def stage_offset(self) -> int:
