@@ -21,6 +21,8 @@ class CreateParams:
     kv_strategy: str | None = None  # None: the server default
     sink: int | None = None
     window: int | None = None
+    kv_compressor: str | None = None  # None: the server default
+    kv_q_range: int | None = None  # None: the server default
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +82,7 @@ class SessionInfo:
     window_tokens: int = 0
     invariant_violations: dict[str, int] = field(default_factory=dict)
     history_tail: tuple[int, ...] = ()
+    kv_compressor: str = "none"
+    kv_q_range: int = 0  # 0: no lattice
+    kv_dense_equivalent_bytes: int = 0
+    kv_escaped_blocks: int = 0

@@ -32,6 +32,7 @@ from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
@@ -113,12 +114,20 @@ class Runtime:
         """Allocate a session; returns (session id, history length)."""
         self._check_accepting()
         strategy = self.checks.strategy(params)
+        compressor = self.checks.compressor(params)
         eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
-        session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
+        session = self._open_session(
+            self.store.new_id(), params.label, eos, strategy, initial, self.store.now(), compressor
+        )
         log.info(
             "session created",
-            extra={"session_id": session.session_id, "label": params.label, "strategy": strategy.name},
+            extra={
+                "session_id": session.session_id,
+                "label": params.label,
+                "strategy": strategy.name,
+                "kv_compressor": compressor.name,
+            },
         )
         return session.session_id, len(session.seq.tokens)
 
@@ -160,7 +169,10 @@ class Runtime:
             finally:
                 session.generating = False
                 session.cancel = None
+                # Between generations the session holds only its resident storage (packed bytes if compressed).
+                await self.worker.run(seq.cache.park)
                 self.store.touch(session)
+                self.store.refresh_gauges()
 
     async def close_session(self, session_id: str) -> int:
         """Close a session: a running generation is cancelled, then its memory is freed. Returns the final
@@ -200,6 +212,10 @@ class Runtime:
             window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
             history_tail=tuple(tokens[len(tokens) - history_tail_tokens :]) if history_tail_tokens else (),
+            kv_compressor=session.compressor.name,
+            kv_q_range=session.compressor.q_range if session.compressor.lattice else 0,
+            kv_dense_equivalent_bytes=int(cache.dense_equivalent_bytes),
+            kv_escaped_blocks=int(cache.escaped_vectors),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -223,7 +239,8 @@ class Runtime:
                     f"session {record.session_id!r} of the snapshot cannot be restored: {exc}"
                 ) from None
             last_access = self.store.now() - record.idle_seconds
-            self._open_session(record.session_id, record.label, eos, strategy, tokens, last_access)
+            compressor = self.config.compressor()
+            self._open_session(record.session_id, record.label, eos, strategy, tokens, last_access, compressor)
 
     def evict_idle(self) -> int:
         return self.store.evict_idle()
@@ -260,12 +277,21 @@ class Runtime:
         strategy: KVStrategy,
         tokens: list[int],
         last_access: float,
+        compressor: KVCompressor,
     ) -> Session:
+        layer_store = compressor_layer_store(self.config.backend, compressor)
         seq = SequenceState(
-            cache=self.verifier.new_cache(strategy), tokens=list(tokens), draft=self.proposer.open(strategy)
+            cache=self.verifier.new_cache(strategy, layer_store=layer_store),
+            tokens=list(tokens),
+            draft=self.proposer.open(strategy),
         )
         session = Session(
-            session_id=session_id, label=label, eos_token_ids=frozenset(eos), seq=seq, last_access=last_access
+            session_id=session_id,
+            label=label,
+            eos_token_ids=frozenset(eos),
+            seq=seq,
+            last_access=last_access,
+            compressor=compressor,
         )
         self.store.add(session)
         return session

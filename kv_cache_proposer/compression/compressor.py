@@ -28,9 +28,7 @@ class KVCompressor:
         if self.name not in COMPRESSORS:
             raise ValueError(f"unknown KV compressor {self.name!r}; expected one of {', '.join(COMPRESSORS)}")
         if self.lattice is not None and not 1 <= self.q_range <= MAX_Q_RANGE[self.lattice]:
-            raise ValueError(
-                f"q_range of {self.name} must be in [1, {MAX_Q_RANGE[self.lattice]}], got {self.q_range}"
-            )
+            raise ValueError(f"q_range of {self.name} must be in [1, {MAX_Q_RANGE[self.lattice]}], got {self.q_range}")
 
     @property
     def lattice(self) -> LatticeKind | None:
@@ -44,24 +42,24 @@ class KVCompressor:
         return LatticeSpec(self.lattice, head_dim, self.q_range)
 
 
-def _torch_codec(compressor: KVCompressor, head_dim: int, *, device: Any) -> LatticeCodec[Any]:
+def _torch_codec(compressor: KVCompressor, like: Any) -> LatticeCodec[Any]:
     from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 
-    return TorchLatticeCodec(compressor.spec(head_dim), device)
+    return TorchLatticeCodec(compressor.spec(int(like.shape[-1])), like.device)
 
 
-def _mlx_codec(compressor: KVCompressor, head_dim: int) -> LatticeCodec[Any]:
+def _mlx_codec(compressor: KVCompressor, like: Any) -> LatticeCodec[Any]:
     from kv_cache_proposer.backends.mlx_backend.lattice_codec import MlxLatticeCodec
 
-    return MlxLatticeCodec(compressor.spec(head_dim))
+    return MlxLatticeCodec(compressor.spec(int(like.shape[-1])))
 
 
-def compressor_layer_store(backend: str, compressor: KVCompressor, *, device: Any = "cpu") -> LayerStoreFactory[Any] | None:
+def compressor_layer_store(backend: str, compressor: KVCompressor) -> LayerStoreFactory[Any] | None:
     """The layer-store factory that makes `compressor` hold a session's K/V on `backend` (None: dense)."""
     if compressor.lattice is None:
         return None
     if backend == "torch":
-        codec_for = partial(_torch_codec, compressor, device=device)
+        codec_for = partial(_torch_codec, compressor)
     elif backend == "mlx":
         codec_for = partial(_mlx_codec, compressor)
     else:

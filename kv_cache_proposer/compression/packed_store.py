@@ -21,9 +21,8 @@ from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, Sto
 from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding
 from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
 
-CodecFactory = Callable[[int], LatticeCodec[A]]
-"""Builds the codec for vectors of a head dimension."""
-
+CodecFactory = Callable[[A], LatticeCodec[A]]
+"""Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
 
 
 class PackedLayerStore(Generic[A]):
@@ -179,7 +178,7 @@ class PackedLayerStore(Generic[A]):
             return
         shape: Any = like.shape  # type: ignore[attr-defined]
         self._batch, self._heads, count, dim = (int(s) for s in shape)
-        self._codec = self._codec_for(dim)
+        self._codec = self._codec_for(like)
         self._model_dtype = self._ops.dtype(like)
         self._itemsize = self._ops.nbytes(like) // max(1, self._batch * self._heads * count * dim)
         rows, code_bytes = self._batch * self._heads, self._codec.spec.code_bytes
@@ -223,9 +222,7 @@ class PackedLayerStore(Generic[A]):
         assert self._codec is not None
         return (self._batch, self._heads, count, self._codec.spec.head_dim)
 
-    def _pack(
-        self, tensor: int, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray
-    ) -> None:
+    def _pack(self, tensor: int, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray) -> None:
         """Write slot-major codings (`doubled` `[m, B·H, D]`, `norms`/`qmax` `[m, B·H]`) into `slots`."""
         spec = self._codec_of().spec
         count, rows = norms.shape

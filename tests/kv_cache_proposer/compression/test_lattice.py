@@ -45,7 +45,9 @@ def test_block_indices_and_packing_round_trip_every_lattice_point_and_flag_only_
         coords = block.astype(np.int64)
         integral = (coords % 2 == 0).all()
         half = (coords % 2 == 1).all()
-        assert not ((integral and (coords // 2).sum() % 2 == 0) or (kind == "e8" and half and coords.sum() // 2 % 2 == 0))
+        assert not (
+            (integral and (coords // 2).sum() % 2 == 0) or (kind == "e8" and half and coords.sum() // 2 % 2 == 0)
+        )
 
 
 def test_the_bit_budget_is_the_spec_formula():

@@ -24,7 +24,7 @@ from kakeya.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, StopReason, TlsConfig
+from kakeya.types import GenerationStats, KvCompressor, KvStrategy, RetryPolicy, SessionInfo, StopReason, TlsConfig
 
 __version__ = "0.1.0"
 
@@ -44,6 +44,7 @@ __all__ = [
     "InvalidArgument",
     "InvariantViolation",
     "KakeyaError",
+    "KvCompressor",
     "KvStrategy",
     "ProtocolError",
     "ResourceExhausted",

@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KvCompressor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_COMPRESSOR_UNSPECIFIED: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_NONE: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_D4: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_E8: _ClassVar[KvCompressor]
+
 class KvStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_STRATEGY_UNSPECIFIED: _ClassVar[KvStrategy]
@@ -21,6 +28,10 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_EOS: _ClassVar[StopReason]
     STOP_REASON_CANCELLED: _ClassVar[StopReason]
     STOP_REASON_TRUNCATED: _ClassVar[StopReason]
+KV_COMPRESSOR_UNSPECIFIED: KvCompressor
+KV_COMPRESSOR_NONE: KvCompressor
+KV_COMPRESSOR_KAKEYA_D4: KvCompressor
+KV_COMPRESSOR_KAKEYA_E8: KvCompressor
 KV_STRATEGY_UNSPECIFIED: KvStrategy
 KV_STRATEGY_FULL: KvStrategy
 KV_STRATEGY_SINK_WINDOW: KvStrategy
@@ -31,20 +42,24 @@ STOP_REASON_CANCELLED: StopReason
 STOP_REASON_TRUNCATED: StopReason
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens")
+    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens", "kv_compressor", "kv_q_range")
     CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    KV_Q_RANGE_FIELD_NUMBER: _ClassVar[int]
     client_label: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     initial_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_strategy: KvStrategy
     sink_tokens: int
     window_tokens: int
-    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+    kv_compressor: KvCompressor
+    kv_q_range: int
+    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id", "history_length")
@@ -145,7 +160,7 @@ class GetSessionInfoRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history_tail_tokens: _Optional[int] = ...) -> None: ...
 
 class GetSessionInfoResponse(_message.Message):
-    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids")
+    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks")
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_INVARIANT_INV1_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +176,10 @@ class GetSessionInfoResponse(_message.Message):
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    KV_Q_RANGE_FIELD_NUMBER: _ClassVar[int]
+    KV_DENSE_EQUIVALENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_ESCAPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     kv_live_bytes: int
     cache_invariant_inv1_violations: int
@@ -176,7 +195,11 @@ class GetSessionInfoResponse(_message.Message):
     sink_tokens: int
     window_tokens: int
     history_tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_compressor: KvCompressor
+    kv_q_range: int
+    kv_dense_equivalent_bytes: int
+    kv_escaped_blocks: int
+    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("command_id", "bind", "append", "generate", "cancel")

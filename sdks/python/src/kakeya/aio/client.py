@@ -24,7 +24,7 @@ from kakeya.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, TlsConfig
+from kakeya.types import GenerationStats, KvCompressor, KvStrategy, RetryPolicy, SessionInfo, TlsConfig
 
 R = TypeVar("R")
 
@@ -86,6 +86,8 @@ class AsyncClient:
         kv_strategy: KvStrategy | str | None = None,
         sink_tokens: int | None = None,
         window_tokens: int | None = None,
+        kv_compressor: KvCompressor | str | None = None,
+        kv_q_range: int | None = None,
     ) -> AsyncSession:
         """Create a session (arguments as in `Client.create_session`)."""
         request = _convert.create_request(
@@ -95,6 +97,8 @@ class AsyncClient:
             kv_strategy=kv_strategy,
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
+            kv_compressor=kv_compressor,
+            kv_q_range=kv_q_range,
         )
         reply = await self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
         return AsyncSession(self, reply.session_id)
