@@ -169,8 +169,9 @@ class Runtime:
             finally:
                 session.generating = False
                 session.cancel = None
-                # Between generations the session holds only its resident storage (packed bytes if compressed).
-                await self.worker.run(seq.cache.park)
+                # Between generations the session holds only its resident storage (packed bytes if compressed);
+                # dropping the working copy is only reference release, so it needs no turn on the model worker.
+                seq.cache.park()
                 self.store.touch(session)
                 self.store.refresh_gauges()
 

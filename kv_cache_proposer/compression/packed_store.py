@@ -40,7 +40,6 @@ class PackedLayerStore(Generic[A]):
         self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)  # [2, slots, B·H, code_bytes]
         self._norms = np.zeros((2, 0, 0), dtype=np.float16)  # [2, slots, B·H]
         self._qmax = np.zeros((2, 0, 0), dtype=np.float16)  # [2, slots, B·H]
-        self._occupied = np.zeros(0, dtype=bool)  # [slots]: whether the slot holds an entry
         self._escape_keys = np.zeros((0, 4), dtype=np.int32)  # [E, (tensor, slot, row, block)]
         self._escape_points = np.zeros((0, 0), dtype=np.int16)  # [E, block_dim]: doubled coordinates
         # Codes of staged entries by (tensor, slot): packed only if a commit accepts them.
@@ -56,7 +55,7 @@ class PackedLayerStore(Generic[A]):
     def packed_nbytes(self) -> int:
         """Bytes of the packed form: codes, norms, scales and escapes."""
         escapes = self._escape_keys.nbytes + self._escape_points.nbytes
-        return int(self._codes.nbytes + self._norms.nbytes + self._qmax.nbytes + self._occupied.nbytes + escapes)
+        return int(self._codes.nbytes + self._norms.nbytes + self._qmax.nbytes + escapes)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +108,6 @@ class PackedLayerStore(Generic[A]):
                 entries = [self._pending[(tensor, s)] for s in staged]
                 doubled, norms, qmax = (np.stack(part) for part in zip(*entries, strict=True))
                 self._pack(tensor, slots, doubled, norms, qmax)
-            self._occupied[slots] = True
             if plan.slots is not None:  # the accepted entries move from the stage to their ring slots
                 keys, values = self._work.gather(sources + plan.stage_offset)
                 self._work.load(slots, keys, values)
@@ -132,7 +130,6 @@ class PackedLayerStore(Generic[A]):
             coding = self._codec_of().encode(array)
             self._pack(tensor, slots, *_by_slot(coding, rows, slots.size))
             decoded.append(self._codec_of().decode(coding, self._shape(slots.size), self._model_dtype))
-        self._occupied[slots] = True
         if self._working:
             self._work.load(slots, decoded[0], decoded[1])
 
@@ -142,8 +139,8 @@ class PackedLayerStore(Generic[A]):
         self._work.reserve(self._capacity)
         self._working = False
         self._pending.clear()
-        used = int(np.flatnonzero(self._occupied)[-1]) + 1 if self._occupied.any() else 0
-        self._resize(used)
+        occupied = np.flatnonzero(self._occupied())
+        self._resize(int(occupied[-1]) + 1 if occupied.size else 0)
 
     def copy(self) -> PackedLayerStore[A]:
         twin = PackedLayerStore(self._ops, self._codec_for)
@@ -153,7 +150,6 @@ class PackedLayerStore(Generic[A]):
         twin._batch, twin._heads, twin._itemsize = self._batch, self._heads, self._itemsize
         twin._model_dtype = self._model_dtype
         twin._codes, twin._norms, twin._qmax = self._codes.copy(), self._norms.copy(), self._qmax.copy()
-        twin._occupied = self._occupied.copy()
         twin._escape_keys, twin._escape_points = self._escape_keys.copy(), self._escape_points.copy()
         twin.held = self.held
         return twin
@@ -165,7 +161,6 @@ class PackedLayerStore(Generic[A]):
         self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)
         self._norms = np.zeros((2, 0, 0), dtype=np.float16)
         self._qmax = np.zeros((2, 0, 0), dtype=np.float16)
-        self._occupied = np.zeros(0, dtype=bool)
         self._escape_keys = np.zeros((0, 4), dtype=np.int32)
         self._escape_points = np.zeros((0, 0), dtype=np.int16)
         self._capacity = 0
@@ -192,7 +187,7 @@ class PackedLayerStore(Generic[A]):
         if self._working:
             return
         self._working = True
-        slots = np.flatnonzero(self._occupied)
+        slots = np.flatnonzero(self._occupied())
         if slots.size:
             self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
 
@@ -204,14 +199,16 @@ class PackedLayerStore(Generic[A]):
             return out
 
         self._codes, self._norms, self._qmax = resized(self._codes), resized(self._norms), resized(self._qmax)
-        occupied = np.zeros(slots, dtype=bool)
-        kept = min(slots, self._occupied.size)
-        occupied[:kept] = self._occupied[:kept]
-        self._occupied = occupied
+
+    def _occupied(self) -> np.ndarray:
+        """Whether each packed slot holds an entry `[slots]`: a written entry's fp16 scale is never 0 (the codec
+        clamps it to float32 eps, which fp16 keeps as a subnormal)."""
+        return self._qmax[0, :, 0] > 0
 
     def _reserve_slots(self, needed: int) -> None:
-        if needed > self._occupied.size:
-            self._resize(max(needed, self._occupied.size + self._occupied.size // 2))
+        slots = self._qmax.shape[1]
+        if needed > slots:
+            self._resize(max(needed, slots + slots // 2))
 
     def _codec_of(self) -> LatticeCodec[A]:
         if self._codec is None:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import re
 
 import grpc
+import kakeya
 import pytest
 
-import kakeya
 from inference_engine.config import ConfigError, load_config
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.server import create, generate, info

@@ -101,7 +101,7 @@ def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, back
     spec = compressor.spec(16)
     rows = 2  # batch 1 x 2 KV heads in the tiny checkpoints
     slots = resident  # full: one slot per position; sink_window: sink + window slots, all occupied
-    per_layer = 2 * slots * rows * (spec.code_bytes + 4) + slots  # K and V codes, fp16 norm + qmax; occupancy
+    per_layer = 2 * slots * rows * (spec.code_bytes + 4)  # K and V codes, fp16 norm + qmax
     escapes = sum(layer._escape_keys.nbytes + layer._escape_points.nbytes for layer in layers)
     assert cache.nbytes == cache._positions.nbytes + len(layers) * per_layer + escapes
     assert cache.escaped_vectors == sum(layer._escape_keys.shape[0] for layer in layers) == 0  # D4: none here
