@@ -31,6 +31,7 @@ export type {
   CreateSessionOptions,
   GenerateOptions,
   GenerationStats,
+  KvCompressor,
   KvStrategy,
   SamplingOptions,
   SessionInfo,
