@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
+from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 from kv_cache_proposer.strategies import STRATEGIES
 
@@ -55,6 +56,17 @@ class ServerConfig:
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
+    kv_compressor: str = _opt(
+        "none",
+        "default KV compressor of new sessions: none keeps K/V dense; kakeya_d4 / kakeya_e8 hold committed K/V as "
+        "packed KakeyaLattice D4 / E8 codes",
+        choices=COMPRESSORS,
+    )
+    kv_q_range: int = _opt(
+        DEFAULT_Q_RANGE,
+        "KakeyaLattice lattice range Q of the default compressor (larger: more bits, less error; d4 1..4096, "
+        "e8 1..116)",
+    )
     proposer: str = _opt(
         "none",
         "speculative proposer: none, ngram (prompt lookup), draft_model (a smaller model, --draft-model) or dflash "
@@ -159,6 +171,7 @@ class ServerConfig:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
         try:
             self.proposer_options()
+            self.compressor()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         if self.shutdown_grace_s < 0:
@@ -176,6 +189,10 @@ class ServerConfig:
                 f"refusing to bind non-loopback address {self.host!r} without an API key "
                 f"(set --api-key or {ENV_PREFIX}API_KEY)"
             )
+
+    def compressor(self) -> KVCompressor:
+        """The default KV compressor of new sessions."""
+        return KVCompressor(self.kv_compressor, self.kv_q_range)
 
     def proposer_options(self) -> ProposerOptions:
         return ProposerOptions(

@@ -27,6 +27,8 @@ class CreateParams:
     sink: int | None = None
     window: int | None = None
     no_default_eos: bool = False  # with eos_token_ids empty: True gives no EOS ids, False the model's
+    kv_compressor: str | None = None  # None: the server default
+    kv_q_range: int | None = None  # None: the server default
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,10 @@ class SessionInfo:
     window_tokens: int = 0
     invariant_violations: dict[str, int] = field(default_factory=dict)
     history_tail: tuple[int, ...] = ()
+    kv_compressor: str = "none"
+    kv_q_range: int = 0  # 0: no lattice
+    kv_dense_equivalent_bytes: int = 0
+    kv_escaped_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -119,6 +119,21 @@ class Metrics:
             ["version", "backend", "model", "proposer", "kv_strategy"],
             registry=r,
         )
+        self.kv_compressed_bytes = Gauge(
+            "kakeya_kv_compressed_bytes",
+            "Bytes of packed KV (KakeyaLattice codes, scales, escapes) the sessions hold",
+            registry=r,
+        )
+        self.kv_dense_equivalent_bytes = Gauge(
+            "kakeya_kv_dense_equivalent_bytes",
+            "Bytes the sessions' resident K/V would take dense in the model's dtype",
+            registry=r,
+        )
+        self.kv_escaped_blocks = Gauge(
+            "kakeya_kv_escaped_blocks",
+            "Lattice blocks held by escape (off the lattice after clamping) across sessions",
+            registry=r,
+        )
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations.labels(kind=kind)
         for reason in ("ttl", "lru", "budget"):

@@ -56,6 +56,7 @@ from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
@@ -160,15 +161,23 @@ class Runtime:
         """Allocate a session; returns (session id, history length)."""
         self._check_accepting()
         strategy = self.checks.strategy(params)
+        compressor = self.checks.compressor(params)
         eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
         if not eos and not params.no_default_eos:
             eos = list(self.default_eos_token_ids)
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
-        session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
+        session = self._open_session(
+            self.store.new_id(), params.label, eos, strategy, initial, self.store.now(), compressor
+        )
         await self._journal_opened(session)
         log.info(
             "session created",
-            extra={"session_id": session.session_id, "label": params.label, "strategy": strategy.name},
+            extra={
+                "session_id": session.session_id,
+                "label": params.label,
+                "strategy": strategy.name,
+                "kv_compressor": compressor.name,
+            },
         )
         return session.session_id, len(session.seq.tokens)
 
@@ -242,7 +251,11 @@ class Runtime:
         finally:
             session.generating = False
             session.cancel = None
+            # Between generations the session holds only its resident storage (packed bytes if compressed);
+            # dropping the working copy is only reference release, so it needs no turn on the model worker.
+            seq.cache.park()
             self.store.touch(session)
+            self.store.refresh_gauges()
 
     async def fork_session(
         self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
@@ -264,6 +277,7 @@ class Runtime:
                 eos_token_ids=parent.eos_token_ids,
                 seq=seq,
                 last_access=self.store.now(),
+                compressor=parent.compressor,
             )
             try:
                 self.store.add(fork)
@@ -342,6 +356,10 @@ class Runtime:
             window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
             history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
+            kv_compressor=session.compressor.name,
+            kv_q_range=session.compressor.q_range if session.compressor.lattice else 0,
+            kv_dense_equivalent_bytes=int(cache.dense_equivalent_bytes),
+            kv_escaped_blocks=int(cache.escaped_vectors),
         )
 
     def model_info(self) -> ModelInfo:
@@ -398,8 +416,7 @@ class Runtime:
         for record in records:
             header = record.header
             try:
-                if header.kv_compressor != "none":
-                    raise ValueError(f"KV compressor {header.kv_compressor!r} is not served here")
+                compressor = KVCompressor.parse(header.kv_compressor)
                 strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
                 eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
                 tokens = self.checks.tokens(record.tokens, "tokens")
@@ -414,7 +431,7 @@ class Runtime:
                     self.journal.submit(JournalEnded(header.session_id))
                 continue
             last_access = self.store.now() - max(0.0, now_unix - record.last_active_unix)
-            self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access)
+            self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access, compressor)
         return dropped
 
     def evict_idle(self) -> int:
@@ -454,12 +471,21 @@ class Runtime:
         strategy: KVStrategy,
         tokens: list[int],
         last_access: float,
+        compressor: KVCompressor,
     ) -> Session:
+        layer_store = compressor_layer_store(self.config.backend, compressor)
         seq = SequenceState(
-            cache=self.verifier.new_cache(strategy), tokens=list(tokens), draft=self.proposer.open(strategy)
+            cache=self.verifier.new_cache(strategy, layer_store=layer_store),
+            tokens=list(tokens),
+            draft=self.proposer.open(strategy),
         )
         session = Session(
-            session_id=session_id, label=label, eos_token_ids=frozenset(eos), seq=seq, last_access=last_access
+            session_id=session_id,
+            label=label,
+            eos_token_ids=frozenset(eos),
+            seq=seq,
+            last_access=last_access,
+            compressor=compressor,
         )
         self.store.add(session)
         return session
@@ -638,4 +664,5 @@ def session_header(session: Session) -> SessionHeader:
         kv_strategy=strategy.name,
         sink=options.get("sink", 0),
         window=options.get("window", 0),
+        kv_compressor=session.compressor.label,
     )

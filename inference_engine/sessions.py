@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from inference_engine.metrics import Metrics
+from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.decoding import SequenceState
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Session:
     eos_token_ids: frozenset[int]
     seq: SequenceState
     last_access: float
+    compressor: KVCompressor = field(default_factory=KVCompressor)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     queued: int = 0
     generating: bool = False
@@ -166,6 +168,13 @@ class SessionStore:
     def refresh_gauges(self) -> None:
         self._metrics.session_active.set(len(self._sessions))
         self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
+        caches = [session.seq.cache for session in self._sessions.values()]
+        compressed = sum(int(cache.compressed_bytes) for cache in caches)
+        dense = sum(int(cache.dense_equivalent_bytes) for cache in caches if cache.compressed_bytes)
+        self._metrics.kv_compressed_bytes.set(compressed)
+        self._metrics.kv_dense_equivalent_bytes.set(sum(int(cache.dense_equivalent_bytes) for cache in caches))
+        self._metrics.kv_escaped_blocks.set(sum(int(cache.escaped_vectors) for cache in caches))
+        self._metrics.kv_compression_ratio.set(dense / compressed if compressed else 1.0)
 
     def _least_recent_idle(self, exclude: Session | None = None, holding_memory: bool = False) -> Session | None:
         for session in self._sessions.values():

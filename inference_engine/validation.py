@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, GenerateParams
 from inference_engine.errors import InvalidArgument, ResourceExhausted
+from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.controls import DEFAULT_PENALTY_WINDOW_TOKENS, Penalties
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
@@ -45,6 +46,18 @@ class RequestChecks:
                 f"sink_tokens + window_tokens = {bound} is above the --max-history-tokens limit {limit}"
             )
         return strategy
+
+    def compressor(self, params: CreateParams) -> KVCompressor:
+        """The KV compressor a new session asks for; an unset name or Q takes the server default."""
+        default = self.config.compressor()
+        name = params.kv_compressor or default.name
+        q_range = params.kv_q_range if params.kv_q_range is not None else default.q_range
+        if name == "none" and params.kv_q_range is not None:
+            raise InvalidArgument("kv_q_range does not apply to the none compressor")
+        try:
+            return KVCompressor(name, q_range)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
 
     def tokens(self, token_ids: Iterable[int], what: str) -> list[int]:
         """Token ids as ints, each inside the vocabulary."""

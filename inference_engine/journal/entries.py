@@ -25,7 +25,7 @@ class SessionHeader:
     kv_strategy: str
     sink: int
     window: int
-    kv_compressor: str = "none"
+    kv_compressor: str = "none"  # `none`, or `<name>:<q_range>`
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,14 @@ _STRATEGY_NAMES = {
 }
 _STRATEGY_ENUMS = {name: value for value, name in _STRATEGY_NAMES.items() if name}
 
+_COMPRESSOR_NAMES = {
+    pb.KV_COMPRESSOR_UNSPECIFIED: None,
+    pb.KV_COMPRESSOR_NONE: "none",
+    pb.KV_COMPRESSOR_KAKEYA_D4: "kakeya_d4",
+    pb.KV_COMPRESSOR_KAKEYA_E8: "kakeya_e8",
+}
+_COMPRESSOR_ENUMS = {name: value for value, name in _COMPRESSOR_NAMES.items() if name}
+
 _STOP_REASONS = {
     StopReason.MAX_TOKENS: pb.STOP_REASON_MAX_TOKENS,
     StopReason.EOS: pb.STOP_REASON_EOS,
@@ -43,6 +51,8 @@ _STOP_REASONS = {
 def create_params(request: pb.CreateSessionRequest) -> CreateParams:
     if request.kv_strategy not in _STRATEGY_NAMES:
         raise InvalidArgument(f"unknown kv_strategy enum value {request.kv_strategy}")
+    if request.kv_compressor not in _COMPRESSOR_NAMES:
+        raise InvalidArgument(f"unknown kv_compressor enum value {request.kv_compressor}")
     return CreateParams(
         label=request.client_label,
         eos_token_ids=tuple(request.eos_token_ids),
@@ -51,6 +61,8 @@ def create_params(request: pb.CreateSessionRequest) -> CreateParams:
         sink=request.sink_tokens if request.HasField("sink_tokens") else None,
         window=request.window_tokens if request.HasField("window_tokens") else None,
         no_default_eos=request.no_default_eos,
+        kv_compressor=_COMPRESSOR_NAMES[request.kv_compressor],
+        kv_q_range=request.kv_q_range if request.HasField("kv_q_range") else None,
     )
 
 
@@ -143,6 +155,10 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         sink_tokens=info.sink_tokens,
         window_tokens=info.window_tokens,
         history_tail_token_ids=info.history_tail,
+        kv_compressor=_COMPRESSOR_ENUMS.get(info.kv_compressor, pb.KV_COMPRESSOR_UNSPECIFIED),
+        kv_q_range=info.kv_q_range,
+        kv_dense_equivalent_bytes=info.kv_dense_equivalent_bytes,
+        kv_escaped_blocks=info.kv_escaped_blocks,
     )
 
 

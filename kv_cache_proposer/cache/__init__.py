@@ -1,7 +1,13 @@
 """Per-session K/V caches, written once for every backend over a small array seam."""
 
 from kv_cache_proposer.cache.arrays import ArrayOps
-from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.layer_store import (
+    CommitPlan,
+    DenseLayerStore,
+    LayerStore,
+    LayerStoreFactory,
+    StoreFootprint,
+)
 from kv_cache_proposer.cache.masks import visible_keys
 from kv_cache_proposer.cache.protocol import AttentionPrefix, SessionCache
 from kv_cache_proposer.cache.session import KVSessionCache
@@ -15,5 +21,6 @@ __all__ = [
     "LayerStore",
     "LayerStoreFactory",
     "SessionCache",
+    "StoreFootprint",
     "visible_keys",
 ]

@@ -33,6 +33,15 @@ class CommitPlan:
     newly_held: int  # slots that held nothing before the commit
 
 
+@dataclass(frozen=True, slots=True)
+class StoreFootprint:
+    """How a layer store holds its resident entries, for byte accounting."""
+
+    compressed_bytes: int  # bytes of a compressed form (0: the store does not compress)
+    dense_equivalent_bytes: int  # bytes the resident entries would take dense, in the model's dtype
+    escaped_vectors: int  # vectors a compressed form holds uncompressed because its code cannot represent them
+
+
 class LayerStore(Protocol[A]):
     """One layer's K/V: resident slots, then a dense stage."""
 
@@ -47,6 +56,10 @@ class LayerStore(Protocol[A]):
     @property
     def nbytes(self) -> int:
         """Bytes the layer holds now."""
+        ...
+
+    def footprint(self) -> StoreFootprint:
+        """Compressed and dense-equivalent bytes of the resident entries."""
         ...
 
     def arrays(self) -> list[A]:
@@ -75,6 +88,10 @@ class LayerStore(Protocol[A]):
 
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         """Hold `keys`/`values` `[B, H, len(slots), D]` as the resident entries of `slots`."""
+        ...
+
+    def park(self) -> None:
+        """The session stops generating for now: drop whatever only speeds up forwards (the resident entries stay)."""
         ...
 
     def copy(self) -> LayerStore[A]:
@@ -109,6 +126,11 @@ class DenseLayerStore(Generic[A]):
         if self._keys is None or self._values is None:
             return 0
         return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
+
+    def footprint(self) -> StoreFootprint:
+        if self._keys is None or self._capacity == 0:
+            return StoreFootprint(0, 0, 0)
+        return StoreFootprint(0, self.nbytes * self.held // self._capacity, 0)
 
     def arrays(self) -> list[A]:
         if self._keys is None or self._values is None:
@@ -157,6 +179,9 @@ class DenseLayerStore(Generic[A]):
         key_buf, value_buf = self._buffers(keys, values)
         self._keys = self._ops.put(key_buf, slots, keys)
         self._values = self._ops.put(value_buf, slots, values)
+
+    def park(self) -> None:
+        return None
 
     def copy(self) -> DenseLayerStore[A]:
         twin = DenseLayerStore(self._ops)

@@ -64,6 +64,20 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
+    def dense_equivalent_bytes(self) -> int:
+        """Bytes the resident K/V would take dense, in the model's dtype."""
+        ...
+
+    @property
+    def escaped_vectors(self) -> int:
+        """Resident K/V vectors a compressed cache holds uncompressed (its code cannot represent them)."""
+        ...
+
+    def park(self) -> None:
+        """The session stops generating for now: drop working copies so it holds only its resident storage."""
+        ...
+
+    @property
     def query_positions(self) -> np.ndarray:
         """Global positions of the queries of the model call in flight `[n]`."""
         ...

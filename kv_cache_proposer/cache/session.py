@@ -85,7 +85,25 @@ class KVSessionCache(Generic[A]):
 
     @property
     def compressed_bytes(self) -> int:
-        return 0
+        return sum(layer.footprint().compressed_bytes for layer in self._layers)
+
+    @property
+    def dense_equivalent_bytes(self) -> int:
+        return sum(layer.footprint().dense_equivalent_bytes for layer in self._layers)
+
+    @property
+    def escaped_vectors(self) -> int:
+        return sum(layer.footprint().escaped_vectors for layer in self._layers)
+
+    def park(self) -> None:
+        """Between generations: every layer drops what only speeds up forwards, and the slot table its spare
+        capacity (the next forward grows it again)."""
+        for layer in self._layers:
+            layer.park()
+        used = max(self.stage_offset, 1)
+        if self._capacity > used and self._strategy.bounded_slots is None:
+            self._positions = self._positions[:used].copy()
+            self._capacity = used
 
     @property
     def stage_offset(self) -> int:

@@ -8,6 +8,7 @@ import {
   type GetModelInfoResponse,
   type GetSessionInfoResponse,
   type GrammarConstraint,
+  KvCompressor as WireKvCompressor,
   KvStrategy as WireKvStrategy,
   StopReason as WireStopReason,
   type TokenLogprobs as WireTokenLogprobs,
@@ -16,6 +17,7 @@ import type {
   CreateSessionOptions,
   GenerationStats,
   Grammar,
+  KvCompressor,
   KvStrategy,
   ModelInfo,
   SamplingOptions,
@@ -70,7 +72,25 @@ const STRATEGIES: Record<KvStrategy, WireKvStrategy> = {
   sink_window: WireKvStrategy.KV_STRATEGY_SINK_WINDOW,
 };
 
+const COMPRESSORS: Record<KvCompressor, WireKvCompressor> = {
+  none: WireKvCompressor.KV_COMPRESSOR_NONE,
+  kakeya_d4: WireKvCompressor.KV_COMPRESSOR_KAKEYA_D4,
+  kakeya_e8: WireKvCompressor.KV_COMPRESSOR_KAKEYA_E8,
+};
+
+const COMPRESSOR_NAMES = new Map<WireKvCompressor, KvCompressor>(
+  Object.entries(COMPRESSORS).map(([name, wire]) => [wire, name as KvCompressor]),
+);
+
 export function createSessionRequest(options: CreateSessionOptions): CreateSessionRequest {
+  let compressor = WireKvCompressor.KV_COMPRESSOR_UNSPECIFIED;
+  if (options.kvCompressor !== undefined) {
+    const wire = COMPRESSORS[options.kvCompressor];
+    if (wire === undefined) {
+      throw new InvalidArgumentError(`unknown kvCompressor ${JSON.stringify(options.kvCompressor)}`);
+    }
+    compressor = wire;
+  }
   let strategy = WireKvStrategy.KV_STRATEGY_UNSPECIFIED;
   if (options.kvStrategy !== undefined) {
     const wire = STRATEGIES[options.kvStrategy];
@@ -87,6 +107,8 @@ export function createSessionRequest(options: CreateSessionOptions): CreateSessi
     kvStrategy: strategy,
     sinkTokens: optionalUint32(options.sinkTokens, "sinkTokens"),
     windowTokens: optionalUint32(options.windowTokens, "windowTokens"),
+    kvCompressor: compressor,
+    kvQRange: optionalUint32(options.kvQRange, "kvQRange"),
   };
 }
 
@@ -243,5 +265,9 @@ export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
     inv1Violations: count(response.cacheInvariantInv1Violations),
     inv2Violations: count(response.cacheInvariantInv2Violations),
     historyTail: [...response.historyTailTokenIds],
+    kvCompressor: COMPRESSOR_NAMES.get(response.kvCompressor) ?? "unspecified",
+    kvQRange: response.kvQRange,
+    kvDenseEquivalentBytes: count(response.kvDenseEquivalentBytes),
+    kvEscapedBlocks: count(response.kvEscapedBlocks),
   };
 }

@@ -33,6 +33,7 @@ export type {
   GenerateOptions,
   GenerationStats,
   Grammar,
+  KvCompressor,
   KvStrategy,
   ModelInfo,
   SamplingOptions,

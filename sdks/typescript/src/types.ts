@@ -15,6 +15,8 @@ export interface ForkOptions extends CallOptions {
   /** Label of the fork; unset takes the parent's. */
   label?: string;
 }
+/** How a session's committed K/V are held: dense, or packed KakeyaLattice codes; unset uses the server's default. */
+export type KvCompressor = "none" | "kakeya_d4" | "kakeya_e8";
 
 export interface CreateSessionOptions extends CallOptions {
   /** Free-form label shown in the server's logs and in `SessionInfo.clientLabel`. */
@@ -29,6 +31,9 @@ export interface CreateSessionOptions extends CallOptions {
   sinkTokens?: number;
   /** Most recent positions that stay resident under `sink_window`. */
   windowTokens?: number;
+  kvCompressor?: KvCompressor;
+  /** Lattice range Q of a KakeyaLattice compressor (larger: more bits, less error). */
+  kvQRange?: number;
 }
 
 /** The limits the server checks requests against. */
@@ -175,4 +180,11 @@ export interface SessionInfo {
   inv2Violations: number;
   /** The last `historyTailTokens` history tokens. */
   historyTail: number[];
+  kvCompressor: KvCompressor | "unspecified";
+  /** Lattice range Q of the session's compressor (0: not compressed). */
+  kvQRange: number;
+  /** Bytes the resident K/V would take dense in the model's dtype. */
+  kvDenseEquivalentBytes: number;
+  /** Lattice blocks held by escape (off the lattice after clamping). */
+  kvEscapedBlocks: number;
 }

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kv_cache_proposer.cache import ArrayOps, CommitPlan, DenseLayerStore, KVSessionCache
+from kv_cache_proposer.cache import ArrayOps, CommitPlan, DenseLayerStore, KVSessionCache, StoreFootprint
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
@@ -87,6 +87,12 @@ class HalfPrecisionStore:
 
     def load(self, slots: np.ndarray, keys: Any, values: Any) -> None:
         self._dense.load(slots, self._to_half(keys), self._to_half(values))
+
+    def footprint(self) -> StoreFootprint:
+        return self._dense.footprint()
+
+    def park(self) -> None:
+        self._dense.park()
 
     def copy(self) -> HalfPrecisionStore:
         raise NotImplementedError

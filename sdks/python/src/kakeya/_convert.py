@@ -12,6 +12,7 @@ from kakeya.errors import InvalidArgument, ProtocolError
 from kakeya.types import (
     GenerationControls,
     GenerationStats,
+    KvCompressor,
     KvStrategy,
     ModelInfo,
     ServerLimits,
@@ -25,6 +26,12 @@ _UINT64 = 1 << 64
 
 _STRATEGY_ENUMS = {KvStrategy.FULL: pb.KV_STRATEGY_FULL, KvStrategy.SINK_WINDOW: pb.KV_STRATEGY_SINK_WINDOW}
 _STRATEGIES = {value: strategy for strategy, value in _STRATEGY_ENUMS.items()}
+_COMPRESSOR_ENUMS = {
+    KvCompressor.NONE: pb.KV_COMPRESSOR_NONE,
+    KvCompressor.KAKEYA_D4: pb.KV_COMPRESSOR_KAKEYA_D4,
+    KvCompressor.KAKEYA_E8: pb.KV_COMPRESSOR_KAKEYA_E8,
+}
+_COMPRESSORS = {value: compressor for compressor, value in _COMPRESSOR_ENUMS.items()}
 _STOP_REASONS = {
     pb.STOP_REASON_MAX_TOKENS: StopReason.MAX_TOKENS,
     pb.STOP_REASON_EOS: StopReason.EOS,
@@ -95,6 +102,16 @@ def strategy(value: KvStrategy | str | None) -> int:
         raise InvalidArgument(f"unknown KV strategy {value!r}; expected one of {names}") from None
 
 
+def compressor(value: KvCompressor | str | None) -> int:
+    if value is None:
+        return pb.KV_COMPRESSOR_UNSPECIFIED
+    try:
+        return _COMPRESSOR_ENUMS[KvCompressor(value)]
+    except ValueError:
+        names = ", ".join(c.value for c in KvCompressor)
+        raise InvalidArgument(f"unknown KV compressor {value!r}; expected one of {names}") from None
+
+
 def create_request(
     *,
     label: str,
@@ -103,6 +120,8 @@ def create_request(
     kv_strategy: KvStrategy | str | None,
     sink_tokens: int | None,
     window_tokens: int | None,
+    kv_compressor: KvCompressor | str | None = None,
+    kv_q_range: int | None = None,
 ) -> pb.CreateSessionRequest:
     if not isinstance(label, str):
         raise InvalidArgument(f"label must be a string, got {label!r}")
@@ -114,7 +133,10 @@ def create_request(
         no_default_eos=eos is not None and not eos,
         initial_token_ids=token_ids(initial_tokens, "initial_tokens"),
         kv_strategy=strategy(kv_strategy),  # type: ignore[arg-type]
+        kv_compressor=compressor(kv_compressor),  # type: ignore[arg-type]
     )
+    if kv_q_range is not None:
+        request.kv_q_range = uint32(kv_q_range, "kv_q_range")
     if sink_tokens is not None:
         request.sink_tokens = uint32(sink_tokens, "sink_tokens")
     if window_tokens is not None:
@@ -270,4 +292,8 @@ def session_info(reply: pb.GetSessionInfoResponse) -> SessionInfo:
         sink_tokens=reply.sink_tokens,
         window_tokens=reply.window_tokens,
         history_tail=tuple(reply.history_tail_token_ids),
+        kv_compressor=_COMPRESSORS.get(reply.kv_compressor),
+        kv_q_range=reply.kv_q_range,
+        kv_dense_equivalent_bytes=reply.kv_dense_equivalent_bytes,
+        kv_escaped_blocks=reply.kv_escaped_blocks,
     )

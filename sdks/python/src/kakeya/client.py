@@ -19,6 +19,7 @@ from kakeya.errors import InterTokenTimeout, InvalidArgument, ProtocolError, Una
 from kakeya.types import (
     GenerationControls,
     GenerationStats,
+    KvCompressor,
     KvStrategy,
     ModelInfo,
     RetryPolicy,
@@ -96,12 +97,15 @@ class Client:
         kv_strategy: KvStrategy | str | None = None,
         sink_tokens: int | None = None,
         window_tokens: int | None = None,
+        kv_compressor: KvCompressor | str | None = None,
+        kv_q_range: int | None = None,
     ) -> Session:
         """Create a session, optionally starting with `initial_tokens` (pending until the first generation).
 
         `eos_token_ids` end every generation of the session with stop reason EOS; None (the default) takes the
         model's end-of-sequence ids (`model_info().eos_token_ids`), an empty list gives none. `kv_strategy`,
-        `sink_tokens` and `window_tokens` override the server's defaults for this session.
+        `sink_tokens` and `window_tokens` override the server's defaults for this session, as do `kv_compressor`
+        (none, kakeya_d4, kakeya_e8: how committed K/V are held) and `kv_q_range` (its lattice range Q).
         """
         request = _convert.create_request(
             label=label,
@@ -110,6 +114,8 @@ class Client:
             kv_strategy=kv_strategy,
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
+            kv_compressor=kv_compressor,
+            kv_q_range=kv_q_range,
         )
         reply = self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
         return Session(self, reply.session_id)

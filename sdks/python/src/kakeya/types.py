@@ -38,6 +38,17 @@ class KvStrategy(Enum):
     """The first `sink_tokens` and the last `window_tokens` positions stay resident."""
 
 
+class KvCompressor(Enum):
+    """How the server holds a session's committed K/V."""
+
+    NONE = "none"
+    """Dense K/V in the model's dtype."""
+    KAKEYA_D4 = "kakeya_d4"
+    """Packed KakeyaLattice codes on the D4 lattice."""
+    KAKEYA_E8 = "kakeya_e8"
+    """Packed KakeyaLattice codes on the E8 lattice."""
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationStats:
     """Statistics of one generation.
@@ -85,6 +96,13 @@ class SessionInfo:
     window_tokens: int
     history_tail: tuple[int, ...] = field(default=(), repr=False)
     """The last `history_tail_tokens` history tokens, when asked for (the repr shows only their count)."""
+    kv_compressor: KvCompressor | None = None
+    kv_q_range: int = 0
+    """Lattice range Q of the session's compressor (0: not compressed)."""
+    kv_dense_equivalent_bytes: int = 0
+    """Bytes the resident K/V would take dense in the model's dtype."""
+    kv_escaped_blocks: int = 0
+    """Lattice blocks held by escape (off the lattice after clamping)."""
 
     def __repr__(self) -> str:
         shown = ", ".join(

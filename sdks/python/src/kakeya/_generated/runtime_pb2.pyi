@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class KvCompressor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_COMPRESSOR_UNSPECIFIED: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_NONE: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_D4: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_E8: _ClassVar[KvCompressor]
+
 class KvStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     KV_STRATEGY_UNSPECIFIED: _ClassVar[KvStrategy]
@@ -23,6 +30,10 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_TRUNCATED: _ClassVar[StopReason]
     STOP_REASON_STOP_SEQUENCE: _ClassVar[StopReason]
     STOP_REASON_GRAMMAR_DEAD_END: _ClassVar[StopReason]
+KV_COMPRESSOR_UNSPECIFIED: KvCompressor
+KV_COMPRESSOR_NONE: KvCompressor
+KV_COMPRESSOR_KAKEYA_D4: KvCompressor
+KV_COMPRESSOR_KAKEYA_E8: KvCompressor
 KV_STRATEGY_UNSPECIFIED: KvStrategy
 KV_STRATEGY_FULL: KvStrategy
 KV_STRATEGY_SINK_WINDOW: KvStrategy
@@ -35,13 +46,15 @@ STOP_REASON_STOP_SEQUENCE: StopReason
 STOP_REASON_GRAMMAR_DEAD_END: StopReason
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens", "no_default_eos")
+    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens", "kv_compressor", "kv_q_range", "no_default_eos")
     CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    KV_Q_RANGE_FIELD_NUMBER: _ClassVar[int]
     NO_DEFAULT_EOS_FIELD_NUMBER: _ClassVar[int]
     client_label: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -49,8 +62,10 @@ class CreateSessionRequest(_message.Message):
     kv_strategy: KvStrategy
     sink_tokens: int
     window_tokens: int
+    kv_compressor: KvCompressor
+    kv_q_range: int
     no_default_eos: bool
-    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., no_default_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., no_default_eos: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id", "history_length")
@@ -209,7 +224,7 @@ class GetSessionInfoRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history_tail_tokens: _Optional[int] = ...) -> None: ...
 
 class GetSessionInfoResponse(_message.Message):
-    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids")
+    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks")
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_INVARIANT_INV1_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +240,10 @@ class GetSessionInfoResponse(_message.Message):
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TAIL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_COMPRESSOR_FIELD_NUMBER: _ClassVar[int]
+    KV_Q_RANGE_FIELD_NUMBER: _ClassVar[int]
+    KV_DENSE_EQUIVALENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_ESCAPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     kv_live_bytes: int
     cache_invariant_inv1_violations: int
@@ -240,7 +259,11 @@ class GetSessionInfoResponse(_message.Message):
     sink_tokens: int
     window_tokens: int
     history_tail_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_compressor: KvCompressor
+    kv_q_range: int
+    kv_dense_equivalent_bytes: int
+    kv_escaped_blocks: int
+    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("command_id", "bind", "append", "generate", "cancel")

@@ -27,6 +27,7 @@ from kakeya.errors import (
 from kakeya.types import (
     GenerationControls,
     GenerationStats,
+    KvCompressor,
     KvStrategy,
     ModelInfo,
     RetryPolicy,
@@ -109,6 +110,8 @@ class AsyncClient:
         kv_strategy: KvStrategy | str | None = None,
         sink_tokens: int | None = None,
         window_tokens: int | None = None,
+        kv_compressor: KvCompressor | str | None = None,
+        kv_q_range: int | None = None,
     ) -> AsyncSession:
         """Create a session (arguments as in `Client.create_session`)."""
         request = _convert.create_request(
@@ -118,6 +121,8 @@ class AsyncClient:
             kv_strategy=kv_strategy,
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
+            kv_compressor=kv_compressor,
+            kv_q_range=kv_q_range,
         )
         await self.model_info()  # the limits generate() checks max_tokens against
         reply = await self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)

@@ -27,7 +27,22 @@ export const protobufPackage = "kakeya.v1";
 
 export const protobufFileName = "kakeya/v1/runtime.proto";
 
-/** KvStrategy selects how a session's verifier KV cache is held. */
+/**
+ * KvStrategy selects how a session's verifier KV cache is held.
+ * How a session holds its committed K/V (SPEC §6.6).
+ */
+export enum KvCompressor {
+  /** KV_COMPRESSOR_UNSPECIFIED - Use the server's configured default compressor. */
+  KV_COMPRESSOR_UNSPECIFIED = 0,
+  /** KV_COMPRESSOR_NONE - Dense K/V in the model's dtype. */
+  KV_COMPRESSOR_NONE = 1,
+  /** KV_COMPRESSOR_KAKEYA_D4 - Packed KakeyaLattice codes on the D4 lattice (v1.4). */
+  KV_COMPRESSOR_KAKEYA_D4 = 2,
+  /** KV_COMPRESSOR_KAKEYA_E8 - Packed KakeyaLattice codes on the E8 lattice (v1.5). */
+  KV_COMPRESSOR_KAKEYA_E8 = 3,
+  UNRECOGNIZED = -1,
+}
+
 export enum KvStrategy {
   /** KV_STRATEGY_UNSPECIFIED - Use the server's configured default strategy. */
   KV_STRATEGY_UNSPECIFIED = 0,
@@ -70,6 +85,12 @@ export interface CreateSessionRequest {
     | undefined;
   /** Window size for KV_STRATEGY_SINK_WINDOW; unset uses the server default. */
   windowTokens?:
+    | number
+    | undefined;
+  /** Per-session KV compressor; unspecified uses the server default. */
+  kvCompressor: KvCompressor;
+  /** Lattice range Q of a KakeyaLattice compressor; unset uses the server default. */
+  kvQRange?:
     | number
     | undefined;
   /**
@@ -283,6 +304,13 @@ export interface GetSessionInfoResponse {
   windowTokens: number;
   /** The last `history_tail_tokens` history tokens (fewer when the history is shorter). */
   historyTailTokenIds: number[];
+  kvCompressor: KvCompressor;
+  /** Lattice range Q of the session's compressor (0: not compressed). */
+  kvQRange: number;
+  /** Bytes the resident K/V would take dense in the model's dtype. */
+  kvDenseEquivalentBytes: bigint;
+  /** Lattice blocks held by escape: off the lattice after clamping, stored as raw coordinates. */
+  kvEscapedBlocks: bigint;
 }
 
 /** ConverseRequest is one command on a Converse stream. The first command must be `bind`. */
@@ -470,6 +498,8 @@ function createBaseCreateSessionRequest(): CreateSessionRequest {
     kvStrategy: 0,
     sinkTokens: undefined,
     windowTokens: undefined,
+    kvCompressor: 0,
+    kvQRange: undefined,
     noDefaultEos: false,
   };
 }
@@ -501,6 +531,12 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     }
     if (message.windowTokens !== undefined) {
       writer.uint32(48).uint32(message.windowTokens);
+    }
+    if (message.kvCompressor !== 0) {
+      writer.uint32(56).int32(message.kvCompressor);
+    }
+    if (message.kvQRange !== undefined) {
+      writer.uint32(64).uint32(message.kvQRange);
     }
     if (message.noDefaultEos !== false) {
       writer.uint32(72).bool(message.noDefaultEos);
@@ -589,6 +625,22 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
             message.windowTokens = reader.uint32();
             continue;
           }
+          case 7: {
+            if (tag !== 56) {
+              break;
+            }
+
+            message.kvCompressor = reader.int32() as any;
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.kvQRange = reader.uint32();
+            continue;
+          }
           case 9: {
             if (tag !== 72) {
               break;
@@ -620,6 +672,8 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     message.kvStrategy = object.kvStrategy ?? 0;
     message.sinkTokens = object.sinkTokens ?? undefined;
     message.windowTokens = object.windowTokens ?? undefined;
+    message.kvCompressor = object.kvCompressor ?? 0;
+    message.kvQRange = object.kvQRange ?? undefined;
     message.noDefaultEos = object.noDefaultEos ?? false;
     return message;
   },
@@ -1987,6 +2041,10 @@ function createBaseGetSessionInfoResponse(): GetSessionInfoResponse {
     sinkTokens: 0,
     windowTokens: 0,
     historyTailTokenIds: [],
+    kvCompressor: 0,
+    kvQRange: 0,
+    kvDenseEquivalentBytes: 0n,
+    kvEscapedBlocks: 0n,
   };
 }
 
@@ -2068,6 +2126,24 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.kvCompressor !== 0) {
+      writer.uint32(128).int32(message.kvCompressor);
+    }
+    if (message.kvQRange !== 0) {
+      writer.uint32(136).uint32(message.kvQRange);
+    }
+    if (message.kvDenseEquivalentBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvDenseEquivalentBytes) !== message.kvDenseEquivalentBytes) {
+        throw new globalThis.Error("value provided for field message.kvDenseEquivalentBytes of type uint64 too large");
+      }
+      writer.uint32(144).uint64(message.kvDenseEquivalentBytes);
+    }
+    if (message.kvEscapedBlocks !== 0n) {
+      if (BigInt.asUintN(64, message.kvEscapedBlocks) !== message.kvEscapedBlocks) {
+        throw new globalThis.Error("value provided for field message.kvEscapedBlocks of type uint64 too large");
+      }
+      writer.uint32(152).uint64(message.kvEscapedBlocks);
     }
     return writer;
   },
@@ -2215,6 +2291,38 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
 
             break;
           }
+          case 16: {
+            if (tag !== 128) {
+              break;
+            }
+
+            message.kvCompressor = reader.int32() as any;
+            continue;
+          }
+          case 17: {
+            if (tag !== 136) {
+              break;
+            }
+
+            message.kvQRange = reader.uint32();
+            continue;
+          }
+          case 18: {
+            if (tag !== 144) {
+              break;
+            }
+
+            message.kvDenseEquivalentBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 19: {
+            if (tag !== 152) {
+              break;
+            }
+
+            message.kvEscapedBlocks = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2265,6 +2373,15 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
     message.sinkTokens = object.sinkTokens ?? 0;
     message.windowTokens = object.windowTokens ?? 0;
     message.historyTailTokenIds = object.historyTailTokenIds?.map((e) => e) || [];
+    message.kvCompressor = object.kvCompressor ?? 0;
+    message.kvQRange = object.kvQRange ?? 0;
+    message.kvDenseEquivalentBytes =
+      (object.kvDenseEquivalentBytes !== undefined && object.kvDenseEquivalentBytes !== null)
+        ? BigInt(object.kvDenseEquivalentBytes)
+        : 0n;
+    message.kvEscapedBlocks = (object.kvEscapedBlocks !== undefined && object.kvEscapedBlocks !== null)
+      ? BigInt(object.kvEscapedBlocks)
+      : 0n;
     return message;
   },
 };

@@ -1,0 +1,80 @@
+"""KakeyaLattice on MLX: the reference codec's math (Sylvester Hadamard rotation, per-vector fp16 scale,
+Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step."""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+import numpy as np
+
+from kv_cache_proposer.compression.codec import LatticeCoding
+from kv_cache_proposer.compression.lattice import LatticeSpec
+
+
+def _hadamard(dim: int) -> mx.array:
+    """Sylvester Hadamard H_D / sqrt(D), built like the reference (float32, self-inverse)."""
+    h = np.ones((1, 1), dtype=np.float32)
+    while h.shape[0] < dim:
+        h = np.block([[h, h], [h, -h]])
+    return mx.array(h / np.float32(math.sqrt(dim)))
+
+
+def _closest_even_sum(y: mx.array) -> mx.array:
+    """Closest point of D_n (integer points with even sum) to each block `y` `[..., n]`."""
+    f = mx.round(y)
+    even = (f.sum(axis=-1).astype(mx.int64) % 2) == 0  # [...]
+    diff = y - f
+    idx = mx.argmax(mx.abs(diff), axis=-1, keepdims=True)  # [..., 1]
+    step = mx.where(mx.take_along_axis(diff, idx, axis=-1) >= 0, 1.0, -1.0)  # [..., 1]
+    flip = (mx.arange(y.shape[-1]) == idx).astype(y.dtype) * step
+    return mx.where(even[..., None], f, f + flip)
+
+
+def _closest_e8(y: mx.array) -> mx.array:
+    """E8 = D8 ∪ (D8 + ½): the closer of the two cosets' closest points."""
+    a = _closest_even_sum(y)
+    b = _closest_even_sum(y - 0.5) + 0.5
+    da = ((y - a) ** 2).sum(axis=-1, keepdims=True)
+    db = ((y - b) ** 2).sum(axis=-1, keepdims=True)
+    return mx.where(da <= db, a, b)
+
+
+class MlxLatticeCodec:
+    """`LatticeCodec` over mlx arrays."""
+
+    def __init__(self, spec: LatticeSpec) -> None:
+        self._spec = spec
+        self._hadamard = _hadamard(spec.head_dim)
+
+    @property
+    def spec(self) -> LatticeSpec:
+        return self._spec
+
+    def encode(self, vectors: mx.array) -> LatticeCoding:
+        spec = self._spec
+        flat = vectors.reshape(-1, spec.head_dim).astype(mx.float32)  # [N, D]
+        n = flat.shape[0]
+        eps = float(np.finfo(np.float32).eps)
+        norms = mx.maximum(mx.sqrt((flat * flat).sum(axis=1, keepdims=True)), eps)  # [N, 1]
+        rotated = (flat / norms) @ self._hadamard
+        qmax_f16 = mx.maximum(mx.abs(rotated).max(axis=1, keepdims=True), eps).astype(mx.float16)
+        scale = qmax_f16.astype(mx.float32) / float(spec.q_range)
+        blocks = (rotated / scale).reshape(n, spec.blocks, spec.block_dim)
+        closest = _closest_even_sum(blocks) if spec.kind == "d4" else _closest_e8(blocks)
+        lattice = mx.clip(closest, -spec.q_range, spec.q_range)
+        doubled = (lattice * 2).reshape(n, spec.head_dim).astype(mx.int16)
+        return LatticeCoding(
+            doubled=np.array(doubled),
+            norms=np.array(norms.astype(mx.float16).reshape(n)),
+            qmax=np.array(qmax_f16.reshape(n)),
+        )
+
+    def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+        spec = self._spec
+        n = coding.count
+        lattice = mx.array(coding.doubled).astype(mx.float32) / 2
+        scale = mx.array(coding.qmax).astype(mx.float32).reshape(n, 1, 1) / float(spec.q_range)
+        rotated = (lattice.reshape(n, spec.blocks, spec.block_dim) * scale).reshape(n, spec.head_dim)
+        norms = mx.array(coding.norms).astype(mx.float32).reshape(n, 1)
+        return ((rotated @ self._hadamard) * norms).reshape(shape).astype(dtype)

@@ -1,0 +1,166 @@
+"""The KakeyaLattice bit layout: which lattice, how many bits, and how lattice points become packed bytes.
+
+A K/V vector of dimension D is coded (by a backend's `LatticeCodec`) as D lattice coordinates in `[-Q, Q]`, split
+into blocks of 4 (D4) or 8 (E8), plus an fp16 norm and an fp16 per-vector scale (qmax). Here, on the host, every
+block becomes one integer index below the number of lattice points in `[-Q, Q]^block`, written with
+`bits_per_block` bits (SPEC §6.6 budget), and the blocks of a vector are bit-packed into whole bytes.
+
+Coordinates travel doubled (`2c`, int16) so E8's half-integer coset is integral too.
+
+Escape: the codec clamps a lattice point to `[-Q, Q]`, and a clamped point can leave the lattice (a D4 block whose
+parity flip pushed one coordinate to Q+1 loses its even sum; an E8 half-integer block with a coordinate at Q+½
+clamped to Q mixes the cosets). Such a block has no index. It is stored by escape: its code is 0 and its doubled
+coordinates go to a side table (int16 per coordinate), so decoding still reproduces the codec's output exactly;
+escaped blocks are counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+LatticeKind = Literal["d4", "e8"]
+
+_BLOCK_DIM = {"d4": 4, "e8": 8}
+# Largest Q whose block index (a mixed-radix number over the block's coordinates) fits in a signed 64-bit integer.
+MAX_Q_RANGE = {"d4": 4096, "e8": 116}
+
+
+@dataclass(frozen=True, slots=True)
+class LatticeSpec:
+    """One lattice at one `q_range` for vectors of `head_dim` values."""
+
+    kind: LatticeKind
+    head_dim: int
+    q_range: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in _BLOCK_DIM:
+            raise ValueError(f"unknown lattice {self.kind!r}; expected d4 or e8")
+        if not 1 <= self.q_range <= MAX_Q_RANGE[self.kind]:
+            raise ValueError(f"q_range of {self.kind} must be in [1, {MAX_Q_RANGE[self.kind]}], got {self.q_range}")
+        dim = self.head_dim
+        if dim < self.block_dim or dim & (dim - 1) or dim % self.block_dim:
+            raise ValueError(
+                f"head_dim {dim} must be a power of two divisible by {self.block_dim} for the {self.kind} codec"
+            )
+
+    @property
+    def block_dim(self) -> int:
+        return _BLOCK_DIM[self.kind]
+
+    @property
+    def blocks(self) -> int:
+        return self.head_dim // self.block_dim
+
+    @property
+    def bits_per_block(self) -> int:
+        """SPEC §6.6: D4 `ceil(4·log2(2Q+1) − 1)`, E8 `ceil(8·log2(2Q+1))`."""
+        levels = math.log2(2 * self.q_range + 1)
+        real = 4.0 * levels - 1.0 if self.kind == "d4" else 8.0 * levels
+        return math.ceil(real)
+
+    @property
+    def bits_per_vector(self) -> int:
+        """The bit budget of one vector: lattice bits plus the fp16 norm and fp16 qmax."""
+        return self.blocks * self.bits_per_block + 32
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of one vector's packed lattice codes (its lattice bits rounded up to a whole byte)."""
+        return (self.blocks * self.bits_per_block + 7) // 8
+
+
+def _mixed_radix(digits: np.ndarray, base: int) -> np.ndarray:
+    """`digits` `[..., k]` (each in `[0, base)`) read as one base-`base` number, most significant first."""
+    out = np.zeros(digits.shape[:-1], dtype=np.int64)
+    for i in range(digits.shape[-1]):
+        out = out * base + digits[..., i]
+    return out
+
+
+def _digits(index: np.ndarray, base: int, count: int) -> np.ndarray:
+    """Inverse of `_mixed_radix`: `[..., count]` digits of `index`."""
+    out = np.empty((*index.shape, count), dtype=np.int64)
+    rest = index.copy()
+    for i in range(count - 1, -1, -1):
+        out[..., i] = rest % base
+        rest //= base
+    return out
+
+
+def block_indices(spec: LatticeSpec, doubled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Index of every block of `doubled` `[N, D]` (int16, twice the lattice coordinates) and which vectors escape.
+
+    Returns `(indices [N, blocks] int64, escaped [N, blocks] bool)`; an escaped block's index is 0.
+
+    D4 (points of Z^4 with even sum in [-Q, Q]^4): with `a = c + Q` read as a base-(2Q+1) number n, n has the
+    parity of the coordinate sum (2Q+1 is odd), so the points are exactly the even n and the index is n / 2.
+    E8: integer points (D8, counted the same way) first, then half-integer points `c = b − Q + ½` with even sum:
+    the first seven digits base 2Q, and the eighth digit's parity is fixed by the others, so it contributes b8 // 2.
+    """
+    q = spec.q_range
+    blocks = doubled.reshape(doubled.shape[0], spec.blocks, spec.block_dim).astype(np.int64)  # [N, K, b]
+    inside = (np.abs(blocks) <= 2 * q).all(axis=-1)
+    even = blocks % 2 == 0  # integer coordinate
+    all_int = even.all(axis=-1)
+    base = 2 * q + 1
+    if spec.kind == "d4":
+        coords = blocks // 2
+        valid = inside & all_int & (coords.sum(axis=-1) % 2 == 0)
+        index = _mixed_radix(np.where(valid[..., None], coords + q, 0), base) // 2
+    else:
+        all_half = (~even).all(axis=-1)
+        int_coords = blocks // 2
+        int_valid = all_int & (int_coords.sum(axis=-1) % 2 == 0)
+        # Half-integer coordinate c = (doubled) / 2: digit b = c + Q − ½ = (doubled + 2Q − 1) / 2.
+        half_digits = (blocks + 2 * q - 1) // 2
+        half_sum = blocks.sum(axis=-1) // 2  # the sum of the coordinates (an integer for 8 half-integers)
+        half_valid = all_half & (half_sum % 2 == 0)
+        valid = inside & (int_valid | half_valid)
+        int_index = _mixed_radix(np.where(int_valid[..., None], int_coords + q, 0), base) // 2
+        half_lead = _mixed_radix(np.where(half_valid[..., None], half_digits[..., :7], 0), 2 * q)
+        half_index = (base**8 + 1) // 2 + half_lead * q + np.where(half_valid, half_digits[..., 7], 0) // 2
+        index = np.where(int_valid, int_index, half_index)
+    escaped = ~valid
+    return np.where(escaped, 0, index), escaped
+
+
+def block_points(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
+    """Inverse of `block_indices` for lattice vectors: doubled coordinates `[N, D]` int16 of `indices`."""
+    q = spec.q_range
+    base = 2 * q + 1
+    n = indices.shape[0]
+    if spec.kind == "d4":
+        coords = _digits(indices * 2, base, 4) - q
+        return (coords * 2).reshape(n, spec.head_dim).astype(np.int16)
+    integer_count = (base**8 + 1) // 2
+    is_int = indices < integer_count
+    int_coords = _digits(np.where(is_int, indices, 0) * 2, base, 8) - q  # [N, K, 8]
+    half = np.where(is_int, 0, indices - integer_count)
+    lead = _digits(half // q, 2 * q, 7)  # [N, K, 7]
+    parity = lead.sum(axis=-1) % 2  # b8 ≡ sum of the other digits (mod 2) for an even coordinate sum
+    last = 2 * (half % q) + parity
+    half_digits = np.concatenate([lead, last[..., None]], axis=-1)
+    doubled = np.where(is_int[..., None], int_coords * 2, half_digits * 2 - 2 * q + 1)
+    return doubled.reshape(n, spec.head_dim).astype(np.int16)
+
+
+def pack_codes(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
+    """`indices` `[N, blocks]` as `[N, code_bytes]` uint8: `bits_per_block` bits per block, little-endian."""
+    bits = spec.bits_per_block
+    shifts = np.arange(bits, dtype=np.int64)
+    planes = ((indices[..., None] >> shifts) & 1).astype(np.uint8)  # [N, K, bits]
+    flat = planes.reshape(indices.shape[0], spec.blocks * bits)
+    return np.packbits(flat, axis=-1, bitorder="little")
+
+
+def unpack_codes(spec: LatticeSpec, packed: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_codes`: `[N, blocks]` int64."""
+    bits = spec.bits_per_block
+    flat = np.unpackbits(packed, axis=-1, count=spec.blocks * bits, bitorder="little")
+    planes = flat.reshape(packed.shape[0], spec.blocks, bits).astype(np.int64)
+    return (planes << np.arange(bits, dtype=np.int64)).sum(axis=-1)

@@ -1,0 +1,372 @@
+"""KV compression benchmark: rate–distortion on the bundled model's real K/V, then the compressors through the daemon.
+
+Part 1 (in process, no daemon): K/V captured from real forwards of the bundled model over held-out text. For every
+KakeyaLattice compressor and Q of `--d4-q` / `--e8-q` it measures bits per value (packed bytes actually held, codes
++ fp16 norm and scale + escapes) and relative MSE (sum of squared errors over sum of squares, K and V apart), next to
+the common alternatives on the same tensors: affine 4- and 8-bit group-64 quantisation (mlx's `mx.quantize`, as
+mlx-lm's quantised KV cache does it), fp8 e4m3 with a per-tensor scale (as vLLM's fp8 KV cache does it) and bf16.
+
+Part 2 (one daemon on 127.0.0.1, each session choosing its compressor): for every `--variants` entry and `none`,
+in the same run: bytes per token held by a parked session, NIAH recall at each `--lengths` rung (documents and
+scoring of `scripts/eval_niah.py`), greedy-token agreement with `none` over `--agreement-tokens` tokens, decode
+tokens/s of that generation, and time to first token of a parked session (a one-token append to a parked
+2,048-token session). Part 3: one daemon per variant with `--kv-budget-bytes` and 2,048-token sessions created until
+the first is evicted: sessions held under the same byte budget.
+
+Writes `results/bench_kv_compression_<stamp>.json` and a PNG (rate–distortion curves of K and V, bytes per token).
+
+Usage:
+    python scripts/bench_kv_compression.py [--smoke] [--lengths 512,1024,2048] [--samples 2]
+        [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import kakeya
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from eval_niah import heldout_lines
+from lib.daemon import Daemon
+from lib.niah import build_document
+from lib.results import RESULTS_DIR, write_results
+
+from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
+from kv_cache_proposer.compression import LatticeSpec
+from kv_cache_proposer.compression.lattice import LatticeKind, block_indices
+from kv_cache_proposer.strategies import FullStrategy
+
+SESSION_TOKENS = 2048
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every option's default after its help."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory")
+    p.add_argument("--dtype", default="float32", help="dtype the daemon serves in (float32 is fast on CPU)")
+    p.add_argument("--capture-tokens", type=int, default=1024, help="tokens of K/V captured for part 1")
+    p.add_argument("--d4-q", default="2,5,10,19,38,76", help="D4 q_range values of the rate–distortion sweep")
+    p.add_argument("--e8-q", default="2,5,10,19,37,76", help="E8 q_range values of the rate–distortion sweep")
+    p.add_argument(
+        "--variants",
+        default="kakeya_d4:38,kakeya_d4:10,kakeya_e8:38",
+        help="compressor:Q pairs compared with none through the daemon",
+    )
+    p.add_argument("--lengths", default="512,1024,2048", help="NIAH context lengths (tokens)")
+    p.add_argument("--samples", type=int, default=2, help="NIAH documents per length (depths spread evenly)")
+    p.add_argument("--agreement-tokens", type=int, default=256, help="greedy tokens compared with none")
+    p.add_argument("--budget-sessions", type=int, default=3, help="dense 2,048-token sessions the part-3 budget fits")
+    p.add_argument("--max-sessions", type=int, default=12, help="most sessions part 3 creates per variant")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes: a seconds-long run for tests")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.capture_tokens, args.d4_q, args.e8_q = 128, "10,38", "10,37"
+        args.lengths, args.samples, args.agreement_tokens = "128", 1, 16
+        args.budget_sessions, args.max_sessions, args.variants = 1, 3, "kakeya_d4:38"
+    args.lengths = [int(x) for x in str(args.lengths).split(",")]
+    args.d4_q = [int(x) for x in str(args.d4_q).split(",")]
+    args.e8_q = [int(x) for x in str(args.e8_q).split(",")]
+    args.variants = [(name, int(q)) for name, q in (v.split(":") for v in args.variants.split(","))]
+    return args
+
+
+# -- part 1: rate–distortion -----------------------------------------------------------------------------------
+def capture_kv(model: Path, tokens: list[int]) -> dict[str, torch.Tensor]:
+    """K and V `[N, D]` of every layer after real forwards of the model (float32) over `tokens`."""
+    verifier = load_verifier("torch", model, device="cpu", dtype="float32")
+    cache = verifier.new_cache(FullStrategy())
+    for start in range(0, len(tokens), 512):
+        chunk = tokens[start : start + 512]
+        verifier.verify(cache, chunk, 1)
+        cache.commit(len(chunk))
+    keys, values = [], []
+    for layer in range(cache.num_layers):
+        k, v, _ = cache.resident_kv(layer)
+        keys.append(k.reshape(-1, k.shape[-1]))
+        values.append(v.reshape(-1, v.shape[-1]))
+    return {"K": torch.cat(keys), "V": torch.cat(values)}
+
+
+def _rel_mse(x: torch.Tensor, approx: torch.Tensor) -> float:
+    return float(((approx.float() - x) ** 2).sum() / (x**2).sum())
+
+
+def lattice_point(kind: LatticeKind, q: int, x: torch.Tensor) -> dict[str, Any]:
+    spec = LatticeSpec(kind, int(x.shape[-1]), q)
+    codec = TorchLatticeCodec(spec, torch.device("cpu"))
+    coding = codec.encode(x)
+    _, escaped = block_indices(spec, coding.doubled)
+    # What the packed store holds per vector: codes, fp16 norm and scale; each escaped block adds its key and
+    # raw coordinates (4 int32 + block_dim int16).
+    escape_bytes = int(escaped.sum()) * (16 + 2 * spec.block_dim)
+    held_bits = (coding.count * (spec.code_bytes + 4) + escape_bytes) * 8
+    decoded = codec.decode(coding, tuple(x.shape), torch.float32)
+    return {
+        "method": f"kakeya_{kind}",
+        "q_range": q,
+        "budget_bits_per_value": spec.bits_per_vector / spec.head_dim,
+        "bits_per_value": held_bits / (coding.count * spec.head_dim),
+        "rel_mse": _rel_mse(x, decoded),
+        "escaped_block_fraction": float(escaped.mean()),
+    }
+
+
+def affine_point(bits: int, x: torch.Tensor) -> dict[str, Any]:
+    import mlx.core as mx
+
+    data = mx.array(x.numpy()).astype(mx.bfloat16)
+    packed, scales, biases = mx.quantize(data, group_size=64, bits=bits)
+    approx = mx.dequantize(packed, scales, biases, group_size=64, bits=bits).astype(mx.float32)
+    # Scale and bias per group of 64, each in the input dtype (bf16).
+    return {
+        "method": f"affine{bits}_g64",
+        "bits_per_value": bits + 32 / 64,
+        "rel_mse": _rel_mse(x, torch.from_numpy(np.array(approx))),
+    }
+
+
+def fp8_point(x: torch.Tensor) -> dict[str, Any]:
+    scale = x.abs().max() / torch.finfo(torch.float8_e4m3fn).max
+    approx = (x / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    return {"method": "fp8_e4m3", "bits_per_value": 8.0, "rel_mse": _rel_mse(x, approx)}
+
+
+def rate_distortion(args: argparse.Namespace, kv: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
+    points = []
+    for tensor, x in kv.items():
+        rows = [lattice_point("d4", q, x) for q in args.d4_q] + [lattice_point("e8", q, x) for q in args.e8_q]
+        rows += [affine_point(4, x), affine_point(8, x), fp8_point(x)]
+        rows.append({"method": "bf16", "bits_per_value": 16.0, "rel_mse": _rel_mse(x, x.to(torch.bfloat16))})
+        points += [{"tensor": tensor, **row} for row in rows]
+    return points
+
+
+def lattice_vs_affine4(points: list[dict[str, Any]]) -> list[str]:
+    """Plain sentences: at the bits of affine 4-bit, does each lattice do better or worse (interpolated)?"""
+    lines = []
+    for tensor in ("K", "V"):
+        affine = next(p for p in points if p["tensor"] == tensor and p["method"] == "affine4_g64")
+        for method in ("kakeya_d4", "kakeya_e8"):
+            curve = sorted(
+                (p["bits_per_value"], p["rel_mse"]) for p in points if p["tensor"] == tensor and p["method"] == method
+            )
+            bits = [b for b, _ in curve]
+            if not bits[0] <= affine["bits_per_value"] <= bits[-1]:
+                lines.append(f"{tensor}: {method} has no point around {affine['bits_per_value']:.2f} bits/value")
+                continue
+            log_mse = float(np.interp(affine["bits_per_value"], bits, [np.log(m) for _, m in curve]))
+            mse = float(np.exp(log_mse))
+            verdict = "beats" if mse < affine["rel_mse"] else "loses to"
+            lines.append(
+                f"{tensor}: at {affine['bits_per_value']:.2f} bits/value {method} {verdict} affine 4-bit g64 "
+                f"(rel MSE {mse:.2e} vs {affine['rel_mse']:.2e})"
+            )
+    return lines
+
+
+# -- part 2: through the daemon ------------------------------------------------------------------------------
+def _create(variant: tuple[str, int]) -> dict[str, Any]:
+    name, q = variant
+    return {"kv_compressor": name} if name == "none" else {"kv_compressor": name, "kv_q_range": q}
+
+
+def _label(variant: tuple[str, int]) -> str:
+    return variant[0] if variant[0] == "none" else f"{variant[0]}:{variant[1]}"
+
+
+def daemon_runs(
+    args: argparse.Namespace, client: kakeya.Client, tokenizer: Any, lines: list[list[int]]
+) -> dict[str, Any]:
+    variants = [("none", 0), *args.variants]
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    rng = random.Random(args.seed)
+    depths = [i / max(1, args.samples - 1) for i in range(args.samples)] if args.samples > 1 else [0.5]
+    documents = [
+        (length, depth, build_document(lines, encode, length, [depth], rng))
+        for length in args.lengths
+        for depth in depths
+    ]
+    prompt = [t for line in lines[:400] for t in line][: max(args.lengths)]
+    out: dict[str, Any] = {"niah": [], "generation": {}}
+    for variant in tqdm(variants, desc="daemon", unit="variant", file=sys.stderr):
+        label = _label(variant)
+        for length, depth, doc in documents:
+            with client.create_session(initial_tokens=doc.prompt, label="bench", **_create(variant)) as session:
+                text = tokenizer.decode(list(session.generate(10)))
+            out["niah"].append(
+                {"variant": label, "length": length, "depth": depth, "recalled": doc.needles[0].value in text}
+            )
+        with client.create_session(initial_tokens=prompt, label="bench", **_create(variant)) as session:
+            stream = session.generate(args.agreement_tokens)
+            tokens = list(stream)
+            stats = stream.stats
+            parked = session.info()
+            session.append(prompt[:1])
+            started = time.perf_counter()
+            resumed = session.generate(1)
+            list(resumed)
+            parked_ttft_client = time.perf_counter() - started
+        assert stats is not None and resumed.stats is not None
+        decode_s = stats.total_duration_s - stats.time_to_first_token_s
+        out["generation"][label] = {
+            "tokens": tokens,
+            "history_tokens": parked.history_length,
+            "kv_live_bytes": parked.kv_live_bytes,
+            "kv_compressed_bytes": parked.kv_compressed_bytes,
+            "kv_dense_equivalent_bytes": parked.kv_dense_equivalent_bytes,
+            "kv_escaped_blocks": parked.kv_escaped_blocks,
+            "bytes_per_token": parked.kv_live_bytes / parked.history_length,
+            "decode_tokens_per_s": (len(tokens) - 1) / decode_s if decode_s > 0 else None,
+            "parked_ttft_s": resumed.stats.time_to_first_token_s,
+            "parked_ttft_client_s": parked_ttft_client,
+        }
+    return out
+
+
+def sessions_under_budget(
+    args: argparse.Namespace, variant: tuple[str, int], budget: int, lines: list[list[int]]
+) -> int:
+    """2,048-token sessions a daemon holds under `budget` KV bytes before it evicts the first."""
+    length = SESSION_TOKENS if not args.smoke else 128
+    flags = ["--model", str(args.model), "--dtype", args.dtype, "--kv-budget-bytes", str(budget)]
+    if variant[0] != "none":
+        flags += ["--kv-compressor", variant[0], "--kv-q-range", str(variant[1])]
+    text = [t for line in lines for t in line]
+    daemon = Daemon(flags)
+    try:
+        with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
+            sessions = []
+            for i in range(args.max_sessions):
+                start = (i * 997) % max(1, len(text) - length)
+                session = client.create_session(initial_tokens=text[start : start + length - 1])
+                list(session.generate(1))
+                sessions.append(session)
+                alive = 0
+                for s in sessions:
+                    try:
+                        s.info()
+                        alive += 1
+                    except kakeya.SessionNotFound:
+                        pass
+                if alive < len(sessions):
+                    return alive
+            return len(sessions)
+    finally:
+        daemon.stop()
+
+
+def summarize(rd: list[dict[str, Any]], runs: dict[str, Any], held: dict[str, int], dtype: str) -> dict[str, Any]:
+    gen = runs["generation"]
+    base = gen["none"]
+    bf16_bytes_per_token = base["kv_dense_equivalent_bytes"] / base["history_tokens"] * (2 / _itemsize(dtype))
+    hits: dict[str, dict[str, list[bool]]] = {}
+    for row in runs["niah"]:
+        hits.setdefault(row["variant"], {}).setdefault(str(row["length"]), []).append(bool(row["recalled"]))
+    recall = {v: {k: sum(x) / len(x) for k, x in rungs.items()} for v, rungs in hits.items()}
+    per_variant = {}
+    for label, g in gen.items():
+        agree = [a == b for a, b in zip(g["tokens"], base["tokens"], strict=False)]
+        first_diff = next((i for i, same in enumerate(agree) if not same), None)
+        per_variant[label] = {
+            "bytes_per_token": g["bytes_per_token"],
+            "fewer_bytes_than_bf16": bf16_bytes_per_token / g["bytes_per_token"],
+            "fewer_bytes_than_served_dtype": base["bytes_per_token"] / g["bytes_per_token"],
+            "greedy_agreement": sum(agree) / len(agree) if agree else None,
+            "first_divergence": first_diff,
+            "decode_tokens_per_s": g["decode_tokens_per_s"],
+            "decode_speed_vs_none": (g["decode_tokens_per_s"] or 0) / (base["decode_tokens_per_s"] or 1),
+            "parked_ttft_s": g["parked_ttft_s"],
+            "escaped_blocks": g["kv_escaped_blocks"],
+            "niah_recall": recall.get(label, {}),
+            "sessions_held_under_budget": held.get(label),
+        }
+    return {
+        "bf16_bytes_per_token": bf16_bytes_per_token,
+        "variants": per_variant,
+        "lattice_vs_affine4": lattice_vs_affine4(rd),
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
+
+
+def plot(rd: list[dict[str, Any]], summary: dict[str, Any], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for ax, tensor in zip(axes[:2], ("K", "V"), strict=True):
+        for method in sorted({p["method"] for p in rd}):
+            pts = sorted(
+                (p["bits_per_value"], p["rel_mse"]) for p in rd if p["tensor"] == tensor and p["method"] == method
+            )
+            ax.plot(*zip(*pts, strict=True), marker="o", label=method)
+        ax.set(xlabel="bits per value (held)", ylabel="relative MSE", yscale="log", title=f"rate–distortion, {tensor}")
+        ax.legend(fontsize=7)
+    variants = summary["variants"]
+    names = list(variants)
+    axes[2].bar(names, [variants[n]["bytes_per_token"] for n in names])
+    axes[2].set(ylabel="KV bytes per token held (parked)", title="bytes per token")
+    axes[2].tick_params(axis="x", rotation=20)
+    fig.savefig(png, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(2)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    lines = heldout_lines(tokenizer)
+    capture = [t for line in lines[-600:] for t in line][: args.capture_tokens]
+    rd = rate_distortion(args, capture_kv(args.model, capture))
+    daemon = Daemon(["--model", str(args.model), "--dtype", args.dtype])
+    try:
+        with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
+            runs = daemon_runs(args, client, tokenizer, lines)
+    finally:
+        daemon.stop()
+    one_session = runs["generation"]["none"]["bytes_per_token"] * (SESSION_TOKENS if not args.smoke else 128)
+    budget = int(one_session * (args.budget_sessions + 0.5))
+    held = {
+        _label(v): sessions_under_budget(args, v, budget, lines)
+        for v in tqdm([("none", 0), *args.variants], desc="budget", file=sys.stderr)
+    }
+    summary = summarize(rd, runs, held, args.dtype)
+    summary["kv_budget_bytes"] = budget
+    path = write_results(
+        "bench_kv_compression",
+        config=vars(args),
+        samples={"rate_distortion": rd, "niah": runs["niah"], "generation": runs["generation"]},
+        summary=summary,
+        plot=lambda png: plot(rd, summary, png),
+        out_dir=args.results_dir,
+    )
+    for label, row in summary["variants"].items():
+        print(label, {k: v for k, v in row.items() if k != "niah_recall"}, row["niah_recall"])
+    print("\n".join(summary["lattice_vs_affine4"]))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""KV compression through the daemon: per-session and server-default compressors, what GetSessionInfo and
+/metrics report, typed errors for bad choices, and more sessions under the same KV byte budget."""
+
+from __future__ import annotations
+
+import re
+
+import grpc
+import kakeya
+import pytest
+
+from inference_engine.config import ConfigError, load_config
+from inference_engine.generated import runtime_pb2 as pb
+from tests.support.server import create, generate, info
+
+PROMPT = list(range(5, 45))
+
+
+def _value(text: str, sample: str) -> float:
+    match = re.search(rf"^{re.escape(sample)} (\S+)$", text, re.MULTILINE)
+    assert match, f"{sample} not exported"
+    return float(match.group(1))
+
+
+def test_a_compressed_session_reports_packed_bytes_in_session_info_and_metrics(serve):
+    server = serve("qwen3")
+    dense = create(server.stub, initial=PROMPT)
+    packed = create(server.stub, initial=PROMPT, kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4, kv_q_range=38)
+    for sid in (dense, packed):
+        generate(server.stub, sid, max_tokens=6)
+    dense_info, packed_info = info(server.stub, dense), info(server.stub, packed)
+    assert packed_info.kv_compressor == pb.KV_COMPRESSOR_KAKEYA_D4 and packed_info.kv_q_range == 38
+    assert dense_info.kv_compressor == pb.KV_COMPRESSOR_NONE and dense_info.kv_q_range == 0
+    assert dense_info.kv_compressed_bytes == 0
+    assert packed_info.kv_dense_equivalent_bytes == dense_info.kv_dense_equivalent_bytes > 0
+    # Parked between generations: the session holds its packed bytes (plus the slot table), nothing dense.
+    assert packed_info.kv_compressed_bytes < packed_info.kv_live_bytes < packed_info.kv_compressed_bytes + 4096
+    assert packed_info.kv_live_bytes * 3 < dense_info.kv_live_bytes
+    text = server.metrics_text()
+    assert _value(text, "kakeya_kv_compressed_bytes") == packed_info.kv_compressed_bytes
+    ratio = packed_info.kv_dense_equivalent_bytes / packed_info.kv_compressed_bytes
+    assert _value(text, "kv_compression_ratio") == pytest.approx(ratio)
+    assert _value(text, "kakeya_kv_escaped_blocks") == packed_info.kv_escaped_blocks
+
+
+def test_the_server_default_compressor_applies_to_new_sessions_and_the_sdk_can_override_it(serve):
+    server = serve("qwen3", kv_compressor="kakeya_e8", kv_q_range=10)
+    with kakeya.Client(server.address) as client:
+        default = client.create_session(initial_tokens=PROMPT)
+        assert len(list(default.generate(max_tokens=4))) == 4
+        overridden = client.create_session(initial_tokens=PROMPT, kv_compressor="none")
+        assert len(list(overridden.generate(max_tokens=4))) == 4
+        described = default.info()
+        assert described.kv_compressor is kakeya.KvCompressor.KAKEYA_E8 and described.kv_q_range == 10
+        assert described.kv_compressed_bytes > 0
+        assert overridden.info().kv_compressor is kakeya.KvCompressor.NONE
+        with pytest.raises(kakeya.InvalidArgument):
+            client.create_session(kv_compressor="kakeya_z8")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_compressor": pb.KV_COMPRESSOR_KAKEYA_E8, "kv_q_range": 117}, "q_range"),
+        ({"kv_compressor": pb.KV_COMPRESSOR_KAKEYA_D4, "kv_q_range": 0}, "q_range"),
+        ({"kv_compressor": pb.KV_COMPRESSOR_NONE, "kv_q_range": 10}, "does not apply"),
+        ({"kv_compressor": 9}, "unknown kv_compressor"),
+    ],
+)
+def test_bad_compressor_choices_are_invalid_arguments_and_leave_other_sessions_intact(serve, fields, message):
+    server = serve("qwen3")
+    sid = create(server.stub, initial=PROMPT, kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4)
+    with pytest.raises(grpc.RpcError) as error:
+        create(server.stub, initial=PROMPT, **fields)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert message in (error.value.details() or "")
+    assert len(generate(server.stub, sid, max_tokens=3).tokens) == 3
+
+
+def test_a_byte_budget_holds_more_compressed_sessions(serve):
+    def sessions_held(compressor: str, budget: int) -> int:
+        server = serve("qwen3", kv_compressor=compressor, kv_budget_bytes=budget)
+        ids = []
+        for _ in range(10):
+            sid = create(server.stub, initial=PROMPT)
+            generate(server.stub, sid, max_tokens=2)
+            ids.append(sid)
+        return int(_value(server.metrics_text(), "session_active"))
+
+    probe = serve("qwen3")
+    sid = create(probe.stub, initial=PROMPT)
+    generate(probe.stub, sid, max_tokens=2)
+    one_dense = info(probe.stub, sid).kv_live_bytes
+    budget = 2 * one_dense + one_dense // 2
+    dense, packed = sessions_held("none", budget), sessions_held("kakeya_d4", budget)
+    assert dense == 2
+    assert packed >= 3 * dense  # fp32 head_dim 16: 64 dense bytes per vector against 13 + 4 packed
+
+
+def test_the_compressor_flags_are_validated_at_start():
+    config = load_config({"kv_compressor": "kakeya_d4", "kv_q_range": 10}, environ={})
+    assert config.compressor().spec(64).bits_per_vector == 16 * 17 + 32
+    with pytest.raises(ConfigError, match="q_range"):
+        load_config({"kv_compressor": "kakeya_e8", "kv_q_range": 200}, environ={})
+    with pytest.raises(ConfigError, match="kv_compressor"):
+        load_config({"kv_compressor": "zstd"}, environ={})

@@ -1,0 +1,123 @@
+"""The KakeyaLattice codec and bit layout: indices, packing and escapes round-trip; torch decoding is the reference
+`roundtrip()` bit for bit, on random and on the bundled model's real K/V; the MLX port agrees with it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec, coding_matches
+from kv_cache_proposer.compression import KVCompressor, LatticeSpec
+from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
+from kv_cache_proposer.strategies import FullStrategy
+
+BUNDLED = Path(__file__).resolve().parents[3] / "inference_engine" / "models" / "kakeya-tiny"
+LATTICES = [("d4", 38), ("d4", 10), ("d4", 1), ("e8", 38), ("e8", 10), ("e8", 116)]
+
+
+def _vectors(seed: int, n: int = 2000, dim: int = 64) -> torch.Tensor:
+    """Gaussian vectors at many scales, with outlier coordinates (what K vectors look like after RoPE)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, dim, generator=gen) * torch.rand(n, 1, generator=gen) * 4
+    x[::5, 3] *= 30
+    return x
+
+
+@pytest.mark.parametrize(("kind", "q_range"), LATTICES)
+def test_block_indices_and_packing_round_trip_every_lattice_point_and_flag_only_clamped_blocks(kind, q_range):
+    spec = LatticeSpec(kind, 64, q_range)
+    codec = TorchLatticeCodec(spec, torch.device("cpu"))
+    coding = codec.encode(_vectors(1))
+    indices, escaped = block_indices(spec, coding.doubled)
+    assert indices.max() < 2**spec.bits_per_block
+    packed = pack_codes(spec, indices)
+    assert packed.shape == (coding.count, spec.code_bytes)
+    assert np.array_equal(unpack_codes(spec, packed), indices)
+    points = block_points(spec, indices).reshape(-1, spec.blocks, spec.block_dim)
+    blocks = coding.doubled.reshape(-1, spec.blocks, spec.block_dim)
+    assert np.array_equal(points[~escaped], blocks[~escaped])
+    # An escaped block really is off the lattice: its coordinates mix cosets or its integer sum is odd.
+    for block in blocks[escaped][:50]:
+        coords = block.astype(np.int64)
+        integral = (coords % 2 == 0).all()
+        half = (coords % 2 == 1).all()
+        assert not (
+            (integral and (coords // 2).sum() % 2 == 0) or (kind == "e8" and half and coords.sum() // 2 % 2 == 0)
+        )
+
+
+def test_the_bit_budget_is_the_spec_formula():
+    assert LatticeSpec("d4", 128, 38).bits_per_vector == 832
+    assert LatticeSpec("e8", 128, 38).bits_per_vector == 848
+    assert LatticeSpec("e8", 128, 37).bits_per_vector == 832
+    assert LatticeSpec("d4", 64, 38).bits_per_vector == 16 * 25 + 32
+    assert LatticeSpec("d4", 64, 10).bits_per_vector == 16 * 17 + 32
+
+
+@pytest.mark.parametrize(("kind", "q_range"), LATTICES)
+def test_torch_decoding_equals_the_reference_roundtrip_bit_for_bit_on_random_vectors(kind, q_range):
+    codec = TorchLatticeCodec(LatticeSpec(kind, 64, q_range), torch.device("cpu"))
+    vectors = _vectors(2)
+    assert coding_matches(codec, vectors)
+    assert coding_matches(codec, vectors[:3])  # batch size does not change a vector's decoding
+
+
+def _captured_kv() -> torch.Tensor:
+    """K and V of every layer of the bundled model after a real forward over 200 tokens, as `[N, 64]`."""
+    verifier = load_verifier("torch", BUNDLED, device="cpu", dtype="float32")
+    cache = verifier.new_cache(FullStrategy())
+    tokens = np.random.default_rng(3).integers(3, verifier.vocab_size, 200).tolist()
+    verifier.verify(cache, tokens, 1)
+    cache.commit(len(tokens))
+    parts = []
+    for layer in range(cache.num_layers):
+        keys, values, _ = cache.resident_kv(layer)
+        parts += [keys.reshape(-1, 64), values.reshape(-1, 64)]
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("kind", ["d4", "e8"])
+def test_torch_decoding_equals_the_reference_roundtrip_on_the_bundled_models_kv_escapes_included(kind):
+    vectors = _captured_kv()
+    spec = LatticeSpec(kind, 64, 38)
+    codec = TorchLatticeCodec(spec, torch.device("cpu"))
+    coding = codec.encode(vectors)
+    _, escaped = block_indices(spec, coding.doubled)
+    if kind == "e8":
+        assert escaped.any()  # the real K/V do exercise the escape path
+    assert coding_matches(codec, vectors)
+
+
+@pytest.mark.parametrize(("kind", "q_range"), LATTICES)
+def test_the_mlx_codec_gives_the_torch_codes_and_values_within_one_fp16_step_of_the_norm(kind, q_range):
+    mx = pytest.importorskip("mlx.core", reason="the MLX port is compared only where mlx is installed")
+    from kv_cache_proposer.backends.mlx_backend.lattice_codec import MlxLatticeCodec
+
+    spec = LatticeSpec(kind, 64, q_range)
+    vectors = _vectors(4)
+    reference = TorchLatticeCodec(spec, torch.device("cpu"))
+    port = MlxLatticeCodec(spec)
+    torch_coding = reference.encode(vectors)
+    mlx_coding = port.encode(mx.array(vectors.numpy()))
+    same_codes = (torch_coding.doubled == mlx_coding.doubled).all(axis=1)
+    assert same_codes.mean() >= 0.999
+    torch_values = reference.decode(torch_coding, (2000, 64), torch.float32).numpy()
+    mlx_values = np.array(port.decode(mlx_coding, (2000, 64), mx.float32))
+    # Tolerance: an fp16 rounding step (2^-10 relative) of the stored norm or scale, plus float32 noise.
+    error = np.abs(mlx_values - torch_values)[same_codes].max(axis=1)
+    norms = np.linalg.norm(vectors.numpy(), axis=1)[same_codes]
+    assert (error <= 2.0**-9 * norms + 1e-5).all()
+
+
+def test_a_compressor_rejects_unknown_names_and_q_ranges_outside_its_lattice():
+    with pytest.raises(ValueError, match="unknown KV compressor"):
+        KVCompressor("kakeya_z8")
+    with pytest.raises(ValueError, match="q_range"):
+        KVCompressor("kakeya_e8", 117)
+    with pytest.raises(ValueError, match="q_range"):
+        KVCompressor("kakeya_d4", 0)
+    assert KVCompressor("kakeya_d4", 152).spec(128).bits_per_vector == 1088  # the package's own figure
