@@ -31,6 +31,7 @@ class CommitPlan:
     slots: np.ndarray | None  # [m] destination slots
     sources: np.ndarray | None  # [m] stage indices
     newly_held: int  # slots that held nothing before the commit
+    source_slots: np.ndarray | None = None  # [m] `stage_offset + sources`: where the moving entries were staged
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,7 @@ class DenseLayerStore(Generic[A]):
         if self._keys is None or self._values is None:
             return
         if plan.slots is not None and plan.sources is not None and plan.slots.size:
-            sources = plan.sources + plan.stage_offset
+            sources = plan.source_slots if plan.source_slots is not None else plan.sources + plan.stage_offset
             self._keys = self._ops.put(self._keys, plan.slots, self._ops.take(self._keys, sources))
             self._values = self._ops.put(self._values, plan.slots, self._ops.take(self._values, sources))
         self.held += plan.newly_held

@@ -215,7 +215,7 @@ class KVSessionCache(Generic[A]):
         reversed_unique, first_from_end = np.unique(targets[::-1], return_index=True)
         sources = (count - 1 - first_from_end).astype(np.int64)
         newly_held = int((self._positions[reversed_unique] < 0).sum())
-        return CommitPlan(offset, count, reversed_unique.astype(np.int64), sources, newly_held)
+        return CommitPlan(offset, count, reversed_unique.astype(np.int64), sources, newly_held, sources + offset)
 
     def check_invariants(self) -> None:
         """INV-1: every layer that stores K/V holds exactly the strategy's resident count, as does the slot table."""

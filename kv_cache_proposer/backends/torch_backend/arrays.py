@@ -15,9 +15,16 @@ class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        # A commit moves every layer's K and V by the same two slot arrays: convert each once, not per tensor.
+        self._recent: list[tuple[np.ndarray, torch.Tensor]] = []
 
     def _index(self, slots: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self._device)
+        for array, index in self._recent:
+            if array is slots:
+                return index
+        index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self._device)
+        self._recent = [(slots, index), *self._recent[:1]]
+        return index
 
     def alloc(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
         return torch.zeros(
