@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
 import os
+import socket
 import sys
 from collections.abc import Sequence
 
 from inference_engine import __version__
 from inference_engine.config import ConfigError, ServerConfig, env_var, load_config, option_help
 from inference_engine.logs import configure_logging
+from inference_engine.threads import apply_threads, resolve_threads
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger("inference_engine")
@@ -79,7 +82,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 def run_server(config: ServerConfig) -> int:
     from inference_engine.server import KakeyaServer, load_runtime
 
-    log.info("starting", extra={"config": config.redacted()})
+    busy = ports_in_use(config)
+    if busy:
+        log.error(busy)
+        return 1
+    threads = resolve_threads(config.threads)
+    apply_threads(threads, config.backend)
+    log.info(
+        "starting kakeya-runtime %s: model %s, backend %s, device %s, dtype %s, %d CPU threads",
+        __version__,
+        config.model_dir,
+        config.backend,
+        config.device,
+        config.dtype,
+        threads,
+        extra={"threads": threads},
+    )
+    changed = config.changed_options()
+    if changed:
+        log.info("options: %s", ", ".join(f"{name}={value}" for name, value in changed.items()))
     try:
         runtime = load_runtime(config)
     except ModelLoadError as exc:
@@ -91,6 +112,31 @@ def run_server(config: ServerConfig) -> int:
         log.error("cannot serve: %s", exc)
         return 1
     return 0
+
+
+def ports_in_use(config: ServerConfig) -> str | None:
+    """A message naming the first configured port something else already listens on, checked before the model
+    loads so that a taken port fails in a second, not after the load."""
+    wanted = [("gRPC", config.port), ("metrics", config.metrics_port), ("HTTP shim", config.http_port)]
+    for what, port in wanted:
+        if port <= 0:
+            continue
+        family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((config.host.strip("[]"), port))
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    return (
+                        f"port {port} is in use on {config.host} (the {what} port); choose another with --"
+                        + {
+                            "gRPC": "port",
+                            "metrics": "metrics-port",
+                            "HTTP shim": "http-port",
+                        }[what]
+                    )
+                return f"cannot bind {config.host}:{port} (the {what} port): {exc.strerror}"
+    return None
 
 
 if __name__ == "__main__":

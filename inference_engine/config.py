@@ -16,10 +16,10 @@ from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.strategies import STRATEGIES
 
 ENV_PREFIX = "KAKEYA_"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
-KV_STRATEGIES = ("full", "sink_window")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -52,7 +52,7 @@ class ServerConfig:
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
     )
-    kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=KV_STRATEGIES)
+    kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=STRATEGIES)
     sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
     window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
     proposer: str = _opt(
@@ -92,9 +92,18 @@ class ServerConfig:
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
     max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
     max_generate_tokens: int = _opt(8192, "largest max_tokens a generation may ask for")
+    max_top_logprobs: int = _opt(20, "most alternatives a generation may ask for per token (top_logprobs)")
+    max_stop_sequences: int = _opt(16, "most stop sequences one generation may carry")
+    max_stop_sequence_tokens: int = _opt(64, "most tokens in one stop sequence")
+    grammar_cache_size: int = _opt(32, "compiled grammars kept for reuse (least recently used dropped first)")
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
     prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    threads: int = _opt(
+        0,
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
+        "OMP_WAIT_POLICY is set; 0 uses one per usable core, the fastest measured (docs/operator-guide.md)",
+    )
     state_dir: str = _opt(
         "",
         "directory (created 0700) of the session journal: every session's creation, tokens and end are written as "
@@ -131,6 +140,10 @@ class ServerConfig:
             "max_history_tokens",
             "max_append_tokens",
             "max_generate_tokens",
+            "max_top_logprobs",
+            "max_stop_sequences",
+            "max_stop_sequence_tokens",
+            "grammar_cache_size",
             "max_message_bytes",
             "prefill_chunk_tokens",
         )
@@ -140,6 +153,8 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.threads < 0:
+            raise ConfigError(f"threads must be >= 0, got {self.threads}")
         if self.sink < 0:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
         try:
@@ -179,6 +194,14 @@ class ServerConfig:
     @property
     def model_dir(self) -> Path:
         return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+
+    def changed_options(self) -> dict[str, Any]:
+        """The options that differ from their defaults, secrets masked, for the startup log."""
+        return {
+            name: value
+            for name, value in self.redacted().items()
+            if value != next(f.default for f in fields(self) if f.name == name)
+        }
 
     def redacted(self) -> dict[str, Any]:
         """The configuration as a dict with secrets masked, for logs."""

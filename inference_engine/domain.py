@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from kv_cache_proposer.controls import TokenLogprob
+from kv_cache_proposer.grammar import GrammarSpec
+
 
 class StopReason(Enum):
     MAX_TOKENS = "max_tokens"
     EOS = "eos"
     CANCELLED = "cancelled"
     TRUNCATED = "truncated"
+    STOP_SEQUENCE = "stop_sequence"
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +26,7 @@ class CreateParams:
     kv_strategy: str | None = None  # None: the server default
     sink: int | None = None
     window: int | None = None
+    no_default_eos: bool = False  # with eos_token_ids empty: True gives no EOS ids, False the model's
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,11 +37,21 @@ class GenerateParams:
     top_p: float | None = None
     top_k: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    grammar: GrammarSpec | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_window_tokens: int | None = None
+    min_p: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
     token_id: int
+    logprobs: TokenLogprob | None = None  # when the generation asked for log-probabilities
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +70,7 @@ class GenerationStats:
     draft_token_count: int = 0
     accepted_draft_token_count: int = 0
     verifier_forward_count: int = 0
+    stop_sequence_index: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +97,33 @@ class SessionInfo:
     window_tokens: int = 0
     invariant_violations: dict[str, int] = field(default_factory=dict)
     history_tail: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_generate_tokens: int
+    max_append_tokens: int
+    max_history_tokens: int
+    max_sessions: int
+    max_message_bytes: int
+    max_concurrent_generations: int
+    queue_deadline_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model's facts and the server's session defaults and limits."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    trained_context_tokens: int
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str | None
+    default_kv_strategy: str
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextvars
+import io
 import json
 import logging
+import re
 import sys
 import time
+from typing import TextIO
 
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="-")
 
@@ -44,8 +47,67 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
+class JsonLinesStream(io.TextIOBase):
+    """Stands in for `sys.stderr` under `--log-format json`: whatever libraries print there (progress bars,
+    warnings, stray newlines) becomes one JSON log line per non-blank line, so the stream stays parseable."""
+
+    def __init__(self, target: TextIO, logger_name: str = "stderr") -> None:
+        self._target = target
+        self._logger_name = logger_name
+        self._pending = ""
+
+    @property
+    def target(self) -> TextIO:
+        """The stream the JSON lines go to."""
+        return self._target
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._pending += text
+        # A progress bar redraws with carriage returns: each redraw is a line of its own.
+        *lines, self._pending = re.split(r"[\r\n]", self._pending)
+        for line in lines:
+            self._emit(line)
+        return len(text)
+
+    def flush(self) -> None:
+        self._target.flush()
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    def isatty(self) -> bool:
+        return False  # progress bars then print plain lines instead of terminal animations
+
+    def _emit(self, line: str) -> None:
+        text = line.strip()
+        if not text:
+            return
+        payload = {
+            "ts": round(time.time(), 6),
+            "level": "info",
+            "logger": self._logger_name,
+            "request_id": request_id.get(),
+            "msg": text,
+        }
+        self._target.write(json.dumps(payload) + "\n")
+        self._target.flush()
+
+
 def configure_logging(fmt: str, level: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    """Send every log record to stderr as text or JSON lines. Under JSON, library output on stderr (the weights
+    progress bar, Python warnings) is wrapped into JSON lines too."""
+    stream: TextIO = sys.stderr
+    if isinstance(stream, JsonLinesStream):
+        stream = stream.target
+    if fmt == "json":
+        sys.stderr = JsonLinesStream(stream)
+        logging.captureWarnings(True)
+    else:
+        sys.stderr = stream
+    handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

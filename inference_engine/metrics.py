@@ -1,8 +1,15 @@
-"""Prometheus metrics of the daemon, held in one registry owned by the server (no module-level state)."""
+"""Prometheus metrics of the daemon, held in one registry owned by the server (no module-level state).
+
+Every name starts with `kakeya_`. The registry leaves out the `_created` series the client library adds to
+counters and histograms: they hold creation timestamps, which dashboards misread as counts.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -10,71 +17,106 @@ _ACCEPT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
 
 
+class MetricsRegistry(CollectorRegistry):
+    """A registry whose exposition has no `_created` samples."""
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in super().collect():
+            if any(sample.name.endswith("_created") for sample in metric.samples):
+                metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
+
+
 class Metrics:
     """Every metric the daemon exports. Counter names gain the `_total` suffix on the wire."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+        self.registry = registry or MetricsRegistry()
         r = self.registry
-        self.session_active = Gauge("session_active", "Sessions currently allocated", registry=r)
-        self.session_total = Counter("session", "Sessions that ended, by outcome", ["outcome"], registry=r)
-        self.sessions_opened = Counter("sessions_opened", "Sessions created", registry=r)
+        self.session_active = Gauge("kakeya_session_active", "Sessions currently allocated", registry=r)
+        self.session_total = Counter(
+            "kakeya_session", "Sessions that ended, by outcome (closed, evicted, failed)", ["outcome"], registry=r
+        )
+        self.session_opened = Counter("kakeya_session_opened", "Sessions created (restored ones included)", registry=r)
         self.session_kv_live_bytes = Gauge(
-            "session_kv_live_bytes", "KV cache bytes held across allocated sessions", registry=r
+            "kakeya_session_kv_live_bytes", "KV cache bytes held across allocated sessions", registry=r
         )
         self.session_history_tokens = Histogram(
-            "session_history_tokens", "Session history length at generate time", buckets=_TOKEN_BUCKETS, registry=r
+            "kakeya_session_history_tokens",
+            "Session history length at generate time",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.generate_prefill_tokens = Histogram(
-            "generate_prefill_tokens", "Pending tokens prefilled per generation", buckets=_TOKEN_BUCKETS, registry=r
+            "kakeya_generate_prefill_tokens",
+            "Pending tokens prefilled per generation",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
         )
         self.generate_prefill_duration_seconds = Histogram(
-            "generate_prefill_duration_seconds",
+            "kakeya_generate_prefill_duration_seconds",
             "Wall time of the prefill phase per generation",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.generate_time_to_first_token_seconds = Histogram(
-            "generate_time_to_first_token_seconds",
+            "kakeya_generate_time_to_first_token_seconds",
             "Time from the start of a generation to its first token",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.generate_inter_token_latency_seconds = Histogram(
-            "generate_inter_token_latency_seconds",
+            "kakeya_generate_inter_token_latency_seconds",
             "Time between consecutive generated tokens",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.generate_tokens = Counter("generate_tokens", "Tokens generated", registry=r)
+        self.generate_tokens = Counter("kakeya_generate_tokens", "Tokens generated", registry=r)
         self.generate_requests = Counter(
-            "generate_requests", "Generations that ended, by stop reason or error", ["outcome"], registry=r
+            "kakeya_generate_requests", "Generations that ended, by stop reason or error", ["outcome"], registry=r
         )
         self.cache_invariant_violations = Counter(
-            "cache_invariant_violations", "Cache invariant violations, by invariant", ["kind"], registry=r
+            "kakeya_cache_invariant_violations", "Cache invariant violations, by invariant", ["kind"], registry=r
         )
-        self.session_evicted = Counter("session_evicted", "Sessions evicted, by reason", ["reason"], registry=r)
-        self.speculative_drafts = Counter("speculative_drafts", "Decode steps that verified a draft", registry=r)
-        self.speculative_draft_tokens = Counter("speculative_draft_tokens", "Tokens drafted", registry=r)
+        self.session_evicted = Counter("kakeya_session_evicted", "Sessions evicted, by reason", ["reason"], registry=r)
+        self.speculative_drafts = Counter("kakeya_speculative_drafts", "Decode steps that verified a draft", registry=r)
+        self.speculative_draft_tokens = Counter("kakeya_speculative_draft_tokens", "Tokens drafted", registry=r)
         self.speculative_accepted_tokens = Counter(
-            "speculative_accepted_tokens", "Drafted tokens accepted by the verifier", registry=r
+            "kakeya_speculative_accepted_tokens", "Drafted tokens accepted by the verifier", registry=r
         )
         self.speculative_acceptance_length = Histogram(
-            "speculative_acceptance_length",
+            "kakeya_speculative_acceptance_length",
             "Accepted draft tokens per verified draft",
             buckets=_ACCEPT_BUCKETS,
             registry=r,
         )
-        self.verifier_forwards = Counter("verifier_forwards", "Verifier forward passes", registry=r)
+        self.verifier_forwards = Counter("kakeya_verifier_forwards", "Verifier forward passes", registry=r)
         self.generate_verifier_forwards_per_token = Histogram(
-            "generate_verifier_forwards_per_token",
+            "kakeya_generate_verifier_forwards_per_token",
             "Verifier forwards per generated token, per generation (prefill forwards included)",
             buckets=_RATIO_BUCKETS,
             registry=r,
         )
         self.kv_compression_ratio = Gauge(
-            "kv_compression_ratio",
+            "kakeya_kv_compression_ratio",
             "Uncompressed over held bytes of the resident KV caches (1 = uncompressed)",
+            registry=r,
+        )
+        self.generate_queue_depth = Gauge(
+            "kakeya_generate_queue_depth",
+            "Generations waiting for their session or a generation slot",
+            registry=r,
+        )
+        self.generate_queue_wait_seconds = Histogram(
+            "kakeya_generate_queue_wait_seconds",
+            "Time a generation waited for its session and a generation slot",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.build_info = Gauge(
+            "kakeya_build_info",
+            "Always 1; the labels name the server version and the model it serves",
+            ["version", "backend", "model", "proposer", "kv_strategy"],
             registry=r,
         )
         for kind in ("inv1", "inv2"):
@@ -83,4 +125,6 @@ class Metrics:
             self.session_evicted.labels(reason=reason)
         for outcome in ("closed", "evicted", "failed"):
             self.session_total.labels(outcome=outcome)
+        for outcome in ("max_tokens", "eos", "cancelled", "truncated", "failed", "resource_exhausted"):
+            self.generate_requests.labels(outcome=outcome)
         self.kv_compression_ratio.set(1.0)

@@ -9,11 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterable
-from contextlib import aclosing
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
+from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from inference_engine import __version__
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
     CreateParams,
@@ -21,6 +22,8 @@ from inference_engine.domain import (
     GenerateEvent,
     GenerateParams,
     GenerationStats,
+    ModelInfo,
+    ServerLimits,
     SessionInfo,
     StopReason,
     TokenEvent,
@@ -30,10 +33,12 @@ from inference_engine.errors import (
     InvalidArgument,
     JournalUnavailable,
     ResourceExhausted,
+    ServiceError,
     SessionFailed,
     ShuttingDown,
 )
 from inference_engine.forking import fork_sequence
+from inference_engine.grammars import ModelGrammars
 from inference_engine.journal import (
     Journal,
     JournalAppended,
@@ -46,15 +51,17 @@ from inference_engine.journal import (
     SessionRecord,
 )
 from inference_engine.metrics import Metrics
+from inference_engine.model_facts import ModelFacts
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
+from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy, SinkWindowStrategy, make_strategy
+from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -63,6 +70,8 @@ _STOP_REASONS = {
     StopCause.EOS: StopReason.EOS,
     StopCause.MAX_TOKENS: StopReason.MAX_TOKENS,
     StopCause.HISTORY_LIMIT: StopReason.TRUNCATED,
+    StopCause.STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
+    StopCause.GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
 }
 
 
@@ -78,11 +87,14 @@ class _Tally:
     forwards: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    stop_sequence_index: int | None = None
 
     def add(self, step: StepResult) -> None:
         self.drafted += step.drafted
         self.accepted += step.accepted
         self.forwards += step.forwards
+        if step.stop_sequence_index is not None:
+            self.stop_sequence_index = step.stop_sequence_index
 
     def stats(self, reason: StopReason, now: float) -> GenerationStats:
         first = self.first_token_at
@@ -96,6 +108,7 @@ class _Tally:
             draft_token_count=self.drafted,
             accepted_draft_token_count=self.accepted,
             verifier_forward_count=self.forwards,
+            stop_sequence_index=self.stop_sequence_index,
         )
 
 
@@ -109,12 +122,24 @@ class Runtime:
         metrics: Metrics,
         *,
         proposer: Proposer | None = None,
+        model_facts: ModelFacts | None = None,
     ) -> None:
+        """`model_facts` default to what `config.model_dir` says; pass them when the verifier was loaded from
+        another directory."""
         self.verifier = verifier
         self.config = config
         self.metrics = metrics
         self.proposer = proposer or NoProposer()
         self.checks = RequestChecks(config, verifier.vocab_size)
+        self.model_facts = model_facts or ModelFacts.read(config.model_dir)
+        self.default_eos_token_ids = self._model_eos(self.model_facts)
+        metrics.build_info.labels(
+            version=__version__,
+            backend=config.backend,
+            model=self.model_facts.name,
+            proposer=self.proposer.name,
+            kv_strategy=config.kv_strategy,
+        ).set(1)
         self.worker = ModelWorker()
         self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
         self.store = SessionStore(
@@ -128,6 +153,7 @@ class Runtime:
         self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
         self._generations_in_flight = 0  # running or queued
         self.journal: Journal | None = None
+        self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -135,6 +161,8 @@ class Runtime:
         self._check_accepting()
         strategy = self.checks.strategy(params)
         eos = self.checks.tokens(params.eos_token_ids, "eos_token_ids")
+        if not eos and not params.no_default_eos:
+            eos = list(self.default_eos_token_ids)
         initial = self.checks.append(0, params.initial_token_ids, "initial_token_ids")
         session = self._open_session(self.store.new_id(), params.label, eos, strategy, initial, self.store.now())
         await self._journal_opened(session)
@@ -163,12 +191,20 @@ class Runtime:
         """
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
+        controls = DecodeControls(
+            penalties=self.checks.penalties(params),
+            stop_sequences=self.checks.stop_sequences(params),
+            top_logprobs=self.checks.top_logprobs(params),
+        )
+        if params.grammar is not None:
+            controls.grammar, grammar_stops = await asyncio.to_thread(self.grammars.start, params.grammar)
+            budget_stops |= grammar_stops
         session = self.store.get(session_id)
         self._generations_in_flight += 1
         try:
             async with (
-                self.scheduler.generation_turn(session),
-                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, cancel)) as events,
+                self._queued_generation_turn(session),
+                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, controls, cancel)) as events,
             ):
                 async for event in events:
                     yield event
@@ -181,6 +217,7 @@ class Runtime:
         params: GenerateParams,
         sampling: SamplingParams,
         budget_stops: frozenset[int],
+        controls: DecodeControls,
         cancel: asyncio.Event | None,
     ) -> AsyncGenerator[GenerateEvent, None]:
         """The generation once it holds the session and a slot."""
@@ -199,7 +236,7 @@ class Runtime:
         session.cancel = cancel or asyncio.Event()
         session.generating = True
         try:
-            async with aclosing(self._run_generation(session, sampling, budget)) as events:
+            async with aclosing(self._run_generation(session, sampling, budget, controls)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -255,6 +292,31 @@ class Runtime:
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
         return len(session.seq.tokens)
 
+    async def settle_cancellations(self, session_id: str, window_s: float = 0.025) -> None:
+        """Let a cancellation sent just before this call end the session's generation before it is described.
+
+        A client that cancels a stream and then asks for the session's state sends both on one connection, but the
+        cancel can reach the generation's task after the question: without this wait, the answer could still say
+        `generating` for a generation the client has already cancelled. A running generation delays the answer by
+        at most `window_s`; a cancelled one ends after its current step.
+        """
+        try:
+            session = self.store.get(session_id, touch=False)
+        except ServiceError:
+            return  # session_info reports the error
+        deadline = time.monotonic() + window_s
+        while session.generating and time.monotonic() < deadline:
+            if session.cancel is not None and session.cancel.is_set():
+                await self._wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
+                return
+            await asyncio.sleep(0.001)
+
+    @staticmethod
+    async def _wait_generation_end(session: Session, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while session.generating and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
+
     def session_info(self, session_id: str, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe a session without counting as an access; optionally include the last history tokens."""
         if history_tail_tokens > self.config.max_append_tokens:
@@ -276,10 +338,38 @@ class Runtime:
             evicted_token_count=int(cache.evicted_count),
             client_label=session.label,
             generating=session.generating,
-            sink_tokens=strategy.sink if isinstance(strategy, SinkWindowStrategy) else 0,
-            window_tokens=strategy.window if isinstance(strategy, SinkWindowStrategy) else 0,
+            sink_tokens=strategy_options(strategy).get("sink", 0),
+            window_tokens=strategy_options(strategy).get("window", 0),
             invariant_violations=dict(session.invariant_violations),
             history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
+        )
+
+    def model_info(self) -> ModelInfo:
+        """The served model's facts, the session defaults and the request limits."""
+        config = self.config
+        default = self.checks.default_strategy
+        return ModelInfo(
+            vocab_size=self.verifier.vocab_size,
+            eos_token_ids=self.default_eos_token_ids,
+            trained_context_tokens=self.model_facts.trained_context_tokens,
+            backend=config.backend,
+            model_name=self.model_facts.name,
+            description=self.verifier.description,
+            chat_template=self.model_facts.chat_template,
+            default_kv_strategy=default.name,
+            default_sink_tokens=config.sink,
+            default_window_tokens=config.window,
+            limits=ServerLimits(
+                max_generate_tokens=config.max_generate_tokens,
+                max_append_tokens=config.max_append_tokens,
+                max_history_tokens=config.max_history_tokens,
+                max_sessions=config.max_sessions,
+                max_message_bytes=config.max_message_bytes,
+                max_concurrent_generations=config.max_concurrent,
+                queue_deadline_s=config.queue_deadline_s,
+            ),
+            proposer=self.proposer.name,
+            server_version=__version__,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
@@ -375,7 +465,7 @@ class Runtime:
         return session
 
     async def _run_generation(
-        self, session: Session, sampling: SamplingParams, budget: GenerationBudget
+        self, session: Session, sampling: SamplingParams, budget: GenerationBudget, controls: DecodeControls
     ) -> AsyncGenerator[GenerateEvent, None]:
         seq = session.seq
         cancel = session.cancel
@@ -391,7 +481,10 @@ class Runtime:
                     reason = StopReason.CANCELLED
                     break
                 try:
-                    step = await self.worker.run(self.decoder.step, seq, sampling, budget, tally.generated)
+                    # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
+                    step = await self.worker.run_cancellable(
+                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated, controls
+                    )
                 except InvariantViolation as exc:
                     outcome = "failed"
                     raise self._fail(session, exc) from exc
@@ -411,13 +504,13 @@ class Runtime:
                         outcome = "failed"
                         raise self._fail_unjournaled(session, exc) from exc
                 self.metrics.generate_tokens.inc(len(step.tokens))
-                for token in step.tokens:
+                for index, token in enumerate(step.tokens):
                     now = clock()
                     if tally.last_token_at is not None:
                         self.metrics.generate_inter_token_latency_seconds.observe(now - tally.last_token_at)
                     tally.last_token_at = now
                     tally.generated += 1
-                    yield TokenEvent(token)
+                    yield TokenEvent(token, step.logprobs[index] if step.logprobs is not None else None)
                 self.store.touch(session)
                 within_budget = self.store.enforce_budget(protect=session)
                 self.store.refresh_gauges()
@@ -476,6 +569,31 @@ class Runtime:
         log.error("session failed", extra={"session_id": session.session_id, "violation": str(exc)})
         return SessionFailed(f"session {session.session_id!r} failed and was freed: cache invariant {exc}")
 
+    @asynccontextmanager
+    async def _queued_generation_turn(self, session: Session) -> AsyncIterator[None]:
+        """The scheduler's generation turn, with the wait counted in the queue depth and queue wait metrics."""
+        queued_at = time.perf_counter()
+        waiting = True
+        self.metrics.generate_queue_depth.inc()
+        try:
+            async with self.scheduler.generation_turn(session):
+                waiting = False
+                self.metrics.generate_queue_depth.dec()
+                self.metrics.generate_queue_wait_seconds.observe(time.perf_counter() - queued_at)
+                yield
+        finally:
+            if waiting:
+                self.metrics.generate_queue_depth.dec()
+
+    def _model_eos(self, facts: ModelFacts) -> tuple[int, ...]:
+        inside = tuple(t for t in facts.eos_token_ids if 0 <= t < self.verifier.vocab_size)
+        if inside != facts.eos_token_ids:
+            log.warning(
+                "end-of-sequence ids outside the vocabulary are ignored",
+                extra={"eos_token_ids": list(facts.eos_token_ids), "vocab_size": self.verifier.vocab_size},
+            )
+        return inside
+
     async def _journal_opened(self, session: Session) -> None:
         """Journal a new session; if that fails the session is freed and the call fails."""
         entry = JournalOpened(session_header(session), tuple(session.seq.tokens), time.time())
@@ -512,12 +630,12 @@ class Runtime:
 def session_header(session: Session) -> SessionHeader:
     """What the journal records about a session besides its tokens."""
     strategy = session.seq.cache.strategy
-    window = isinstance(strategy, SinkWindowStrategy)
+    options = strategy_options(strategy)
     return SessionHeader(
         session_id=session.session_id,
         label=session.label,
         eos_token_ids=tuple(sorted(session.eos_token_ids)),
         kv_strategy=strategy.name,
-        sink=strategy.sink if window else 0,
-        window=strategy.window if window else 0,
+        sink=options.get("sink", 0),
+        window=options.get("window", 0),
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -81,9 +82,9 @@ class KakeyaServer:
             credentials = grpc.ssl_server_credentials(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
             )
-            self.port = server.add_secure_port(address, credentials)
+            self.port = _add_port(lambda: server.add_secure_port(address, credentials), config.port)
         else:
-            self.port = server.add_insecure_port(address)
+            self.port = _add_port(lambda: server.add_insecure_port(address), config.port)
         await server.start()
         self._server = server
         for name in ("", SERVICE_NAME):
@@ -95,15 +96,28 @@ class KakeyaServer:
         if config.http_port >= 0:
             await self._start_http_shim()
         self._sweeper = asyncio.create_task(self._sweep_idle())
+        host = _bracket(config.host)
+        metrics_url = f"http://{host}:{self.metrics_port}/metrics" if self.metrics_port is not None else "off"
+        scheme = "https" if config.tls_cert else "http"
+        http_url = f"{scheme}://{host}:{self.http_port}/v1" if self.http_port is not None else "off"
         log.info(
             "listening",
             extra={
                 "grpc": f"{config.host}:{self.port}",
-                "metrics": self.metrics_port if self.metrics_port is not None else "off",
-                "http": f"{config.host}:{self.http_port}" if self.http_port is not None else "off",
+                "metrics_url": metrics_url,
+                "http_url": http_url,
                 "tls": bool(config.tls_cert),
                 "auth": bool(config.api_key),
             },
+        )
+        log.info(
+            "gRPC on %s:%s (%s, %s); Prometheus metrics at %s; HTTP shim %s",
+            host,
+            self.port,
+            "TLS" if config.tls_cert else "plaintext",
+            "API key required" if config.api_key else "no API key",
+            metrics_url,
+            f"at {http_url}" if self.http_port is not None else "off",
         )
 
     async def stop(self) -> None:
@@ -191,6 +205,14 @@ class KakeyaServer:
         while True:
             await asyncio.sleep(interval)
             self.runtime.evict_idle()
+
+
+def _add_port(add: Callable[[], int], port: int) -> int:
+    """Bind the gRPC port; grpc reports a taken port as a bare RuntimeError, said here in words."""
+    try:
+        return add()
+    except RuntimeError as exc:
+        raise OSError(f"port {port} is in use, or the address cannot be bound ({exc})") from None
 
 
 def _bracket(host: str) -> str:

@@ -96,7 +96,7 @@ class SessionStore:
             self.evict(victim, "lru")
         self.enforce_budget(protect=None)
         self._sessions[session.session_id] = session
-        self._metrics.sessions_opened.inc()
+        self._metrics.session_opened.inc()
         self.refresh_gauges()
 
     def get(self, session_id: str, *, touch: bool = True) -> Session:

@@ -10,8 +10,9 @@ from collections.abc import Iterable
 from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, GenerateParams
 from inference_engine.errors import InvalidArgument, ResourceExhausted
+from kv_cache_proposer.controls import DEFAULT_PENALTY_WINDOW_TOKENS, Penalties
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy, make_strategy
+from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
 
 class RequestChecks:
@@ -23,27 +24,27 @@ class RequestChecks:
         self.default_strategy = make_strategy(config.kv_strategy, sink=config.sink, window=config.window)
 
     def strategy(self, params: CreateParams) -> KVStrategy:
-        """The KV strategy a new session asks for, filled from the server defaults."""
+        """The KV strategy a new session asks for, its options filled from the server defaults."""
         name = params.kv_strategy or self.default_strategy.name
-        if name == "full":
-            if params.sink is not None or params.window is not None:
-                raise InvalidArgument("sink_tokens and window_tokens apply only to the sink_window strategy")
-            return make_strategy("full")
-        if name == "sink_window":
-            sink = self.config.sink if params.sink is None else params.sink
-            window = self.config.window if params.window is None else params.window
-            if window < 1 or sink < 0:
-                raise InvalidArgument(f"sink_window needs sink >= 0 and window >= 1, got {sink} and {window}")
-            # Resident slots are allocated up front: a window beyond any history this server accepts only
-            # reserves memory no session can use.
-            limit = self.config.max_history_tokens
-            asked = params.sink is not None or params.window is not None
-            if asked and sink + window > limit:
-                raise InvalidArgument(
-                    f"sink_tokens + window_tokens = {sink + window} is above the --max-history-tokens limit {limit}"
-                )
-            return make_strategy("sink_window", sink=sink, window=window)
-        raise InvalidArgument(f"unknown KV strategy {name!r}")
+        given = {key: value for key, value in (("sink", params.sink), ("window", params.window)) if value is not None}
+        try:
+            defaults = strategy_options(make_strategy(name, sink=self.config.sink, window=self.config.window))
+            foreign = sorted(set(given) - set(defaults))
+            if foreign:
+                fields = " and ".join(f"{key}_tokens" for key in foreign)
+                raise InvalidArgument(f"{fields} do not apply to the {name} strategy")
+            strategy = make_strategy(name, **{**defaults, **given})
+        except ValueError as exc:
+            raise InvalidArgument(f"{name}: {exc}") from None
+        # Resident slots are allocated up front: a bound beyond any history this server accepts only reserves
+        # memory no session can use.
+        limit = self.config.max_history_tokens
+        if given and (strategy.bounded_slots or 0) > limit:
+            bound = strategy.bounded_slots
+            raise InvalidArgument(
+                f"sink_tokens + window_tokens = {bound} is above the --max-history-tokens limit {limit}"
+            )
+        return strategy
 
     def tokens(self, token_ids: Iterable[int], what: str) -> list[int]:
         """Token ids as ints, each inside the vocabulary."""
@@ -86,6 +87,54 @@ class RequestChecks:
         seed = secrets.randbits(64) if params.seed is None else int(params.seed)
         if not 0 <= seed < 1 << 64:
             raise InvalidArgument(f"seed must fit in 64 bits, got {seed}")
+        min_p = 0.0 if params.min_p is None else float(params.min_p)
+        if not (math.isfinite(min_p) and 0.0 <= min_p <= 1.0):
+            raise InvalidArgument(f"min_p must be in [0, 1], got {min_p}")
         stops = self.tokens(params.stop_token_ids, "stop_token_ids")
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         return sampling, frozenset(stops)
+
+    def stop_sequences(self, params: GenerateParams) -> tuple[tuple[int, ...], ...]:
+        """The generation's stop sequences: within the count and length limits, every id in the vocabulary."""
+        sequences = params.stop_sequences
+        if len(sequences) > self.config.max_stop_sequences:
+            raise InvalidArgument(
+                f"stop_sequences holds {len(sequences)} sequences, above the limit {self.config.max_stop_sequences}"
+            )
+        out = []
+        for index, sequence in enumerate(sequences):
+            if not 1 <= len(sequence) <= self.config.max_stop_sequence_tokens:
+                raise InvalidArgument(
+                    f"stop_sequences[{index}] holds {len(sequence)} tokens; a stop sequence holds 1.."
+                    f"{self.config.max_stop_sequence_tokens}"
+                )
+            out.append(tuple(self.tokens(sequence, f"stop_sequences[{index}].token_ids")))
+        return tuple(out)
+
+    def top_logprobs(self, params: GenerateParams) -> int | None:
+        """How many alternatives to report per token, or None when the generation asks for no log-probabilities."""
+        limit = self.config.max_top_logprobs
+        if params.top_logprobs and not params.logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs")
+        if not 0 <= params.top_logprobs <= limit:
+            raise InvalidArgument(f"top_logprobs must be in 0..{limit}, got {params.top_logprobs}")
+        return params.top_logprobs if params.logprobs else None
+
+    def penalties(self, params: GenerateParams) -> Penalties:
+        """Repetition, presence and frequency penalties and their history window."""
+        repetition = 1.0 if params.repetition_penalty is None else float(params.repetition_penalty)
+        if not (math.isfinite(repetition) and repetition > 0):
+            raise InvalidArgument(f"repetition_penalty must be finite and > 0, got {repetition}")
+        presence = 0.0 if params.presence_penalty is None else float(params.presence_penalty)
+        frequency = 0.0 if params.frequency_penalty is None else float(params.frequency_penalty)
+        for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+            if not math.isfinite(value):
+                raise InvalidArgument(f"{name} must be finite, got {value}")
+        limit = self.config.max_history_tokens
+        # The default window never exceeds the history limit; an explicit one must not either.
+        window = min(DEFAULT_PENALTY_WINDOW_TOKENS, limit)
+        if params.penalty_window_tokens is not None:
+            window = int(params.penalty_window_tokens)
+            if not 1 <= window <= limit:
+                raise InvalidArgument(f"penalty_window_tokens must be in 1..{limit}, got {window}")
+        return Penalties(repetition=repetition, presence=presence, frequency=frequency, window_tokens=window)

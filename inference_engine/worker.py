@@ -24,11 +24,19 @@ class ModelWorker:
         If the awaiting task is cancelled, the call still runs to completion before the cancellation propagates,
         so the caller never releases a session while the worker is mutating it.
         """
+        return await self.run_cancellable(None, fn, *args, **kwargs)
+
+    async def run_cancellable(
+        self, on_cancel: Callable[[], None] | None, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs
+    ) -> T:
+        """`run`, calling `on_cancel` as soon as the awaiting task is cancelled (before the call completes)."""
         loop = asyncio.get_running_loop()
         future = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
+            if on_cancel is not None:
+                on_cancel()
             await asyncio.wait([future])
             raise
 

@@ -5,6 +5,10 @@ A session's history is `committed tokens + pending tokens`. Committed tokens hav
 `pending + draft` to the verifier in one forward, samples the verifier's own token after every position from the
 last pending one on, accepts drafts while they equal those samples, and commits the K/V of the pending tokens and
 of the accepted drafts. The verifier's sample after the last accepted position (the bonus token) becomes pending.
+
+A generation may carry `DecodeControls` (controls.py): a grammar cuts the draft to its longest valid prefix before
+the forward and masks every row, penalties reshape every row, stop sequences end the generation after their first
+complete match (also when it spans steps), and log-probabilities are reported per emitted token.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kv_cache_proposer.cache import SessionCache
+from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_sequence, pick_controlled
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
 from kv_cache_proposer.sampling import SamplingParams
@@ -24,6 +30,8 @@ class StopCause(Enum):
     EOS = "eos"
     MAX_TOKENS = "max_tokens"
     HISTORY_LIMIT = "history_limit"
+    STOP_SEQUENCE = "stop_sequence"
+    GRAMMAR_DEAD_END = "grammar_dead_end"
 
 
 @dataclass(slots=True)
@@ -55,7 +63,7 @@ class SequenceState:
     against the cache (INV-1) and must never move it backwards (INV-2).
     """
 
-    cache: Any
+    cache: SessionCache[Any]
     tokens: list[int] = field(default_factory=list)
     draft: DraftSession = field(default_factory=NoDraftSession)
     committed: int = 0
@@ -88,21 +96,30 @@ class StepResult:
     accepted: int = 0
     forwards: int = 0
     stop: StopCause | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the controls ask for them
+    stop_sequence_index: int | None = None  # which stop sequence matched (stop is STOP_SEQUENCE)
 
 
 class Decoder:
     """Runs decode steps for sequences on one verifier."""
 
-    def __init__(self, verifier: Verifier, *, prefill_chunk_tokens: int = 512) -> None:
+    def __init__(self, verifier: Verifier[Any], *, prefill_chunk_tokens: int = 512) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
         self.prefill_chunk_tokens = prefill_chunk_tokens
 
-    def step(self, seq: SequenceState, params: SamplingParams, budget: GenerationBudget, generated: int) -> StepResult:
+    def step(
+        self,
+        seq: SequenceState,
+        params: SamplingParams,
+        budget: GenerationBudget,
+        generated: int,
+        controls: DecodeControls | None = None,
+    ) -> StepResult:
         """Generate at least one token (or prefill one chunk of a long pending suffix).
 
-        `generated` counts the tokens this generation produced so far.
+        `generated` counts the tokens this generation produced so far (the last `generated` history tokens).
         """
         self._check_position(seq)
         pending = seq.pending_count
@@ -123,37 +140,52 @@ class Decoder:
             raise ValueError("no room left for another token")
         wanted = min(seq.draft_length.current, room - 1)
         draft = seq.draft.propose(seq.tokens, wanted)[:wanted] if wanted > 0 else []
+        grammar = controls.grammar if controls is not None else None
+        if grammar is not None:
+            # Tokens the grammar forbids are never verified (the proposer's acceptance is judged on the rest).
+            draft = draft[: grammar.valid_prefix(draft)]
 
         block = seq.tokens[start:] + draft
         out = self.verifier.verify(seq.cache, block, len(draft) + 1, feature_layers=layers)
         # Row i holds the verifier's distribution for global position start + pending + i.
         positions = [start + pending + i for i in range(len(draft) + 1)]
-        sampled = self.verifier.pick_tokens(out.logits, params, positions)
+        logprobs = None
+        dead_end_row = None  # rows from a grammar dead end on cannot emit a token
+        if controls is not None and controls.transforms_logits:
+            picks = pick_controlled(
+                self.verifier.host_logits(out.logits), params, positions, controls, seq.tokens, draft
+            )
+            sampled, logprobs, dead_end_row = picks.tokens, picks.logprobs, picks.dead_end_row
+        else:
+            sampled = self.verifier.pick_tokens(out.logits, params, positions)
         accepted = _accepted_prefix(draft, sampled)
         seq.draft_length.update(len(draft), accepted)
         emitted = sampled[: accepted + 1]
-
         stop = None
-        cut = len(emitted)
-        for i, token in enumerate(emitted):
-            if token in budget.stop_token_ids:
-                cut, stop = i + 1, StopCause.EOS
-                break
+        if dead_end_row is not None and dead_end_row < len(emitted):
+            emitted, stop = emitted[:dead_end_row], StopCause.GRAMMAR_DEAD_END
+        stop_sequences = controls.stop_sequences if controls is not None else ()
+        cut, stop_found, stop_index = _first_stop(emitted, seq.tokens, generated, budget, stop_sequences)
+        stop = stop_found or stop
         if cut >= room:
             if cut > room:
-                cut, stop = room, None
+                cut, stop, stop_index = room, None, None
             if stop is None:
                 stop = self._limit_cause(budget, generated + cut)
         emitted = emitted[:cut]
+        if grammar is not None:
+            grammar.advance(emitted)
         # The last emitted token stays pending; everything before it in the block is committed.
         self._commit(seq, pending + len(emitted) - 1, out.features, new_tokens=emitted)
         return StepResult(
             tokens=emitted,
             prefilled=pending - 1,
             drafted=len(draft),
-            accepted=len(emitted) - 1,
+            accepted=max(0, len(emitted) - 1),
             forwards=1,
             stop=stop,
+            logprobs=logprobs[: len(emitted)] if logprobs is not None else None,
+            stop_sequence_index=stop_index,
         )
 
     def _commit(self, seq: SequenceState, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
@@ -181,6 +213,30 @@ class Decoder:
         if generated >= budget.max_new_tokens:
             return StopCause.MAX_TOKENS
         return StopCause.HISTORY_LIMIT
+
+
+def _first_stop(
+    emitted: Sequence[int],
+    history: Sequence[int],
+    generated: int,
+    budget: GenerationBudget,
+    stop_sequences: Sequence[Sequence[int]],
+) -> tuple[int, StopCause | None, int | None]:
+    """How many of `emitted` to keep, and why they end the generation: the first stop token, or the first token
+    that completes a stop sequence within this generation's output (the last `generated` history tokens, then
+    `emitted`), whichever comes first."""
+    longest = max((len(s) for s in stop_sequences), default=0)
+    # The end of the output so far: a stop sequence may begin in an earlier step.
+    output = list(history[len(history) - min(generated, longest) :]) if longest > 1 and generated else []
+    for i, token in enumerate(emitted):
+        if token in budget.stop_token_ids:
+            return i + 1, StopCause.EOS, None
+        if stop_sequences:
+            output.append(token)
+            index = match_stop_sequence(output, stop_sequences)
+            if index is not None:
+                return i + 1, StopCause.STOP_SEQUENCE, index
+    return len(emitted), None, None
 
 
 def _accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:

@@ -3,12 +3,16 @@
 Positions are global: a key keeps the rotary position it was computed at, and eviction never re-indexes the
 positions of what stays resident. The result of every forward therefore equals full attention over the whole
 sequence with the strategy's visibility mask, whatever the chunking of the forwards.
+
+Strategies are built by name in one place, `make_strategy`; `STRATEGIES` lists the names.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 
 class KVStrategy(Protocol):
@@ -26,8 +30,16 @@ class KVStrategy(Protocol):
         """Storage slot of a committed position."""
         ...
 
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        """Storage slots of committed positions (elementwise `slot_of`)."""
+        ...
+
     def resident_count(self, committed: int) -> int:
         """Positions resident once `committed` positions have been committed."""
+        ...
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        """The positions resident once `committed` positions have been committed, ascending."""
         ...
 
     def visible(self, query_pos: Any, key_pos: Any) -> Any:
@@ -51,8 +63,14 @@ class FullStrategy:
     def slot_of(self, position: int) -> int:
         return position
 
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        return positions
+
     def resident_count(self, committed: int) -> int:
         return committed
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        return np.arange(committed, dtype=np.int64)
 
     def visible(self, query_pos: Any, key_pos: Any) -> Any:
         return key_pos >= 0
@@ -88,17 +106,39 @@ class SinkWindowStrategy:
             return position
         return self.sink + (position - self.sink) % self.window
 
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        ring = self.sink + (positions - self.sink) % self.window
+        return np.where(positions < self.sink, positions, ring)
+
     def resident_count(self, committed: int) -> int:
         return min(committed, self.sink + self.window)
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        sink = np.arange(min(committed, self.sink), dtype=np.int64)
+        window = np.arange(max(self.sink, committed - self.window), committed, dtype=np.int64)
+        return np.concatenate([sink, window])
 
     def visible(self, query_pos: Any, key_pos: Any) -> Any:
         return (key_pos < self.sink) | (query_pos - key_pos <= self.window)
 
 
-def make_strategy(name: str, *, sink: int = 4, window: int = 1024) -> KVStrategy:
-    """Build a strategy from its name (`full` or `sink_window`)."""
+STRATEGIES = ("full", "sink_window")
+
+
+def make_strategy(name: str, *, sink: int | None = None, window: int | None = None) -> KVStrategy:
+    """Build a strategy from its name and options (options a strategy does not take are ignored).
+
+    `sink_window` takes `sink` (default 4) and `window` (default 1024). Raises `ValueError` naming what is wrong.
+    """
     if name == "full":
         return FullStrategy()
     if name == "sink_window":
-        return SinkWindowStrategy(sink=sink, window=window)
-    raise ValueError(f"unknown KV strategy {name!r}; expected 'full' or 'sink_window'")
+        return SinkWindowStrategy(sink=4 if sink is None else sink, window=1024 if window is None else window)
+    raise ValueError(f"unknown KV strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
+
+
+def strategy_options(strategy: KVStrategy) -> dict[str, int]:
+    """The options `make_strategy` needs to rebuild `strategy` (empty for `full`)."""
+    if isinstance(strategy, SinkWindowStrategy):
+        return {"sink": strategy.sink, "window": strategy.window}
+    return {}

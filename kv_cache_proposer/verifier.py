@@ -1,95 +1,51 @@
-"""The verifier interface every backend implements, and the per-session cache it creates."""
+"""The model interfaces every backend implements: a causal LM that runs blocks over session caches, and the
+verifier (the served model), which can also hand out its hidden states."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Generic, Protocol
 
+import numpy as np
+
+from kv_cache_proposer.cache.arrays import A
+from kv_cache_proposer.cache.layer_store import LayerStoreFactory
+from kv_cache_proposer.cache.protocol import SessionCache
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 
+__all__ = ["CausalLM", "SessionCache", "Verifier", "VerifyOutput"]
+
 
 @dataclass(frozen=True, slots=True)
-class VerifyOutput:
-    """What one verifier forward returns (backend arrays)."""
+class VerifyOutput(Generic[A]):
+    """What one forward returns (backend arrays)."""
 
-    logits: Any  # [rows, vocab]: the last `logits_rows` block positions
-    features: Any | None = None  # [block, len(layers) * hidden]: hidden states at the requested layers
-
-
-class SessionCache(Protocol):
-    """One session's verifier K/V, held under a KV strategy.
-
-    A forward stages the K/V of its block; `Verifier.commit` makes a prefix of them resident and discards the
-    rest, so rejected draft K/V never reach the resident cache.
-    """
-
-    @property
-    def strategy(self) -> KVStrategy: ...
-
-    @property
-    def next_position(self) -> int:
-        """Global position of the next committed token (= number of committed positions)."""
-        ...
-
-    @property
-    def resident_count(self) -> int:
-        """Positions whose K/V are resident."""
-        ...
-
-    @property
-    def evicted_count(self) -> int:
-        """Committed positions no longer resident."""
-        ...
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K/V storage the cache holds now."""
-        ...
-
-    @property
-    def compressed_bytes(self) -> int:
-        """Bytes of compressed K/V payload (0 for an uncompressed cache)."""
-        ...
-
-    def release(self) -> None:
-        """Free the storage. The cache must not be used afterwards."""
-        ...
-
-    def clone(self, length: int) -> SessionCache:
-        """An independent cache holding positions [0, length) (ValueError if some of them were evicted)."""
-        ...
+    logits: A  # [rows, vocab]: the last `logits_rows` block positions
+    features: A | None = None  # [block, len(layers) * hidden]: hidden states at the requested layers
 
 
-class Verifier(Protocol):
-    """A loaded autoregressive model that checks blocks of tokens against per-session caches."""
+class CausalLM(Protocol[A]):
+    """A loaded autoregressive model that runs blocks of tokens over per-session caches (a verifier, or a draft
+    model loaded by the same backend)."""
 
     @property
     def vocab_size(self) -> int: ...
 
-    @property
-    def description(self) -> str:
-        """Human-readable summary: backend, model type, device, dtype."""
+    def new_cache(self, strategy: KVStrategy, *, layer_store: LayerStoreFactory[A] | None = None) -> SessionCache[A]:
+        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default)."""
         ...
-
-    def new_cache(self, strategy: KVStrategy) -> SessionCache: ...
-
-    @property
-    def num_layers(self) -> int: ...
-
-    @property
-    def hidden_size(self) -> int: ...
 
     def verify(
         self,
-        cache: Any,
+        cache: SessionCache[A],
         token_ids: Sequence[int],
         logits_rows: int,
         *,
         feature_layers: Sequence[int] = (),
         extend_stage: bool = False,
-    ) -> VerifyOutput:
+    ) -> VerifyOutput[A]:
         """Run one forward over `token_ids` at the cache's next positions, staging their K/V.
 
         Returns the logits of the last `logits_rows` block positions and, when `feature_layers` is given, the
@@ -99,13 +55,32 @@ class Verifier(Protocol):
         """
         ...
 
-    def commit(self, cache: Any, count: int) -> None:
+    def commit(self, cache: SessionCache[A], count: int) -> None:
         """Make the first `count` staged positions resident, drop the rest of the stage and evict per strategy.
 
         Raises `InvariantViolation` when the cache's bookkeeping and its stored K/V disagree afterwards.
         """
         ...
 
-    def pick_tokens(self, logits: Any, params: SamplingParams, positions: Sequence[int]) -> list[int]:
+    def pick_tokens(self, logits: A, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         """Choose one token per logits row; row i samples the token at global position `positions[i]`."""
         ...
+
+    def host_logits(self, logits: A) -> np.ndarray:
+        """A float64 host copy [rows, vocab] of logits rows, for the controls that reshape them (controls.py)."""
+        ...
+
+
+class Verifier(CausalLM[A], Protocol[A]):
+    """The served model: a causal LM whose size and hidden states proposers may use."""
+
+    @property
+    def description(self) -> str:
+        """Human-readable summary: backend, model type, device, dtype."""
+        ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def hidden_size(self) -> int: ...

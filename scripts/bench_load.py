@@ -41,7 +41,7 @@ from inference_engine.config import BUNDLED_MODEL_DIR
 from inference_engine.journal import Journal, JournalAppended, JournalOpened, SessionHeader
 from inference_engine.journal.sqlite import SqliteJournal
 
-_METRICS_PORT = re.compile(r'"msg": "listening".*"metrics": (\d+)')
+_METRICS_PORT = re.compile(r'"msg": "listening".*"metrics_url": "http://[^"]*:(\d+)/metrics"')
 _KV_GAUGE = re.compile(r"^(?:kakeya_)?session_kv_live_bytes (\S+)$", re.MULTILINE)
 
 

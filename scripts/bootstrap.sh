@@ -29,10 +29,14 @@ fi
 extras=""
 [[ $dev == 1 ]] && extras="[dev]"
 inputs=(pyproject.toml constraints.txt sdks/python/pyproject.toml)
-want="$extras $(stamp "${inputs[@]}")"
-if [[ "$(cat .venv/.kakeya-stamp 2>/dev/null)" != "$want" ]]; then
+inputs_hash=$(stamp "${inputs[@]}")
+want="$extras $inputs_hash"
+have=$(cat .venv/.kakeya-stamp 2>/dev/null || true)
+# A dev environment holds everything a plain one does, so serve.sh reuses what test.sh installed.
+if [[ "$have" != "$want" && "$have" != "[dev] $inputs_hash" ]]; then
   echo "bootstrap: installing Python packages into .venv" >&2
-  .venv/bin/python -m pip install --quiet -c constraints.txt -e ".$extras" -e "sdks/python[tokenization]"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -c constraints.txt \
+    -e ".$extras" -e "sdks/python[tokenization]"
   echo "$want" > .venv/.kakeya-stamp
 fi
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Set up .venv and node_modules if needed, then run every check of the repository and the whole test suite:
+# Set up .venv, node_modules and the Debian packages the tests need (scripts/install_system_packages.sh) if needed,
+# then run every check of the repository and the whole test suite:
 # generated code is current, buf lint and breaking-change check, ruff, mypy, the TypeScript SDK (generated code
 # is current, prettier, type-check, build and vitest against real daemons), pytest.
 # Fails (non-zero exit) as soon as any check or test fails.
@@ -8,6 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh --dev
+scripts/install_system_packages.sh --check 2>/dev/null || scripts/install_system_packages.sh
 export PATH="$PWD/.venv/bin:$PWD/node_modules/.bin:$PATH"
 
 step() { printf '\n== %s\n' "$*" >&2; }

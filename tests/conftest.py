@@ -17,6 +17,8 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# As the daemon does (inference_engine/threads.py): spinning OpenMP threads slow everything on a shared machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from tests.support.backends import VerifierPool  # noqa: E402
@@ -57,12 +59,15 @@ def reference_models(verifier_pool: VerifierPool) -> Mapping[str, Any]:
 
 
 @pytest.fixture
-def serve(verifiers: Mapping[str, Any], backend: str) -> Iterator[Callable[..., RunningServer]]:
+def serve(
+    verifiers: Mapping[str, Any], verifier_pool: VerifierPool, backend: str
+) -> Iterator[Callable[..., RunningServer]]:
     """Start daemons on loopback: `serve(arch="qwen3", **config)`; all are stopped after the test."""
     started: list[RunningServer] = []
 
     def factory(arch: str = "qwen3", **overrides: Any) -> RunningServer:
-        server = start_server(verifiers[arch], **{"backend": backend, **overrides})
+        model_dir = verifier_pool.model_dir(backend, arch)
+        server = start_server(verifiers[arch], model_dir=model_dir, **{"backend": backend, **overrides})
         started.append(server)
         return server
 

@@ -21,6 +21,8 @@ class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     STOP_REASON_EOS: _ClassVar[StopReason]
     STOP_REASON_CANCELLED: _ClassVar[StopReason]
     STOP_REASON_TRUNCATED: _ClassVar[StopReason]
+    STOP_REASON_STOP_SEQUENCE: _ClassVar[StopReason]
+    STOP_REASON_GRAMMAR_DEAD_END: _ClassVar[StopReason]
 KV_STRATEGY_UNSPECIFIED: KvStrategy
 KV_STRATEGY_FULL: KvStrategy
 KV_STRATEGY_SINK_WINDOW: KvStrategy
@@ -29,22 +31,26 @@ STOP_REASON_MAX_TOKENS: StopReason
 STOP_REASON_EOS: StopReason
 STOP_REASON_CANCELLED: StopReason
 STOP_REASON_TRUNCATED: StopReason
+STOP_REASON_STOP_SEQUENCE: StopReason
+STOP_REASON_GRAMMAR_DEAD_END: StopReason
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens")
+    __slots__ = ("client_label", "eos_token_ids", "initial_token_ids", "kv_strategy", "sink_tokens", "window_tokens", "no_default_eos")
     CLIENT_LABEL_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     INITIAL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NO_DEFAULT_EOS_FIELD_NUMBER: _ClassVar[int]
     client_label: str
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     initial_token_ids: _containers.RepeatedScalarFieldContainer[int]
     kv_strategy: KvStrategy
     sink_tokens: int
     window_tokens: int
-    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ...) -> None: ...
+    no_default_eos: bool
+    def __init__(self, client_label: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., initial_token_ids: _Optional[_Iterable[int]] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., no_default_eos: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session_id", "history_length")
@@ -69,7 +75,7 @@ class AppendTokensResponse(_message.Message):
     def __init__(self, history_length: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("session_id", "max_tokens", "seed", "temperature", "top_p", "top_k", "stop_token_ids")
+    __slots__ = ("session_id", "max_tokens", "seed", "temperature", "top_p", "top_k", "stop_token_ids", "grammar", "stop_sequences", "logprobs", "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_window_tokens", "min_p")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +83,15 @@ class GenerateRequest(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     max_tokens: int
     seed: int
@@ -84,20 +99,67 @@ class GenerateRequest(_message.Message):
     top_p: float
     top_k: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar: GrammarConstraint
+    stop_sequences: _containers.RepeatedCompositeFieldContainer[StopSequence]
+    logprobs: bool
+    top_logprobs: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_window_tokens: int
+    min_p: float
+    def __init__(self, session_id: _Optional[str] = ..., max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_window_tokens: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
+
+class GrammarConstraint(_message.Message):
+    __slots__ = ("json_schema", "regex", "lark", "gbnf")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    LARK_FIELD_NUMBER: _ClassVar[int]
+    GBNF_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    regex: str
+    lark: str
+    gbnf: str
+    def __init__(self, json_schema: _Optional[str] = ..., regex: _Optional[str] = ..., lark: _Optional[str] = ..., gbnf: _Optional[str] = ...) -> None: ...
+
+class StopSequence(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TokenLogprobs(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[LogprobAlternative]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[LogprobAlternative, _Mapping]]] = ...) -> None: ...
+
+class LogprobAlternative(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_id", "done", "truncated")
+    __slots__ = ("token_id", "done", "truncated", "scored_token")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    SCORED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     done: GenerateDone
     truncated: HistoryTruncated
-    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ...) -> None: ...
+    scored_token: TokenLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., scored_token: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class GenerateDone(_message.Message):
-    __slots__ = ("stop_reason", "generated_token_count", "prefill_duration_seconds", "total_duration_seconds", "prefill_token_count", "draft_token_count", "accepted_draft_token_count", "verifier_forward_count", "time_to_first_token_seconds")
+    __slots__ = ("stop_reason", "generated_token_count", "prefill_duration_seconds", "total_duration_seconds", "prefill_token_count", "draft_token_count", "accepted_draft_token_count", "verifier_forward_count", "time_to_first_token_seconds", "stop_sequence_index")
     STOP_REASON_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DURATION_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +169,7 @@ class GenerateDone(_message.Message):
     ACCEPTED_DRAFT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_FORWARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_INDEX_FIELD_NUMBER: _ClassVar[int]
     stop_reason: StopReason
     generated_token_count: int
     prefill_duration_seconds: float
@@ -116,7 +179,8 @@ class GenerateDone(_message.Message):
     accepted_draft_token_count: int
     verifier_forward_count: int
     time_to_first_token_seconds: float
-    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., generated_token_count: _Optional[int] = ..., prefill_duration_seconds: _Optional[float] = ..., total_duration_seconds: _Optional[float] = ..., prefill_token_count: _Optional[int] = ..., draft_token_count: _Optional[int] = ..., accepted_draft_token_count: _Optional[int] = ..., verifier_forward_count: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ...) -> None: ...
+    stop_sequence_index: int
+    def __init__(self, stop_reason: _Optional[_Union[StopReason, str]] = ..., generated_token_count: _Optional[int] = ..., prefill_duration_seconds: _Optional[float] = ..., total_duration_seconds: _Optional[float] = ..., prefill_token_count: _Optional[int] = ..., draft_token_count: _Optional[int] = ..., accepted_draft_token_count: _Optional[int] = ..., verifier_forward_count: _Optional[int] = ..., time_to_first_token_seconds: _Optional[float] = ..., stop_sequence_index: _Optional[int] = ...) -> None: ...
 
 class HistoryTruncated(_message.Message):
     __slots__ = ("dropped_token_count",)
@@ -205,40 +269,60 @@ class AppendCommand(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateCommand(_message.Message):
-    __slots__ = ("max_tokens", "seed", "temperature", "top_p", "top_k", "stop_token_ids")
+    __slots__ = ("max_tokens", "seed", "temperature", "top_p", "top_k", "stop_token_ids", "grammar", "stop_sequences", "logprobs", "top_logprobs", "repetition_penalty", "presence_penalty", "frequency_penalty", "penalty_window_tokens", "min_p")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     seed: int
     temperature: float
     top_p: float
     top_k: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    grammar: GrammarConstraint
+    stop_sequences: _containers.RepeatedCompositeFieldContainer[StopSequence]
+    logprobs: bool
+    top_logprobs: int
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_window_tokens: int
+    min_p: float
+    def __init__(self, max_tokens: _Optional[int] = ..., seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., grammar: _Optional[_Union[GrammarConstraint, _Mapping]] = ..., stop_sequences: _Optional[_Iterable[_Union[StopSequence, _Mapping]]] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., penalty_window_tokens: _Optional[int] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class CancelCommand(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ConverseResponse(_message.Message):
-    __slots__ = ("command_id", "bound", "appended", "token_id", "truncated", "done")
+    __slots__ = ("command_id", "bound", "appended", "token_id", "truncated", "done", "scored_token")
     COMMAND_ID_FIELD_NUMBER: _ClassVar[int]
     BOUND_FIELD_NUMBER: _ClassVar[int]
     APPENDED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    SCORED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     command_id: int
     bound: BoundEvent
     appended: AppendedEvent
     token_id: int
     truncated: HistoryTruncated
     done: GenerateDone
-    def __init__(self, command_id: _Optional[int] = ..., bound: _Optional[_Union[BoundEvent, _Mapping]] = ..., appended: _Optional[_Union[AppendedEvent, _Mapping]] = ..., token_id: _Optional[int] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ...) -> None: ...
+    scored_token: TokenLogprobs
+    def __init__(self, command_id: _Optional[int] = ..., bound: _Optional[_Union[BoundEvent, _Mapping]] = ..., appended: _Optional[_Union[AppendedEvent, _Mapping]] = ..., token_id: _Optional[int] = ..., truncated: _Optional[_Union[HistoryTruncated, _Mapping]] = ..., done: _Optional[_Union[GenerateDone, _Mapping]] = ..., scored_token: _Optional[_Union[TokenLogprobs, _Mapping]] = ...) -> None: ...
 
 class BoundEvent(_message.Message):
     __slots__ = ("history_length",)
@@ -251,6 +335,58 @@ class AppendedEvent(_message.Message):
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     def __init__(self, history_length: _Optional[int] = ...) -> None: ...
+
+class GetModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("vocab_size", "eos_token_ids", "trained_context_tokens", "backend", "model_name", "description", "chat_template", "default_kv_strategy", "default_sink_tokens", "default_window_tokens", "limits", "proposer", "server_version")
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_KV_STRATEGY_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    vocab_size: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    trained_context_tokens: int
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str
+    default_kv_strategy: KvStrategy
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str
+    def __init__(self, vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trained_context_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., model_name: _Optional[str] = ..., description: _Optional[str] = ..., chat_template: _Optional[str] = ..., default_kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., default_sink_tokens: _Optional[int] = ..., default_window_tokens: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., proposer: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
+
+class ServerLimits(_message.Message):
+    __slots__ = ("max_generate_tokens", "max_append_tokens", "max_history_tokens", "max_sessions", "max_message_bytes", "max_concurrent_generations", "queue_deadline_seconds")
+    MAX_GENERATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONCURRENT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_generate_tokens: int
+    max_append_tokens: int
+    max_history_tokens: int
+    max_sessions: int
+    max_message_bytes: int
+    max_concurrent_generations: int
+    queue_deadline_seconds: float
+    def __init__(self, max_generate_tokens: _Optional[int] = ..., max_append_tokens: _Optional[int] = ..., max_history_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_generations: _Optional[int] = ..., queue_deadline_seconds: _Optional[float] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("session_id", "prefix_tokens", "client_label")

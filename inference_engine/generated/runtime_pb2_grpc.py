@@ -71,6 +71,11 @@ class RuntimeServiceStub:
                 request_serializer=kakeya_dot_v1_dot_runtime__pb2.ConverseRequest.SerializeToString,
                 response_deserializer=kakeya_dot_v1_dot_runtime__pb2.ConverseResponse.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/kakeya.v1.RuntimeService/GetModelInfo',
+                request_serializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
+                _registered_method=True)
         self.ForkSession = channel.unary_unary(
                 '/kakeya.v1.RuntimeService/ForkSession',
                 request_serializer=kakeya_dot_v1_dot_runtime__pb2.ForkSessionRequest.SerializeToString,
@@ -130,6 +135,14 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+        template) and the server's session defaults and request limits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ForkSession(self, request, context):
         """ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
         as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
@@ -171,6 +184,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.Converse,
                     request_deserializer=kakeya_dot_v1_dot_runtime__pb2.ConverseRequest.FromString,
                     response_serializer=kakeya_dot_v1_dot_runtime__pb2.ConverseResponse.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'ForkSession': grpc.unary_unary_rpc_method_handler(
                     servicer.ForkSession,
@@ -346,6 +364,33 @@ class RuntimeService:
             '/kakeya.v1.RuntimeService/Converse',
             kakeya_dot_v1_dot_runtime__pb2.ConverseRequest.SerializeToString,
             kakeya_dot_v1_dot_runtime__pb2.ConverseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kakeya.v1.RuntimeService/GetModelInfo',
+            kakeya_dot_v1_dot_runtime__pb2.GetModelInfoRequest.SerializeToString,
+            kakeya_dot_v1_dot_runtime__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

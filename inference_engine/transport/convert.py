@@ -10,6 +10,7 @@ from inference_engine.domain import (
     GenerateEvent,
     GenerateParams,
     GenerationStats,
+    ModelInfo,
     SessionInfo,
     StopReason,
     TokenEvent,
@@ -17,6 +18,8 @@ from inference_engine.domain import (
 )
 from inference_engine.errors import InvalidArgument, Status
 from inference_engine.generated import runtime_pb2 as pb
+from kv_cache_proposer.controls import TokenLogprob
+from kv_cache_proposer.grammar import GrammarKind, GrammarSpec
 
 STATUS_CODES = {status: getattr(grpc.StatusCode, status.value) for status in Status}
 
@@ -32,6 +35,8 @@ _STOP_REASONS = {
     StopReason.EOS: pb.STOP_REASON_EOS,
     StopReason.CANCELLED: pb.STOP_REASON_CANCELLED,
     StopReason.TRUNCATED: pb.STOP_REASON_TRUNCATED,
+    StopReason.STOP_SEQUENCE: pb.STOP_REASON_STOP_SEQUENCE,
+    StopReason.GRAMMAR_DEAD_END: pb.STOP_REASON_GRAMMAR_DEAD_END,
 }
 
 
@@ -45,6 +50,7 @@ def create_params(request: pb.CreateSessionRequest) -> CreateParams:
         kv_strategy=_STRATEGY_NAMES[request.kv_strategy],
         sink=request.sink_tokens if request.HasField("sink_tokens") else None,
         window=request.window_tokens if request.HasField("window_tokens") else None,
+        no_default_eos=request.no_default_eos,
     )
 
 
@@ -56,6 +62,30 @@ def generate_params(request: pb.GenerateRequest | pb.GenerateCommand) -> Generat
         top_p=request.top_p if request.HasField("top_p") else None,
         top_k=request.top_k if request.HasField("top_k") else None,
         stop_token_ids=tuple(request.stop_token_ids),
+        grammar=_grammar(request.grammar) if request.HasField("grammar") else None,
+        stop_sequences=tuple(tuple(stop.token_ids) for stop in request.stop_sequences),
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        repetition_penalty=request.repetition_penalty if request.HasField("repetition_penalty") else None,
+        presence_penalty=request.presence_penalty if request.HasField("presence_penalty") else None,
+        frequency_penalty=request.frequency_penalty if request.HasField("frequency_penalty") else None,
+        penalty_window_tokens=request.penalty_window_tokens if request.HasField("penalty_window_tokens") else None,
+        min_p=request.min_p if request.HasField("min_p") else None,
+    )
+
+
+def _grammar(grammar: pb.GrammarConstraint) -> GrammarSpec:
+    kind = grammar.WhichOneof("grammar")
+    if kind is None:
+        raise InvalidArgument("grammar must set one of json_schema, regex, lark or gbnf")
+    return GrammarSpec(GrammarKind(kind), getattr(grammar, kind))
+
+
+def _scored_token(scored: TokenLogprob) -> pb.TokenLogprobs:
+    return pb.TokenLogprobs(
+        token_id=scored.token_id,
+        logprob=scored.logprob,
+        top_logprobs=[pb.LogprobAlternative(token_id=t, logprob=lp) for t, lp in scored.top],
     )
 
 
@@ -70,11 +100,14 @@ def generate_done(stats: GenerationStats) -> pb.GenerateDone:
         accepted_draft_token_count=stats.accepted_draft_token_count,
         verifier_forward_count=stats.verifier_forward_count,
         time_to_first_token_seconds=stats.time_to_first_token_s,
+        stop_sequence_index=stats.stop_sequence_index,
     )
 
 
 def generate_response(event: GenerateEvent) -> pb.GenerateResponse:
     if isinstance(event, TokenEvent):
+        if event.logprobs is not None:
+            return pb.GenerateResponse(scored_token=_scored_token(event.logprobs))
         return pb.GenerateResponse(token_id=event.token_id)
     if isinstance(event, TruncatedEvent):
         return pb.GenerateResponse(truncated=pb.HistoryTruncated(dropped_token_count=event.dropped_token_count))
@@ -83,6 +116,8 @@ def generate_response(event: GenerateEvent) -> pb.GenerateResponse:
 
 def converse_response(command_id: int, event: GenerateEvent) -> pb.ConverseResponse:
     if isinstance(event, TokenEvent):
+        if event.logprobs is not None:
+            return pb.ConverseResponse(command_id=command_id, scored_token=_scored_token(event.logprobs))
         return pb.ConverseResponse(command_id=command_id, token_id=event.token_id)
     if isinstance(event, TruncatedEvent):
         truncated = pb.HistoryTruncated(dropped_token_count=event.dropped_token_count)
@@ -108,4 +143,31 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         sink_tokens=info.sink_tokens,
         window_tokens=info.window_tokens,
         history_tail_token_ids=info.history_tail,
+    )
+
+
+def model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
+    limits = info.limits
+    return pb.GetModelInfoResponse(
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+        trained_context_tokens=info.trained_context_tokens,
+        backend=info.backend,
+        model_name=info.model_name,
+        description=info.description,
+        chat_template=info.chat_template,
+        default_kv_strategy=_STRATEGY_ENUMS.get(info.default_kv_strategy, pb.KV_STRATEGY_UNSPECIFIED),
+        default_sink_tokens=info.default_sink_tokens,
+        default_window_tokens=info.default_window_tokens,
+        limits=pb.ServerLimits(
+            max_generate_tokens=limits.max_generate_tokens,
+            max_append_tokens=limits.max_append_tokens,
+            max_history_tokens=limits.max_history_tokens,
+            max_sessions=limits.max_sessions,
+            max_message_bytes=limits.max_message_bytes,
+            max_concurrent_generations=limits.max_concurrent_generations,
+            queue_deadline_seconds=limits.queue_deadline_s,
+        ),
+        proposer=info.proposer,
+        server_version=info.server_version,
     )

@@ -84,10 +84,17 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
     ) -> pb.GetSessionInfoResponse:
         _begin(context)
         try:
+            await self.runtime.settle_cancellations(request.session_id)
             info = self.runtime.session_info(request.session_id, request.history_tail_tokens)
         except ServiceError as exc:
             await _abort(context, exc)
         return convert.session_info(info)
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        _begin(context)
+        return convert.model_info(self.runtime.model_info())
 
     async def ForkSession(
         self, request: pb.ForkSessionRequest, context: grpc.aio.ServicerContext

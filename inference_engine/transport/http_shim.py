@@ -142,7 +142,7 @@ class _Shim:
             stop=body.stop_strings,
             label=convert.label(body),
         )
-        watcher = asyncio.create_task(_set_on_disconnect(request.receive, job.cancel))
+        watcher = asyncio.create_task(_call_on_disconnect(request.receive, job.disconnect))
 
         async def finish() -> None:
             watcher.cancel()
@@ -272,11 +272,12 @@ class _EventStream(StreamingResponse):
             await self._on_close()
 
 
-async def _set_on_disconnect(receive: Receive, event: asyncio.Event) -> None:
+async def _call_on_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
     with contextlib.suppress(asyncio.CancelledError):
         while (await receive())["type"] != "http.disconnect":
             pass
-        event.set()
+        log.info("the HTTP client disconnected; its generation is cancelled")
+        on_disconnect()
 
 
 # -- error responses -----------------------------------------------------------------------------------------------

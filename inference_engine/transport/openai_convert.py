@@ -93,7 +93,7 @@ def finish_reason(job: SingleShotGeneration) -> str:
         return "stop"
     if job.stop_reason in (StopReason.MAX_TOKENS, StopReason.TRUNCATED):
         return "length"
-    raise cancelled_error()
+    raise cancelled_error(client_disconnected=job.client_disconnected)
 
 
 def usage(job: SingleShotGeneration) -> dict[str, int]:
@@ -170,7 +170,15 @@ def api_error(exc: ServiceError) -> ApiError:
     return ApiError(status, exc.message, type=kind, code=code)
 
 
-def cancelled_error() -> ApiError:
+def cancelled_error(*, client_disconnected: bool) -> ApiError:
+    """The error of a cancelled generation: the client went away (499, nobody reads it) or the server shuts down."""
+    if client_disconnected:
+        return ApiError(
+            499,
+            "the client disconnected, so its generation was cancelled",
+            type="invalid_request_error",
+            code="client_disconnected",
+        )
     return ApiError(
         503, "the generation was cancelled by the server (shutting down)", type="server_error", code="cancelled"
     )

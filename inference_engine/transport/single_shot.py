@@ -44,12 +44,18 @@ class SingleShotGeneration:
         self._decoder: TextDecoder = codec.decoder(stop)
         self._label = label
         self.cancel = asyncio.Event()
+        self.client_disconnected = False
         self._session_id: str | None = None
         self._events: AsyncGenerator[GenerateEvent, None] | None = None
         self._first: GenerateEvent | None = None
         self.stop_reason: StopReason | None = None
         self.stop_string_hit = False
         self.completion_tokens = 0
+
+    def disconnect(self) -> None:
+        """The HTTP client went away: stop the generation after its current step."""
+        self.client_disconnected = True
+        self.cancel.set()
 
     @property
     def prompt_tokens(self) -> int:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from kv_cache_proposer.verifier import Verifier
 
 BACKENDS = ("torch", "mlx")
 
 
-def load_verifier(backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> Verifier:
+def load_verifier(backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> Verifier[Any]:
     """Load a verifier from a local model directory with the named backend.
 
     `torch` serves Hugging Face checkpoints (devices auto, cpu, cuda, cuda:N, mps); `mlx` serves mlx-lm model

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession, NoProposer, Proposer
 from kv_cache_proposer.verifier import Verifier
 
@@ -39,7 +41,7 @@ class ProposerOptions:
 
 
 def load_proposer(
-    options: ProposerOptions, verifier: Verifier, *, backend: str, device: str = "auto", dtype: str = "auto"
+    options: ProposerOptions, verifier: Verifier[Any], *, backend: str, device: str = "auto", dtype: str = "auto"
 ) -> Proposer:
     """Build the proposer `options` names for `verifier` (loaded by `backend`; a draft model is loaded by the same
     backend on `device` with `dtype`)."""
@@ -64,12 +66,14 @@ def load_proposer(
         from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
         from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
 
-        assert isinstance(verifier, MlxVerifier)
+        if not isinstance(verifier, MlxVerifier):
+            raise ModelLoadError("the MLX DFlash drafter reads the layer outputs of an MLX verifier")
         return MlxDFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
     from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
     from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
 
-    assert isinstance(verifier, TorchVerifier)
+    if not isinstance(verifier, TorchVerifier):
+        raise ModelLoadError("the PyTorch DFlash drafter reads the layer outputs of a PyTorch verifier")
     return DFlashProposer.load(options.draft_model, verifier, max_draft_tokens=limit)
 
 

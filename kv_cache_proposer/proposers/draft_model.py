@@ -14,7 +14,7 @@ from typing import Any
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
-from kv_cache_proposer.verifier import SessionCache, Verifier
+from kv_cache_proposer.verifier import CausalLM, SessionCache, Verifier
 
 _GREEDY = SamplingParams()
 
@@ -22,9 +22,11 @@ _GREEDY = SamplingParams()
 class DraftModelSession:
     """One session's draft-model cache and the drafts staged in it."""
 
-    def __init__(self, model: Verifier, strategy: KVStrategy, *, max_draft_tokens: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, model: CausalLM[Any], strategy: KVStrategy, *, max_draft_tokens: int, prefill_chunk: int
+    ) -> None:
         self._model = model
-        self._cache: SessionCache = model.new_cache(strategy)
+        self._cache: SessionCache[Any] = model.new_cache(strategy)
         self._max_draft_tokens = max_draft_tokens
         self._prefill_chunk = prefill_chunk
         self._committed = 0  # history positions whose K/V the draft cache holds
@@ -97,7 +99,9 @@ class DraftModelSession:
 class DraftModelProposer:
     """A smaller causal LM loaded by the same backend as the verifier."""
 
-    def __init__(self, model: Verifier, verifier: Verifier, *, max_draft_tokens: int, prefill_chunk: int) -> None:
+    def __init__(
+        self, model: CausalLM[Any], verifier: Verifier[Any], *, max_draft_tokens: int, prefill_chunk: int
+    ) -> None:
         if model.vocab_size != verifier.vocab_size:
             raise ModelLoadError(
                 f"the draft model's vocabulary ({model.vocab_size}) differs from the verifier's "

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from inference_engine.config import BUNDLED_MODEL_DIR
+from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.metrics import Metrics
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from tests.support.server import start_server
+from tests.support.server import generate, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -29,6 +31,24 @@ def test_the_quickstart_python_example_runs_against_a_live_daemon(capsys, monkey
         printed = capsys.readouterr().out.splitlines()
         assert printed[0] == "max_tokens 32"
         assert len(server.runtime.store) == 0, "the example closes its session"
+    finally:
+        server.stop()
+
+
+def test_the_quickstart_grpcurl_session_stops_at_the_models_eos():
+    text = (DOCS / "quickstart.md").read_text()
+    calls = dict(
+        (method, json.loads(body))
+        for body, method in re.findall(r"grpcurl -plaintext -d '(\{.*?\})' \S+ kakeya\.v1\.RuntimeService/(\w+)", text)
+    )
+    assert set(calls) == {"CreateSession", "Generate"}
+    server = start_server(TorchVerifier.load(BUNDLED_MODEL_DIR, device="cpu", dtype="float32"))
+    try:
+        session_id = server.stub.CreateSession(pb.CreateSessionRequest(**calls["CreateSession"])).session_id
+        result = generate(server.stub, session_id, max_tokens=calls["Generate"]["max_tokens"])
+        assert result.done is not None and result.done.stop_reason == pb.STOP_REASON_EOS
+        assert result.tokens[-1] in server.runtime.default_eos_token_ids
+        assert len(result.tokens) < calls["Generate"]["max_tokens"]
     finally:
         server.stop()
 

@@ -46,9 +46,10 @@ def _session(store: SessionStore, verifier=None, tokens: int = 0) -> Session:
 
 class _EmptyCaches:
     def new_cache(self, strategy):
-        from kv_cache_proposer.backends.torch_backend.kv_store import TorchSessionCache
+        from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
+        from kv_cache_proposer.cache import KVSessionCache
 
-        return TorchSessionCache(strategy, num_layers=1, device=torch.device("cpu"))
+        return KVSessionCache(strategy, num_layers=1, ops=TorchArrayOps(torch.device("cpu")))
 
 
 _EMPTY = _EmptyCaches()

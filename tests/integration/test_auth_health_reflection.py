@@ -57,3 +57,19 @@ def test_request_ids_are_echoed_in_trailing_metadata(serve):
     stub = runtime_pb2_grpc.RuntimeServiceStub(server.channel)
     _, call = stub.CreateSession.with_call(pb.CreateSessionRequest(), metadata=[("x-request-id", "req-42")])
     assert ("x-request-id", "req-42") in tuple(call.trailing_metadata())
+
+
+def test_health_answers_without_the_key_while_reflection_still_needs_it(serve):
+    server = serve("qwen3", api_key="s3cret")
+    health = health_pb2_grpc.HealthStub(server.channel)
+    watch = health.Watch(health_pb2.HealthCheckRequest(service=""))
+    assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    reflection_stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    request = reflection_pb2.ServerReflectionRequest(list_services="")
+    with pytest.raises(grpc.RpcError) as denied:
+        list(reflection_stub.ServerReflectionInfo(iter([request])))
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    good = [("authorization", "Bearer s3cret")]
+    (listed,) = list(reflection_stub.ServerReflectionInfo(iter([request]), metadata=good))
+    assert "kakeya.v1.RuntimeService" in {s.name for s in listed.list_services_response.service}

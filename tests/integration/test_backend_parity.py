@@ -38,8 +38,8 @@ def _prompts() -> list[list[int]]:
     return prompts
 
 
-def _served_streams_for(verifier, prompts: list[list[int]]) -> list[list[int]]:
-    server = start_server(verifier, prefill_chunk_tokens=16)
+def _served_streams_for(verifier, model_dir, prompts: list[list[int]]) -> list[list[int]]:
+    server = start_server(verifier, model_dir=model_dir, prefill_chunk_tokens=16)
     try:
         return [generate(server.stub, create(server.stub, initial=p), max_tokens=NEW_TOKENS).tokens for p in prompts]
     finally:
@@ -49,8 +49,8 @@ def _served_streams_for(verifier, prompts: list[list[int]]) -> list[list[int]]:
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_streams_and_logits_agree_across_backends(verifier_pool, arch):
     torch_verifier, mlx_verifier = verifier_pool.get("torch", arch), verifier_pool.get("mlx", arch)
-    torch_streams = _served_streams_for(torch_verifier, _prompts())
-    mlx_streams = _served_streams_for(mlx_verifier, _prompts())
+    torch_streams = _served_streams_for(torch_verifier, verifier_pool.model_dir("torch", arch), _prompts())
+    mlx_streams = _served_streams_for(mlx_verifier, verifier_pool.model_dir("mlx", arch), _prompts())
     assert all(len(stream) == NEW_TOKENS for stream in torch_streams)
     assert len({tuple(s) for s in torch_streams}) == PROMPT_COUNT, "the prompts must lead to different streams"
     for i, (expected, served) in enumerate(zip(torch_streams, mlx_streams, strict=True)):
@@ -98,7 +98,9 @@ def test_kv_byte_accounting_and_evictions_are_the_same_on_both_backends(verifier
 
 def test_the_console_script_serves_the_bundled_model_with_backend_mlx():
     prompt = list(b"Hello, Kakeya")
-    expected = _served_streams_for(load_verifier("torch", BUNDLED_MODEL_DIR, device="cpu", dtype="float32"), [prompt])
+    expected = _served_streams_for(
+        load_verifier("torch", BUNDLED_MODEL_DIR, device="cpu", dtype="float32"), BUNDLED_MODEL_DIR, [prompt]
+    )
     daemon = Daemon(
         "serve", "--backend", "mlx", "--device", "cpu", "--dtype", "float32", "--port", "0", "--metrics-port", "-1"
     )

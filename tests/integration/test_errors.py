@@ -181,15 +181,15 @@ def test_an_invariant_violation_fails_and_frees_only_that_session(server, witnes
     sid = create(server.stub, initial=[1, 2, 3, 4])
     generate(server.stub, sid, max_tokens=3)
     session = server.runtime.store.get(sid, touch=False)
-    session.seq.cache._held[0] += 1  # corrupt one layer's bookkeeping
+    session.seq.cache._layers[0].held += 1  # corrupt one layer's bookkeeping
     with pytest.raises(grpc.RpcError) as err:
         generate(server.stub, sid, max_tokens=3)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "inv1" in err.value.details()
     assert _code(lambda: info(server.stub, sid)) == NOT_FOUND
     assert session.seq.cache.nbytes == 0, "the failed session's memory must be freed"
     text = server.metrics_text()
-    assert 'cache_invariant_violations_total{kind="inv1"} 1.0' in text
-    assert 'session_total{outcome="failed"} 1.0' in text
+    assert 'kakeya_cache_invariant_violations_total{kind="inv1"} 1.0' in text
+    assert 'kakeya_session_total{outcome="failed"} 1.0' in text
 
 
 def test_concurrent_bad_calls_do_not_disturb_a_generation(server, witness):

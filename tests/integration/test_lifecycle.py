@@ -37,7 +37,7 @@ def test_idle_sessions_are_evicted_after_the_ttl(serve):
     generate(server.stub, sid, max_tokens=2)
     _wait_until(lambda: len(server.runtime.store) == 0)
     assert "evicted: ttl" in _not_found_reason(server.stub, sid)
-    assert 'session_evicted_total{reason="ttl"} 1.0' in server.metrics_text()
+    assert 'kakeya_session_evicted_total{reason="ttl"} 1.0' in server.metrics_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -49,7 +49,7 @@ def test_a_full_store_evicts_the_least_recently_used_idle_session(serve):
     third = create(server.stub, initial=[4])
     assert "evicted: lru" in _not_found_reason(server.stub, second)
     assert info(server.stub, first).history_length == 2 and info(server.stub, third).history_length == 1
-    assert 'session_evicted_total{reason="lru"} 1.0' in server.metrics_text()
+    assert 'kakeya_session_evicted_total{reason="lru"} 1.0' in server.metrics_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -62,7 +62,7 @@ def test_the_kv_budget_evicts_idle_sessions_least_recent_first(serve):
     assert live == sessions[-len(live) :] and len(live) < 3
     assert "evicted: budget" in _not_found_reason(server.stub, sessions[0])
     assert server.runtime.store.kv_live_bytes() <= 300_000
-    assert 'session_evicted_total{reason="budget"}' in server.metrics_text()
+    assert 'kakeya_session_evicted_total{reason="budget"}' in server.metrics_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -135,7 +135,7 @@ def test_cancelling_mid_stream_leaves_a_consistent_history(serve):
     assert server.runtime.store.get(sid, touch=False).seq.tokens == history
     continued = generate(server.stub, sid, max_tokens=12).tokens
     assert continued == generate(server.stub, create(server.stub, initial=history), max_tokens=12).tokens
-    assert 'generate_requests_total{outcome="cancelled"} 1.0' in server.metrics_text()
+    assert 'kakeya_generate_requests_total{outcome="cancelled"} 1.0' in server.metrics_text()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -192,5 +192,5 @@ def test_random_rpc_sequences_keep_the_server_consistent(serve, strategy):
     RpcSequences.server = server
     budget = settings(max_examples=12, stateful_step_count=20, deadline=None, suppress_health_check=list(HealthCheck))
     run_state_machine_as_test(RpcSequences, settings=budget)
-    assert 'cache_invariant_violations_total{kind="inv1"} 0.0' in server.metrics_text()
-    assert 'cache_invariant_violations_total{kind="inv2"} 0.0' in server.metrics_text()
+    assert 'kakeya_cache_invariant_violations_total{kind="inv1"} 0.0' in server.metrics_text()
+    assert 'kakeya_cache_invariant_violations_total{kind="inv2"} 0.0' in server.metrics_text()

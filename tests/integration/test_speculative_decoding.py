@@ -91,8 +91,8 @@ def test_speculation_is_counted_in_generate_done_and_metrics(serve, proposer_set
         assert match, name
         return float(match.group(1))
 
-    assert value("speculative_draft_tokens_total") == done.draft_token_count
-    assert value("speculative_accepted_tokens_total") == done.accepted_draft_token_count
-    assert value("verifier_forwards_total") == done.verifier_forward_count
-    assert value("generate_verifier_forwards_per_token_count") == 1
-    assert value("speculative_acceptance_length_count") == value("speculative_drafts_total") > 0
+    assert value("kakeya_speculative_draft_tokens_total") == done.draft_token_count
+    assert value("kakeya_speculative_accepted_tokens_total") == done.accepted_draft_token_count
+    assert value("kakeya_verifier_forwards_total") == done.verifier_forward_count
+    assert value("kakeya_generate_verifier_forwards_per_token_count") == 1
+    assert value("kakeya_speculative_acceptance_length_count") == value("kakeya_speculative_drafts_total") > 0

@@ -89,7 +89,7 @@ def test_leaving_an_async_stream_early_cancels_the_generation(server):
             assert len([t async for t in session.generate(3)]) == 3
 
     asyncio.run(main())
-    assert 'generate_requests_total{outcome="cancelled"} 2.0' in server.metrics_text()
+    assert 'kakeya_generate_requests_total{outcome="cancelled"} 2.0' in server.metrics_text()
 
 
 def test_async_inter_token_timeout_deadline_and_cancel_from_another_task(server):

@@ -52,7 +52,7 @@ def test_input_the_server_rejects_is_invalid_argument_with_its_message(client):
     with pytest.raises(kakeya.InvalidArgument) as error:
         session.append([VOCAB_SIZE])
     assert error.value.status == grpc.StatusCode.INVALID_ARGUMENT and "outside the vocabulary" in error.value.message
-    for kwargs in ({"max_tokens": 0}, {"max_tokens": 4, "temperature": float("nan")}, {"max_tokens": 4, "top_p": 1.5}):
+    for kwargs in ({"max_tokens": 4, "temperature": float("nan")}, {"max_tokens": 4, "top_p": 1.5}):
         with pytest.raises(kakeya.InvalidArgument) as error:
             list(session.generate(**kwargs))
         assert error.value.status == grpc.StatusCode.INVALID_ARGUMENT
@@ -65,7 +65,7 @@ def test_an_invariant_violation_is_invariant_violation_and_the_session_is_gone(s
     session = client.create_session(initial_tokens=[1, 2, 3, 4])
     list(session.generate(3))
     cache = server.runtime.store.get(session.id, touch=False).seq.cache
-    cache._held[0] += 1  # corrupt one layer's bookkeeping inside the running daemon
+    cache._layers[0].held += 1  # corrupt one layer's bookkeeping inside the running daemon
     with pytest.raises(kakeya.InvariantViolation) as error:
         list(session.generate(3))
     assert error.value.status == grpc.StatusCode.FAILED_PRECONDITION and "inv1" in error.value.message
@@ -124,8 +124,9 @@ def test_nothing_listening_is_unavailable(free_port):
             client.wait_until_ready(0.2)
 
 
-def test_a_server_shutting_down_is_unavailable_with_its_message(verifiers):
-    server = start_server(verifiers["qwen3"], shutdown_grace_s=120.0)  # stopped by this test, not by a fixture
+def test_a_server_shutting_down_is_unavailable_with_its_message(verifiers, verifier_pool):
+    model_dir = verifier_pool.model_dir("torch", "qwen3")
+    server = start_server(verifiers["qwen3"], model_dir=model_dir, shutdown_grace_s=120.0)  # stopped by this test
     client = kakeya.Client(server.address)
     idle = client.create_session(initial_tokens=[1, 2])
     stream = client.create_session(initial_tokens=[3, 4]).generate(40)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -36,7 +37,12 @@ def _run(example: str, server: RunningServer, *args: str, stdin: str = "") -> st
 
 
 def test_every_example_is_covered_here():
-    assert {p.name for p in EXAMPLES.glob("*.py")} == {"streaming_chat.py", "async_agents.py", "template_hazard.py"}
+    assert {p.name for p in EXAMPLES.glob("*.py")} == {
+        "streaming_chat.py",
+        "async_agents.py",
+        "template_hazard.py",
+        "tool_call.py",
+    }
 
 
 def test_the_streaming_chat_answers_every_line(bundled_server):
@@ -61,3 +67,14 @@ def test_the_template_hazard_example_shows_the_hazard_and_the_append_only_fix(bu
     assert "NOT an extension" in out and "<think>" in out
     assert out.count("equals the append-only sequence") == 3
     assert "re-rendering hazards: 2; append-only mismatches: 0" in out
+
+
+def test_the_tool_call_example_parses_a_schema_valid_call_and_answers(bundled_server):
+    out = _run("tool_call.py", bundled_server, "--answer-tokens", "10")
+    lines = out.splitlines()
+    call = json.loads(next(line for line in lines if line.startswith("tool call: ")).removeprefix("tool call: "))
+    assert call["tool"] in ("add", "weather") and set(call["arguments"]) == {"a", "b", "city"}
+    assert any(line.startswith("tool result: ") for line in lines)
+    report = lines[-1]
+    assert report.split(":")[0] in ("[stop_sequence", "[max_tokens", "[eos"), report
+    assert "mean token probability" in report

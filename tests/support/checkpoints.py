@@ -81,3 +81,16 @@ def save_dflash_drafter(directory: Path, *, block_size: int = 4, seed: int = 2, 
     torch.manual_seed(seed)
     save_drafter(DFlashDrafter(config, len(spec.target_layer_ids)), spec, directory)
     return directory
+
+
+def copy_with_eos(source: Path, target: Path, eos_token_ids: list[int]) -> Path:
+    """A copy of checkpoint `source` whose generation config names `eos_token_ids` as its end-of-sequence ids."""
+    import json
+    import shutil
+
+    shutil.copytree(source, target)
+    path = target / "generation_config.json"
+    generation_config = json.loads(path.read_text()) if path.exists() else {}
+    generation_config["eos_token_id"] = eos_token_ids
+    path.write_text(json.dumps(generation_config))
+    return target

@@ -7,6 +7,7 @@ import threading
 import urllib.request
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -15,6 +16,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from inference_engine.metrics import Metrics
+from inference_engine.model_facts import ModelFacts
 from inference_engine.runtime import Runtime
 from inference_engine.server import KakeyaServer
 from kv_cache_proposer.proposers import load_proposer
@@ -66,12 +68,17 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(verifier: Verifier, **overrides: Any) -> RunningServer:
-    """Start a daemon serving `verifier` with `ServerConfig` overrides (port and metrics port are ephemeral)."""
+def start_server(verifier: Verifier, *, model_dir: Path | None = None, **overrides: Any) -> RunningServer:
+    """Start a daemon serving `verifier` with `ServerConfig` overrides (port and metrics port are ephemeral).
+
+    `model_dir` is the directory `verifier` was loaded from, whose facts (end-of-sequence ids, context length)
+    the server reports; without it they come from the configured model directory (the bundled model by default).
+    """
     settings: dict[str, Any] = {"port": 0, "metrics_port": 0, "shutdown_grace_s": 2.0, **overrides}
     config = ServerConfig(**settings)
     proposer = load_proposer(config.proposer_options(), verifier, backend=config.backend)
-    runtime = Runtime(verifier, config, Metrics(), proposer=proposer)
+    facts = ModelFacts.read(model_dir) if model_dir is not None else None
+    runtime = Runtime(verifier, config, Metrics(), proposer=proposer, model_facts=facts)
     server = KakeyaServer(runtime)
     loop = asyncio.new_event_loop()
     started = threading.Event()
@@ -104,6 +111,7 @@ class Generation:
     tokens: list[int]
     done: pb.GenerateDone | None
     truncated: list[int]
+    scored: list[pb.TokenLogprobs] = field(default_factory=list)  # when the request asked for logprobs
 
 
 def create(stub: runtime_pb2_grpc.RuntimeServiceStub, initial: list[int] | None = None, **kwargs: Any) -> str:
@@ -115,16 +123,20 @@ def generate(stub: runtime_pb2_grpc.RuntimeServiceStub, session_id: str, **kwarg
     kwargs.setdefault("max_tokens", 16)
     tokens: list[int] = []
     truncated: list[int] = []
+    scored: list[pb.TokenLogprobs] = []
     done = None
     for reply in stub.Generate(pb.GenerateRequest(session_id=session_id, **kwargs)):
         kind = reply.WhichOneof("payload")
         if kind == "token_id":
             tokens.append(reply.token_id)
+        elif kind == "scored_token":
+            tokens.append(reply.scored_token.token_id)
+            scored.append(reply.scored_token)
         elif kind == "truncated":
             truncated.append(reply.truncated.dropped_token_count)
         else:
             done = reply.done
-    return Generation(tokens, done, truncated)
+    return Generation(tokens, done, truncated, scored)
 
 
 def info(stub: runtime_pb2_grpc.RuntimeServiceStub, session_id: str, tail: int = 0) -> pb.GetSessionInfoResponse:

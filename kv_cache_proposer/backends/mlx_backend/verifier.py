@@ -10,12 +10,14 @@ import mlx.nn as nn
 import numpy as np
 
 from kv_cache_proposer import sampling
+from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
+from kv_cache_proposer.backends.mlx_backend.attention import staging_layers
 from kv_cache_proposer.backends.mlx_backend.features import tap_layers
-from kv_cache_proposer.backends.mlx_backend.kv_store import MlxSessionCache
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
+from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import VerifyOutput
 
 # Below this many K/V-only positions a second model call costs more than the rows it saves (measured on the tiny
@@ -23,7 +25,7 @@ from kv_cache_proposer.verifier import VerifyOutput
 _KV_ONLY_MIN_TOKENS = 64
 
 
-class MlxVerifier:
+class MlxVerifier(BackendModel[mx.array]):
     """An mlx-lm causal LM serving per-session caches.
 
     Every call evaluates what it produced (logits and K/V) before it returns, so neither the cache nor the caller
@@ -31,14 +33,20 @@ class MlxVerifier:
     """
 
     def __init__(self, loaded: LoadedModel, *, device: mx.Device) -> None:
+        facts = ModelFacts(
+            backend="mlx",
+            model_type=loaded.model_type,
+            vocab_size=loaded.vocab_size,
+            num_layers=loaded.num_layers,
+            hidden_size=loaded.hidden_size,
+            device="gpu" if device.type == mx.gpu else "cpu",
+            dtype=str(loaded.dtype).removeprefix("mlx.core."),
+        )
+        super().__init__(facts, MlxArrayOps())
         self.model: nn.Module = loaded.model
         self.device = device
         self.dtype = loaded.dtype
-        self._model_type = loaded.model_type
-        self._vocab_size = loaded.vocab_size
-        self._num_layers = loaded.num_layers
         self._layer_windows = loaded.layer_windows
-        self._hidden_size = loaded.hidden_size
 
     @classmethod
     def load(cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> MlxVerifier:
@@ -46,36 +54,9 @@ class MlxVerifier:
         loaded = load_mlx_model(model_dir, resolve_dtype(dtype, mlx_device))
         return cls(loaded, device=mlx_device)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return self._hidden_size
-
-    @property
-    def description(self) -> str:
-        device = "gpu" if self.device.type == mx.gpu else "cpu"
-        dtype = str(self.dtype).removeprefix("mlx.core.")
-        return f"mlx {self._model_type} ({self._num_layers} layers) on {device} {dtype}"
-
-    def new_cache(self, strategy: KVStrategy) -> MlxSessionCache:
-        return MlxSessionCache(strategy, layer_windows=self._layer_windows)
-
-    def verify(
-        self,
-        cache: MlxSessionCache,
-        token_ids: Sequence[int],
-        logits_rows: int,
-        *,
-        feature_layers: Sequence[int] = (),
-        extend_stage: bool = False,
-    ) -> VerifyOutput:
+    def forward(
+        self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int, feature_layers: Sequence[int]
+    ) -> VerifyOutput[mx.array]:
         block_len = len(token_ids)
         # Positions before the logits rows only need their K/V: a separate model call for them is never asked for
         # its last layer's output or its LM head rows, as in mlx-lm's own prefill.
@@ -86,8 +67,8 @@ class MlxVerifier:
         try:
             with mx.stream(self.device):
                 input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
-                layers = cache.begin_stage(block_len, extend=extend_stage)
-                base = cache.block_start
+                layers = staging_layers(cache, self._layer_windows)
+                base = cache.query_offset - cache.next_position  # index in the stage of the block's start
                 if head:
                     cache.select_queries(base, base + head)
                     self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
@@ -99,9 +80,9 @@ class MlxVerifier:
                     # Each tap saw the block in one or two model calls: [1, part, H] each.
                     parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
                     features = mx.concatenate(parts, axis=-1)  # [n, L*H]
-                    mx.eval(rows, features, cache.staged_arrays())
+                    mx.eval(rows, features, cache.arrays())
                 else:
-                    mx.eval(rows, cache.staged_arrays())
+                    mx.eval(rows, cache.arrays())
         finally:
             for tap in taps:
                 tap.recording.outputs = None
@@ -119,12 +100,15 @@ class MlxVerifier:
     def _inner(self) -> nn.Module:
         inner = getattr(self.model, "model", None) or getattr(self.model, "language_model", None)
         if inner is None or not hasattr(inner, "embed_tokens"):
-            raise EngineError(f"cannot find the input embeddings of this {self._model_type} model")
+            raise EngineError(f"cannot find the input embeddings of this {self.facts.model_type} model")
         return inner
 
-    def commit(self, cache: MlxSessionCache, count: int) -> None:
+    def commit(self, cache: SessionCache[mx.array], count: int) -> None:
         with mx.stream(self.device):
             cache.commit(count)
 
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
-        return sampling.pick_tokens(np.array(logits, dtype=np.float64), params, positions)
+        return sampling.pick_tokens(self.host_logits(logits), params, positions)
+
+    def host_logits(self, logits: mx.array) -> np.ndarray:
+        return np.array(logits, dtype=np.float64)

@@ -5,37 +5,49 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
+from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
-from kv_cache_proposer.backends.torch_backend.kv_store import StagingCache, TorchSessionCache
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
+from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import VerifyOutput
 
 
-class TorchVerifier:
+class TorchVerifier(BackendModel[torch.Tensor]):
     """A Hugging Face causal LM serving per-session caches."""
 
     def __init__(self, model: PreTrainedModel, *, device: torch.device, dtype: torch.dtype) -> None:
+        config = model.config.get_text_config()
+        num_layers = int(config.num_hidden_layers)
+        facts = ModelFacts(
+            backend="torch",
+            model_type=str(config.model_type),
+            vocab_size=int(config.vocab_size),
+            num_layers=num_layers,
+            hidden_size=int(config.hidden_size),
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+        )
+        super().__init__(facts, TorchArrayOps(device))
         self.model = model
         self.device = device
         self.dtype = dtype
-        config = model.config.get_text_config()
-        self._config = config
-        self._num_layers = int(config.num_hidden_layers)
-        self._vocab_size = int(config.vocab_size)
         layer_types = getattr(config, "layer_types", None)
         sliding_window = getattr(config, "sliding_window", None)
         if layer_types is None:
             kind = "sliding_attention" if sliding_window and getattr(config, "use_sliding_window", True) else None
-            layer_types = [kind or "full_attention"] * self._num_layers
+            layer_types = [kind or "full_attention"] * num_layers
         self._layer_types: list[str] = list(layer_types)
         self._sliding_window: int | None = int(sliding_window) if sliding_window else None
         self._per_type_masks = len(set(self._layer_types)) > 1
+        self._all_full_attention = set(self._layer_types) == {"full_attention"}
         self._additive_mask = model.config._attn_implementation == "eager"
 
     @classmethod
@@ -45,45 +57,22 @@ class TorchVerifier:
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
         return cls(model, device=torch_device, dtype=torch_dtype)
 
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    @property
-    def num_layers(self) -> int:
-        return self._num_layers
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self._config.hidden_size)
-
-    @property
-    def description(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        return f"torch {self._config.model_type} ({self._num_layers} layers) on {self.device} {dtype}"
-
-    def new_cache(self, strategy: KVStrategy) -> TorchSessionCache:
-        return TorchSessionCache(strategy, num_layers=self._num_layers, device=self.device)
-
     @torch.inference_mode()
-    def verify(
+    def forward(
         self,
-        cache: TorchSessionCache,
+        cache: SessionCache[torch.Tensor],
         token_ids: Sequence[int],
         logits_rows: int,
-        *,
-        feature_layers: Sequence[int] = (),
-        extend_stage: bool = False,
-    ) -> VerifyOutput:
-        block_len = len(token_ids)
-        key_positions = cache.begin_stage(block_len, extend=extend_stage)  # [K]
-        query_positions = key_positions[-block_len:]  # [n]
+        feature_layers: Sequence[int],
+    ) -> VerifyOutput[torch.Tensor]:
+        query_positions = cache.query_positions  # [n]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
         with layer_outputs(self.model, feature_layers) as captured:
             output = self.model(
                 input_ids=input_ids,
-                position_ids=query_positions[None, :],
-                attention_mask=self._attention_masks(cache.strategy, query_positions, key_positions),
+                position_ids=position_ids,
+                attention_mask=self._attention_masks(cache),
                 past_key_values=StagingCache(cache),
                 use_cache=True,
                 logits_to_keep=logits_rows,
@@ -92,29 +81,32 @@ class TorchVerifier:
         return VerifyOutput(output.logits[0, -logits_rows:].float(), features)  # logits [rows, V]
 
     @torch.inference_mode()
-    def commit(self, cache: TorchSessionCache, count: int) -> None:
+    def commit(self, cache: SessionCache[torch.Tensor], count: int) -> None:
         cache.commit(count)
 
     def pick_tokens(self, logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         return pick_tokens(logits, params, positions)
 
-    def _attention_masks(
-        self, strategy: KVStrategy, query_positions: torch.Tensor, key_positions: torch.Tensor
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
-        q = query_positions[:, None]  # [n, 1]
-        k = key_positions[None, :]  # [1, K]
-        allowed = (k >= 0) & (k <= q) & strategy.visible(q, k)  # [n, K]
-        masks = {"full_attention": allowed}
+    def host_logits(self, logits: torch.Tensor) -> np.ndarray:
+        return logits.double().cpu().numpy()
+
+    def _attention_masks(self, cache: SessionCache[torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The masks of the forward in flight; None where the library's own causal mask says the same (an unbounded
+        cache read alone is in position order), which lets attention skip the mask for a single query."""
+        strategy, query_positions, key_positions = cache.strategy, cache.query_positions, cache.key_positions
+        if strategy.bounded_slots is None and cache.prefix is None and self._all_full_attention:
+            return None
+        masks = {"full_attention": visible_keys(strategy, query_positions, key_positions)}  # [n, K]
         if "sliding_attention" in self._layer_types:
             window = self._sliding_window or 0
-            masks["sliding_attention"] = allowed & (q - k < window)
+            masks["sliding_attention"] = visible_keys(strategy, query_positions, key_positions, window=window)
         formatted = {kind: self._format_mask(mask) for kind, mask in masks.items()}
         if self._per_type_masks:
             return formatted
         return formatted[self._layer_types[0]]
 
-    def _format_mask(self, allowed: torch.Tensor) -> torch.Tensor:
-        mask = allowed[None, None]  # [1, 1, n, K]
+    def _format_mask(self, allowed: np.ndarray) -> torch.Tensor:
+        mask = torch.from_numpy(allowed).to(self.device)[None, None]  # [1, 1, n, K]
         if not self._additive_mask:
             return mask
         zero = torch.zeros((), dtype=self.dtype, device=self.device)

@@ -7,8 +7,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from kv_cache_proposer.backends.mlx_backend.kv_store import MlxSessionCache
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
+from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible, layer_windows
 from kv_cache_proposer.proposers.dflash.mlx_model import MlxDFlashDrafter, load_mlx_drafter
 from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
@@ -51,9 +51,10 @@ class MlxDFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        return DFlashDraftSession(self, MlxSessionCache(strategy, layer_windows=tuple(self._windows)))
+        cache = KVSessionCache(strategy, num_layers=len(self._windows), ops=self._verifier.array_ops)
+        return DFlashDraftSession(self, cache)
 
-    def add_context(self, cache: MlxSessionCache, features: mx.array) -> None:
+    def add_context(self, cache: SessionCache[mx.array], features: mx.array) -> None:
         count = int(features.shape[0])
         with mx.stream(self._verifier.device):
             layers = self.drafter.context_kv(features[None].astype(self._verifier.dtype), cache.next_position)
@@ -62,16 +63,17 @@ class MlxDFlashProposer:
                 cache.stage_layer(index, keys, values)
             cache.commit(count)
 
-    def draft(self, cache: MlxSessionCache, last_token: int, count: int) -> list[int]:
+    def draft(self, cache: SessionCache[mx.array], last_token: int, count: int) -> list[int]:
         with mx.stream(self._verifier.device):
             block = mx.array([[last_token] + [self.spec.mask_token_id] * count], dtype=mx.int32)  # [1, M]
             embeds = self._verifier.embed_tokens(block) * self.spec.input_embedding_scale  # [1, M, H]
             offset = cache.next_position
             cache.begin_stage(count + 1)
-            q, k = cache.query_positions[:, None], cache.key_positions[None, :]  # [M, 1], [1, K]
-            allowed = (k >= 0) & cache.strategy.visible(q, k)  # the context under the strategy, the block
+            query_pos, key_pos = cache.query_positions, cache.key_positions  # [M], [K]
+            # The context under the session's strategy, and the whole block both ways.
             masks = [
-                mx.array(allowed if w is None else allowed & (np.abs(q - k) < w))[None, None] for w in self._windows
+                mx.array(visible_keys(cache.strategy, query_pos, key_pos, causal=False, window=w))[None, None]
+                for w in self._windows
             ]
             hidden = self.drafter(embeds, offset, masks, cache.stage_layer)  # [1, M, H]
             logits = self._verifier.lm_head(hidden[0, 1:]).astype(mx.float32) * self.spec.output_multiplier

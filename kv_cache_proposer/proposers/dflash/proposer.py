@@ -8,8 +8,8 @@ from typing import cast
 import torch
 import torch.nn.functional as F
 
-from kv_cache_proposer.backends.torch_backend.kv_store import TorchSessionCache
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
@@ -39,6 +39,7 @@ class DFlashProposer:
             raise ModelLoadError("the verifier has no output embeddings (LM head) for the drafter to borrow")
         self._head: torch.nn.Module = head
         self._device = verifier.device
+        self._ops = verifier.array_ops
         limit = spec.block_size - 1
         self.max_draft_tokens = limit if max_draft_tokens <= 0 else min(max_draft_tokens, limit)
 
@@ -52,33 +53,36 @@ class DFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        return DFlashDraftSession(
-            self, TorchSessionCache(strategy, num_layers=len(self.drafter.layers), device=self._device)
-        )
+        cache = KVSessionCache(strategy, num_layers=len(self.drafter.layers), ops=self._ops)
+        return DFlashDraftSession(self, cache)
 
     @torch.inference_mode()
-    def add_context(self, cache: TorchSessionCache, features: torch.Tensor) -> None:
+    def add_context(self, cache: SessionCache[torch.Tensor], features: torch.Tensor) -> None:
         """Project the verifier features [n, L*H] of the next n positions to context K/V and keep them."""
         count = features.shape[0]
-        start = cache.next_position
-        positions = torch.arange(start, start + count, device=self._device)[None]  # [1, n]
-        layers = self.drafter.context_kv(features[None].to(self._embed.dtype), positions)
         cache.begin_stage(count)
+        positions = torch.tensor(cache.query_positions[None], device=self._device)  # [1, n]
+        layers = self.drafter.context_kv(features[None].to(self._embed.dtype), positions)
         for index, (keys, values) in enumerate(layers):
             cache.stage_layer(index, keys, values)
         cache.commit(count)
 
     @torch.inference_mode()
-    def draft(self, cache: TorchSessionCache, last_token: int, count: int) -> list[int]:
+    def draft(self, cache: SessionCache[torch.Tensor], last_token: int, count: int) -> list[int]:
         """Draft `count` tokens after `last_token`, which sits at the cache's next position."""
         block = torch.tensor([[last_token] + [self.spec.mask_token_id] * count], device=self._device)  # [1, M]
         embeds = F.embedding(block, self._embed) * self.spec.input_embedding_scale  # [1, M, H]
-        key_pos = cache.begin_stage(count + 1)  # [K]
-        query_pos = key_pos[-(count + 1) :]  # [M]
-        q, k = query_pos[:, None], key_pos[None, :]
-        allowed = (k >= 0) & cache.strategy.visible(q, k)  # [M, K]: the context under the strategy, the block
-        masks = [mask[None, None] for mask in self.drafter.layer_masks(allowed, q, k)]
-        hidden = self.drafter(embeds, query_pos[None], masks, cache.stage_layer)  # [1, M, H]
+        cache.begin_stage(count + 1)
+        query_pos, key_pos = cache.query_positions, cache.key_positions  # [M], [K]
+        # The context under the session's strategy, and the whole block both ways.
+        masks = [
+            torch.from_numpy(visible_keys(cache.strategy, query_pos, key_pos, causal=False, window=w)).to(self._device)[
+                None, None
+            ]
+            for w in self.drafter.layer_windows
+        ]
+        positions = torch.tensor(query_pos[None], device=self._device)  # [1, M]
+        hidden = self.drafter(embeds, positions, masks, cache.stage_layer)  # [1, M, H]
         cache.commit(0)  # the block's own K/V are never kept
         logits = self._head(hidden[0, 1:]).float() * self.spec.output_multiplier  # [count, V]
         if self.spec.final_logit_softcapping:

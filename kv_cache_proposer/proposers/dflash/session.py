@@ -10,14 +10,15 @@ own K/V are staged and dropped. The backend's `DraftEngine` does the tensor work
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
+from kv_cache_proposer.cache import SessionCache
+from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
-from kv_cache_proposer.verifier import SessionCache
 
 
-class DraftEngine(Protocol):
+class DraftEngine(Protocol[A]):
     """A loaded drafter bound to its verifier, on one backend."""
 
     @property
@@ -26,19 +27,19 @@ class DraftEngine(Protocol):
     @property
     def max_draft_tokens(self) -> int: ...
 
-    def add_context(self, cache: Any, features: Any) -> None:
+    def add_context(self, cache: SessionCache[A], features: A) -> None:
         """Project the verifier features [n, L*H] of the cache's next n positions to context K/V and keep them."""
         ...
 
-    def draft(self, cache: Any, last_token: int, count: int) -> list[int]:
+    def draft(self, cache: SessionCache[A], last_token: int, count: int) -> list[int]:
         """Draft `count` tokens after `last_token`, which sits at the cache's next position."""
         ...
 
 
-class DFlashDraftSession:
+class DFlashDraftSession(Generic[A]):
     """One session's drafter context."""
 
-    def __init__(self, engine: DraftEngine, cache: SessionCache) -> None:
+    def __init__(self, engine: DraftEngine[A], cache: SessionCache[A]) -> None:
         self._engine = engine
         self._cache = cache
 

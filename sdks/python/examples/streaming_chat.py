@@ -1,8 +1,8 @@
 """A streaming chat loop: each user line is appended to one session as an append-only delta, and the reply is
 printed token by token as it arrives.
 
-Run a daemon first (`scripts/serve.sh` serves the bundled kakeya-tiny model, whose replies are gibberish until a
-trained model is bundled), then:
+Run a daemon first (`scripts/serve.sh` serves the bundled kakeya-tiny model, a code-completion model whose replies
+are Python-flavoured text rather than an assistant's), then:
 
     python sdks/python/examples/streaming_chat.py [--address 127.0.0.1:50051] [--tokenizer DIR]
     printf 'hello\\nand again\\n' | python sdks/python/examples/streaming_chat.py

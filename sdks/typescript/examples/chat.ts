@@ -8,8 +8,8 @@
  * Usage (in sdks/typescript, with a daemon running, e.g. `scripts/serve.sh` at the repository root):
  *   npx tsx examples/chat.ts [--address 127.0.0.1:50051] [--model-dir DIR] [--max-tokens 64]
  *                            [--temperature 0.7] [--seed N] [--system TEXT] [--api-key KEY]
- * --model-dir holds the served model's tokenizer.json (default: the bundled kakeya-tiny model, whose replies are
- * gibberish: its weights are random).
+ * --model-dir holds the served model's tokenizer.json (default: the bundled kakeya-tiny model, a code-completion
+ * model whose replies are Python-flavoured text, not an assistant's).
  */
 import { fileURLToPath } from "node:url";
 import { createInterface } from "node:readline";

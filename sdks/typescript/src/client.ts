@@ -1,10 +1,10 @@
 import { type ChannelCredentials, type ChannelOptions, credentials } from "@grpc/grpc-js";
-import { count, createSessionRequest, milliseconds } from "./convert.js";
+import { count, createSessionRequest, milliseconds, modelInfo } from "./convert.js";
 import { KakeyaError, UnavailableError } from "./errors.js";
 import { RuntimeServiceClient } from "./generated/kakeya/v1/runtime.js";
 import { Session } from "./session.js";
 import { Transport } from "./transport.js";
-import type { CreateSessionOptions } from "./types.js";
+import type { CallOptions, CreateSessionOptions, ModelInfo } from "./types.js";
 
 /** TLS settings; `true` uses the system's root certificates. */
 export interface TlsOptions {
@@ -62,9 +62,21 @@ export class Client {
     this.transport = new Transport(stub, options.apiKey, timeoutMs);
   }
 
-  /** Create a session; `initialTokens` become its history. */
+  /** The served model's facts (vocabulary size, end-of-sequence ids, trained context length, chat template) and
+   * the server's defaults and limits. Asked once per client, then remembered. */
+  async modelInfo(options: CallOptions = {}): Promise<ModelInfo> {
+    if (this.transport.modelInfo === undefined) {
+      const response = await this.transport.unary(this.transport.stub.getModelInfo, {}, options);
+      this.transport.modelInfo = modelInfo(response);
+    }
+    return this.transport.modelInfo;
+  }
+
+  /** Create a session; `initialTokens` become its history. Without `eosTokenIds` its generations stop on the
+   * model's end-of-sequence ids. */
   async createSession(options: CreateSessionOptions = {}): Promise<Session> {
     const request = createSessionRequest(options);
+    await this.modelInfo(options); // the limits generate() checks maxTokens against
     const response = await this.transport.unary(this.transport.stub.createSession, request, options);
     return new Session(this.transport, response.sessionId, count(response.historyLength));
   }

@@ -1,5 +1,5 @@
 import { status, type ClientDuplexStream } from "@grpc/grpc-js";
-import { count, generateCommand, tokenIds } from "./convert.js";
+import { count, generateCommand, tokenIds, tokenLogprobs } from "./convert.js";
 import { CancelledError, fromGrpcError, KakeyaError, UnavailableError } from "./errors.js";
 import type { ConverseRequest, ConverseResponse } from "./generated/kakeya/v1/runtime.js";
 import { EventQueue } from "./queue.js";
@@ -40,6 +40,7 @@ export class Conversation {
   private constructor(
     private readonly call: ClientDuplexStream<ConverseRequest, ConverseResponse>,
     release: () => void,
+    private readonly maxGenerateTokens: number | undefined,
   ) {
     this.finished = new Promise<void>((resolve) => {
       call.on("data", (response: ConverseResponse) => this.route(response));
@@ -68,7 +69,8 @@ export class Conversation {
       throw new CancelledError("the conversation was cancelled by its AbortSignal", { cause: signal.reason });
     }
     const call = transport.stub.converse(transport.metadata(), {});
-    const conversation = new Conversation(call, transport.track(call));
+    const limit = transport.modelInfo?.limits.maxGenerateTokens;
+    const conversation = new Conversation(call, transport.track(call), limit);
     if (signal !== undefined) {
       const onAbort = (): void => conversation.abort();
       signal.addEventListener("abort", onAbort, { once: true });
@@ -90,7 +92,7 @@ export class Conversation {
    * cancel command, which stops every generation commanded on this stream so far.
    */
   generate(options: ConverseGenerateOptions): TokenStream {
-    const command = generateCommand(options);
+    const command = generateCommand(options, this.maxGenerateTokens);
     const events = new EventQueue<GenerationEvent>(Number.POSITIVE_INFINITY);
     const id = this.send({ $case: "generate", value: command });
     this.generations.set(id, events);
@@ -159,6 +161,11 @@ export class Conversation {
         return;
       case "tokenId":
         this.generations.get(id)?.push({ kind: "token", tokenId: event.value });
+        return;
+      case "scoredToken":
+        this.generations
+          .get(id)
+          ?.push({ kind: "token", tokenId: event.value.tokenId, logprobs: tokenLogprobs(event.value) });
         return;
       case "truncated":
         this.generations.get(id)?.push({ kind: "truncated", droppedTokenCount: count(event.value.droppedTokenCount) });

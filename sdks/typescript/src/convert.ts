@@ -5,17 +5,23 @@ import {
   type CreateSessionRequest,
   type GenerateCommand,
   type GenerateDone,
+  type GetModelInfoResponse,
   type GetSessionInfoResponse,
+  type GrammarConstraint,
   KvStrategy as WireKvStrategy,
   StopReason as WireStopReason,
+  type TokenLogprobs as WireTokenLogprobs,
 } from "./generated/kakeya/v1/runtime.js";
 import type {
   CreateSessionOptions,
   GenerationStats,
+  Grammar,
   KvStrategy,
+  ModelInfo,
   SamplingOptions,
   SessionInfo,
   StopReason,
+  TokenLogprobs,
 } from "./types.js";
 
 const UINT32_MAX = 0xffff_ffff;
@@ -71,9 +77,12 @@ export function createSessionRequest(options: CreateSessionOptions): CreateSessi
     if (wire === undefined) throw new InvalidArgumentError(`unknown kvStrategy ${JSON.stringify(options.kvStrategy)}`);
     strategy = wire;
   }
+  const eos = options.eosTokenIds === undefined ? undefined : tokenIds(options.eosTokenIds, "eosTokenIds");
   return {
     clientLabel: options.label ?? "",
-    eosTokenIds: tokenIds(options.eosTokenIds, "eosTokenIds"),
+    eosTokenIds: eos ?? [],
+    // Unset takes the model's EOS ids; an empty list asks for none at all.
+    noDefaultEos: eos !== undefined && eos.length === 0,
     initialTokenIds: tokenIds(options.initialTokens, "initialTokens"),
     kvStrategy: strategy,
     sinkTokens: optionalUint32(options.sinkTokens, "sinkTokens"),
@@ -81,18 +90,56 @@ export function createSessionRequest(options: CreateSessionOptions): CreateSessi
   };
 }
 
-/** The sampling fields shared by `GenerateRequest` and the Converse `GenerateCommand`. */
-export function generateCommand(options: SamplingOptions): GenerateCommand {
+/** The sampling fields shared by `GenerateRequest` and the Converse `GenerateCommand`; `maxTokens` must be in
+ * 1..`maxGenerateTokens` (the server's limit, when known). */
+export function generateCommand(options: SamplingOptions, maxGenerateTokens?: number): GenerateCommand {
   if (options === null || typeof options !== "object") {
     throw new InvalidArgumentError("generate needs an options object with maxTokens");
   }
+  const upper = maxGenerateTokens ?? 2 ** 32 - 1;
+  const maxTokens = options.maxTokens;
+  if (!Number.isInteger(maxTokens) || maxTokens < 1 || maxTokens > upper) {
+    const range = maxGenerateTokens === undefined ? `1..${upper}` : `1..${upper} (the server's limit)`;
+    throw new InvalidArgumentError(`maxTokens must be an integer in ${range}, got ${String(maxTokens)}`);
+  }
   return {
-    maxTokens: uint32(options.maxTokens, "maxTokens"),
+    maxTokens,
     seed: seed(options.seed),
     temperature: options.temperature,
     topP: options.topP,
     topK: optionalUint32(options.topK, "topK"),
     stopTokenIds: tokenIds(options.stopTokenIds, "stopTokenIds"),
+    grammar: grammarConstraint(options.grammar),
+    stopSequences: [...(options.stopSequences ?? [])].map((ids, i) => ({
+      tokenIds: tokenIds(ids, `stopSequences[${i}]`),
+    })),
+    logprobs: options.logprobs ?? false,
+    topLogprobs: options.topLogprobs === undefined ? 0 : uint32(options.topLogprobs, "topLogprobs"),
+    repetitionPenalty: options.repetitionPenalty,
+    presencePenalty: options.presencePenalty,
+    frequencyPenalty: options.frequencyPenalty,
+    penaltyWindowTokens: optionalUint32(options.penaltyWindowTokens, "penaltyWindowTokens"),
+    minP: options.minP,
+  };
+}
+
+function grammarConstraint(grammar: Grammar | undefined): GrammarConstraint | undefined {
+  if (grammar === undefined) return undefined;
+  if ("jsonSchema" in grammar) {
+    const text = typeof grammar.jsonSchema === "string" ? grammar.jsonSchema : JSON.stringify(grammar.jsonSchema);
+    return { grammar: { $case: "jsonSchema", value: text } };
+  }
+  if ("regex" in grammar) return { grammar: { $case: "regex", value: grammar.regex } };
+  if ("lark" in grammar) return { grammar: { $case: "lark", value: grammar.lark } };
+  if ("gbnf" in grammar) return { grammar: { $case: "gbnf", value: grammar.gbnf } };
+  throw new InvalidArgumentError("grammar must be one of { jsonSchema }, { regex }, { lark } or { gbnf }");
+}
+
+export function tokenLogprobs(scored: WireTokenLogprobs): TokenLogprobs {
+  return {
+    tokenId: scored.tokenId,
+    logprob: scored.logprob,
+    topLogprobs: scored.topLogprobs.map((a) => ({ tokenId: a.tokenId, logprob: a.logprob })),
   };
 }
 
@@ -127,6 +174,8 @@ const STOP_REASONS = new Map<WireStopReason, StopReason>([
   [WireStopReason.STOP_REASON_EOS, "eos"],
   [WireStopReason.STOP_REASON_CANCELLED, "cancelled"],
   [WireStopReason.STOP_REASON_TRUNCATED, "truncated"],
+  [WireStopReason.STOP_REASON_STOP_SEQUENCE, "stop_sequence"],
+  [WireStopReason.STOP_REASON_GRAMMAR_DEAD_END, "grammar_dead_end"],
 ]);
 
 export function generationStats(done: GenerateDone, droppedTokenCount: number): GenerationStats {
@@ -141,6 +190,7 @@ export function generationStats(done: GenerateDone, droppedTokenCount: number): 
     acceptedDraftTokenCount: done.acceptedDraftTokenCount,
     verifierForwardCount: done.verifierForwardCount,
     droppedTokenCount,
+    ...(done.stopSequenceIndex === undefined ? {} : { stopSequenceIndex: done.stopSequenceIndex }),
   };
 }
 
@@ -148,6 +198,33 @@ const STRATEGY_NAMES = new Map<WireKvStrategy, KvStrategy>([
   [WireKvStrategy.KV_STRATEGY_FULL, "full"],
   [WireKvStrategy.KV_STRATEGY_SINK_WINDOW, "sink_window"],
 ]);
+
+export function modelInfo(response: GetModelInfoResponse): ModelInfo {
+  const limits = response.limits;
+  return {
+    vocabSize: response.vocabSize,
+    eosTokenIds: [...response.eosTokenIds],
+    trainedContextTokens: count(response.trainedContextTokens),
+    backend: response.backend,
+    modelName: response.modelName,
+    description: response.description,
+    chatTemplate: response.chatTemplate,
+    defaultKvStrategy: STRATEGY_NAMES.get(response.defaultKvStrategy) ?? "unspecified",
+    defaultSinkTokens: response.defaultSinkTokens,
+    defaultWindowTokens: response.defaultWindowTokens,
+    limits: {
+      maxGenerateTokens: limits?.maxGenerateTokens ?? 0,
+      maxAppendTokens: limits?.maxAppendTokens ?? 0,
+      maxHistoryTokens: count(limits?.maxHistoryTokens ?? 0n),
+      maxSessions: limits?.maxSessions ?? 0,
+      maxMessageBytes: count(limits?.maxMessageBytes ?? 0n),
+      maxConcurrentGenerations: limits?.maxConcurrentGenerations ?? 0,
+      queueDeadlineSeconds: limits?.queueDeadlineSeconds ?? 0,
+    },
+    proposer: response.proposer,
+    serverVersion: response.serverVersion,
+  };
+}
 
 export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
   return {

@@ -4,6 +4,8 @@ import { status, type ServiceError } from "@grpc/grpc-js";
 export class KakeyaError extends Error {
   /** The gRPC status code, or `undefined` for errors raised before any call was made. */
   readonly code: status | undefined;
+  /** The status code's name, e.g. `"NOT_FOUND"`, or `undefined` with `code`. */
+  readonly status: string | undefined;
   /** The server's `x-request-id` for the failed call, when it sent one. */
   readonly requestId: string | undefined;
 
@@ -11,6 +13,7 @@ export class KakeyaError extends Error {
     super(message, options.cause === undefined ? undefined : { cause: options.cause });
     this.name = new.target.name;
     this.code = options.code;
+    this.status = options.code === undefined ? undefined : status[options.code];
     this.requestId = options.requestId;
   }
 }

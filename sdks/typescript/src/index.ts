@@ -32,11 +32,15 @@ export type {
   ForkOptions,
   GenerateOptions,
   GenerationStats,
+  Grammar,
   KvStrategy,
+  ModelInfo,
   SamplingOptions,
+  ServerLimits,
   SessionInfo,
   SessionInfoOptions,
   StopReason,
+  TokenLogprobs,
 } from "./types.js";
 /** The generated protocol messages and gRPC client, for callers that need the raw wire types. */
 export * as wire from "./generated/kakeya/v1/runtime.js";

@@ -1,5 +1,13 @@
 import { Conversation } from "./conversation.js";
-import { count, forkRequest, generateCommand, historyTailTokens, sessionInfo, tokenIds } from "./convert.js";
+import {
+  count,
+  forkRequest,
+  generateCommand,
+  historyTailTokens,
+  sessionInfo,
+  tokenIds,
+  tokenLogprobs,
+} from "./convert.js";
 import { fromGrpcError } from "./errors.js";
 import type { GenerateResponse } from "./generated/kakeya/v1/runtime.js";
 import { EventQueue } from "./queue.js";
@@ -20,6 +28,8 @@ function generateEvent(response: GenerateResponse): GenerationEvent | undefined 
   switch (payload?.$case) {
     case "tokenId":
       return { kind: "token", tokenId: payload.value };
+    case "scoredToken":
+      return { kind: "token", tokenId: payload.value.tokenId, logprobs: tokenLogprobs(payload.value) };
     case "truncated":
       return { kind: "truncated", droppedTokenCount: count(payload.value.droppedTokenCount) };
     case "done":
@@ -40,6 +50,7 @@ export class Session {
   historyLength: number | undefined;
   /** Statistics of this object's last generation that ended normally; reset when a new generation starts. */
   lastStats: GenerationStats | undefined;
+  private finalHistoryLength: number | undefined;
 
   constructor(
     private readonly transport: Transport,
@@ -59,10 +70,12 @@ export class Session {
 
   /**
    * Generate token ids; the RPC starts when iteration starts. Each streamed token is already part of the history.
+   * `maxTokens` outside 1..the server's limit throws `InvalidArgumentError` at once (the limit is known after
+   * `client.createSession()` or `client.modelInfo()`).
    * Leaving the `for await` loop early, aborting `options.signal` or calling `cancel()` on the stream cancels it.
    */
   generate(options: GenerateOptions): TokenStream {
-    const command = generateCommand(options);
+    const command = generateCommand(options, this.transport.modelInfo?.limits.maxGenerateTokens);
     this.lastStats = undefined;
     return new TokenStream(() => this.openGenerate(command), {
       signal: options.signal,
@@ -98,10 +111,12 @@ export class Session {
   }
 
   /** Close the session and free its memory on the server (a running generation is cancelled). Returns the final
-   * history length. */
+   * history length. Idempotent: closing again returns the same length without a call. */
   async close(options: CallOptions = {}): Promise<number> {
+    if (this.finalHistoryLength !== undefined) return this.finalHistoryLength;
     const response = await this.transport.unary(this.transport.stub.closeSession, { sessionId: this.id }, options);
     this.historyLength = count(response.finalHistoryLength);
+    this.finalHistoryLength = this.historyLength;
     return this.historyLength;
   }
 

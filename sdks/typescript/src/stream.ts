@@ -9,11 +9,11 @@ import {
 } from "./errors.js";
 import type { GenerateDone } from "./generated/kakeya/v1/runtime.js";
 import type { EventQueue } from "./queue.js";
-import type { GenerationStats } from "./types.js";
+import type { GenerationStats, TokenLogprobs } from "./types.js";
 
 /** One event of a generation, whichever RPC carried it. */
 export type GenerationEvent =
-  | { kind: "token"; tokenId: number }
+  | { kind: "token"; tokenId: number; logprobs?: TokenLogprobs }
   | { kind: "truncated"; droppedTokenCount: number }
   | { kind: "done"; done: GenerateDone };
 
@@ -51,6 +51,8 @@ function abortError(signal: AbortSignal): CancelledError {
 export class TokenStream implements AsyncIterable<number> {
   /** The server's statistics, once the generation has ended normally. */
   stats: GenerationStats | undefined;
+  /** Log-probabilities of the tokens streamed so far, one per token (empty unless `logprobs` was asked for). */
+  readonly logprobs: TokenLogprobs[] = [];
   private source: GenerationSource | undefined;
   private iterated = false;
   private cancelled = false;
@@ -120,6 +122,7 @@ export class TokenStream implements AsyncIterable<number> {
         if (result.done) throw new UnavailableError("the generation stream ended before its final message");
         const event = result.value;
         if (event.kind === "token") {
+          if (event.logprobs !== undefined) this.logprobs.push(event.logprobs);
           yield event.tokenId;
         } else if (event.kind === "truncated") {
           droppedTokenCount = event.droppedTokenCount;

@@ -2,7 +2,7 @@ import { Metadata, status, type CallOptions as GrpcCallOptions, type ServiceErro
 import { milliseconds } from "./convert.js";
 import { CancelledError, fromGrpcError, KakeyaError } from "./errors.js";
 import type { RuntimeServiceClient } from "./generated/kakeya/v1/runtime.js";
-import type { CallOptions } from "./types.js";
+import type { CallOptions, ModelInfo } from "./types.js";
 
 /** Anything that can be cancelled: the calls a transport tracks so that `close()` can end them. */
 interface Cancellable {
@@ -23,6 +23,9 @@ type UnaryMethod<Req, Res> = (
 export class Transport {
   private readonly live = new Set<Cancellable>();
   private closed = false;
+  /** The server's model facts and limits, once asked (`Client.modelInfo()`); generations check `maxTokens`
+   * against its limit. */
+  modelInfo: ModelInfo | undefined;
 
   constructor(
     readonly stub: RuntimeServiceClient,

@@ -19,7 +19,8 @@ export interface ForkOptions extends CallOptions {
 export interface CreateSessionOptions extends CallOptions {
   /** Free-form label shown in the server's logs and in `SessionInfo.clientLabel`. */
   label?: string;
-  /** Token ids that end every generation of the session with stop reason `eos`. */
+  /** Token ids that end every generation of the session with stop reason `eos`. Unset uses the model's
+   * end-of-sequence ids (`ModelInfo.eosTokenIds`); an empty list gives the session none. */
   eosTokenIds?: Iterable<number>;
   /** History the session starts with (prefilled by its first generation). */
   initialTokens?: Iterable<number>;
@@ -28,6 +29,45 @@ export interface CreateSessionOptions extends CallOptions {
   sinkTokens?: number;
   /** Most recent positions that stay resident under `sink_window`. */
   windowTokens?: number;
+}
+
+/** The limits the server checks requests against. */
+export interface ServerLimits {
+  /** Largest `maxTokens` of a generation (the smallest is 1). */
+  maxGenerateTokens: number;
+  /** Tokens one append (or the initial tokens) may carry. */
+  maxAppendTokens: number;
+  /** History tokens a session may hold. */
+  maxHistoryTokens: number;
+  /** Sessions held at once; creating one more evicts the least recently used idle one. */
+  maxSessions: number;
+  /** Largest gRPC message the server receives or sends. */
+  maxMessageBytes: number;
+  /** Generations running at once across sessions. */
+  maxConcurrentGenerations: number;
+  /** Seconds a request may wait for its session or a generation slot. */
+  queueDeadlineSeconds: number;
+}
+
+/** The served model's facts and the server's session defaults and limits (`client.modelInfo()`). */
+export interface ModelInfo {
+  /** Token ids are in [0, vocabSize). */
+  vocabSize: number;
+  /** The model's end-of-sequence ids: the default `eosTokenIds` of new sessions. */
+  eosTokenIds: number[];
+  /** Context length the model was trained for (0 when the model does not say). */
+  trainedContextTokens: number;
+  backend: string;
+  modelName: string;
+  description: string;
+  /** The tokenizer's chat template (Jinja source), when the model has one. */
+  chatTemplate: string | undefined;
+  defaultKvStrategy: KvStrategy | "unspecified";
+  defaultSinkTokens: number;
+  defaultWindowTokens: number;
+  limits: ServerLimits;
+  proposer: string;
+  serverVersion: string;
 }
 
 export interface SamplingOptions {
@@ -43,6 +83,34 @@ export interface SamplingOptions {
   topK?: number;
   /** Extra token ids that end this generation with stop reason `eos` (the token is streamed). */
   stopTokenIds?: Iterable<number>;
+  /** Constrain the output to a grammar; a completed grammar ends with the model's end-of-sequence token (`eos`). */
+  grammar?: Grammar;
+  /** Token-id sequences that end the generation after their first complete match (`stop_sequence`; streamed). */
+  stopSequences?: Iterable<Iterable<number>>;
+  /** Receive each token's log-probability (`TokenStream.logprobs`). */
+  logprobs?: boolean;
+  /** With `logprobs`: the N most likely alternatives per position (N up to the server's `--max-top-logprobs`). */
+  topLogprobs?: number;
+  /** Repetition penalty > 0 on tokens seen in the penalty window; 1 means none. */
+  repetitionPenalty?: number;
+  /** Subtracted from the logit of every token seen in the penalty window. */
+  presencePenalty?: number;
+  /** Subtracted from the logit of a token once per occurrence in the penalty window. */
+  frequencyPenalty?: number;
+  /** How many of the latest history tokens the penalties look at (server default 64). */
+  penaltyWindowTokens?: number;
+  /** Keep only tokens at least `minP` times as likely as the most likely one, in [0, 1]. */
+  minP?: number;
+}
+
+/** A grammar for constrained decoding: a JSON schema (object or JSON text), a regex, Lark or GBNF. */
+export type Grammar = { jsonSchema: object | string } | { regex: string } | { lark: string } | { gbnf: string };
+
+/** A generated token's log-probability and the most likely alternatives at its position. */
+export interface TokenLogprobs {
+  tokenId: number;
+  logprob: number;
+  topLogprobs: { tokenId: number; logprob: number }[];
 }
 
 export interface GenerateOptions extends SamplingOptions {
@@ -61,7 +129,8 @@ export interface SessionInfoOptions extends CallOptions {
 }
 
 /** Why a generation ended. */
-export type StopReason = "max_tokens" | "eos" | "cancelled" | "truncated" | "unspecified";
+export type StopReason =
+  "max_tokens" | "eos" | "cancelled" | "truncated" | "stop_sequence" | "grammar_dead_end" | "unspecified";
 
 /** The statistics the server reports at the end of a generation. */
 export interface GenerationStats {
@@ -79,6 +148,8 @@ export interface GenerationStats {
   verifierForwardCount: number;
   /** History positions no longer resident in the session's cache when the generation started (0: none). */
   droppedTokenCount: number;
+  /** With stop reason `stop_sequence`: the index of the stop sequence that matched. */
+  stopSequenceIndex?: number;
 }
 
 /** A session as the server describes it. */

@@ -35,6 +35,7 @@ describe("typed errors", () => {
       expect(error).toBeInstanceOf(SessionNotFoundError);
       expect(error).toBeInstanceOf(KakeyaError);
       expect((error as KakeyaError).code).toBe(status.NOT_FOUND);
+      expect((error as KakeyaError).status).toBe("NOT_FOUND");
       expect((error as KakeyaError).message).toContain("no-such-session");
     }
   });
@@ -68,7 +69,10 @@ describe("typed errors", () => {
 
   it("out-of-range generation parameters fail with InvalidArgumentError from the server", async () => {
     const session = await client.createSession({ initialTokens: PROMPT });
-    const bad = [{ maxTokens: 0 }, { maxTokens: 8193 }, { maxTokens: 2, temperature: -1 }, { maxTokens: 2, topP: 1.5 }];
+    const bad = [
+      { maxTokens: 2, temperature: -1 },
+      { maxTokens: 2, topP: 1.5 },
+    ];
     for (const options of bad) {
       await expect(session.generate(options).toArray()).rejects.toBeInstanceOf(InvalidArgumentError);
     }

@@ -46,11 +46,11 @@ def metric(server: RunningServer, sample: str, api_key: str | None = None) -> fl
 
 
 def wait_until_no_session(server: RunningServer, timeout_s: float = 60.0, api_key: str | None = None) -> None:
-    """Wait until the daemon holds no session (the session_active gauge is back to zero)."""
+    """Wait until the daemon holds no session (the kakeya_session_active gauge is back to zero)."""
     deadline = time.monotonic() + timeout_s
-    while metric(server, "session_active", api_key) != 0 and time.monotonic() < deadline:
+    while metric(server, "kakeya_session_active", api_key) != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert metric(server, "session_active", api_key) == 0, "a session was left behind"
+    assert metric(server, "kakeya_session_active", api_key) == 0, "a session was left behind"
     assert len(server.runtime.store) == 0
 
 

@@ -21,11 +21,11 @@ LONG = 4096  # far more tokens than are generated before the client goes away
 
 def _counters(server: RunningServer) -> dict[str, float]:
     samples = {
-        "opened": "sessions_opened_total",
-        "closed": 'session_total{outcome="closed"}',
-        "cancelled": 'generate_requests_total{outcome="cancelled"}',
-        "max_tokens": 'generate_requests_total{outcome="max_tokens"}',
-        "tokens": "generate_tokens_total",
+        "opened": "kakeya_session_opened_total",
+        "closed": 'kakeya_session_total{outcome="closed"}',
+        "cancelled": 'kakeya_generate_requests_total{outcome="cancelled"}',
+        "max_tokens": 'kakeya_generate_requests_total{outcome="max_tokens"}',
+        "tokens": "kakeya_generate_tokens_total",
     }
     out = {}
     for name, sample in samples.items():

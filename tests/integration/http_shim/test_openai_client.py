@@ -234,14 +234,14 @@ def test_health_metrics_and_the_migration_guide_are_served(shim):
 
 
 def test_the_shim_and_grpc_share_one_metrics_registry(shim):
-    before = metric(shim, "session_active")
+    before = metric(shim, "kakeya_session_active")
     sid = shim.stub.CreateSession(pb.CreateSessionRequest(initial_token_ids=[1, 2, 3])).session_id
     try:
-        assert metric(shim, "session_active") == before + 1  # a gRPC session, seen on the shim's /metrics
+        assert metric(shim, "kakeya_session_active") == before + 1  # a gRPC session, seen on the shim's /metrics
         assert shim.metrics_text() == httpx.get(shim.http_url + "/metrics", timeout=10).text
     finally:
         shim.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
-    generated = metric(shim, "generate_tokens_total")
+    generated = metric(shim, "kakeya_generate_tokens_total")
     reply = client(shim).completions.create(model=MODEL, prompt="abc", max_tokens=5, temperature=0)
     assert reply.usage is not None
-    assert metric(shim, "generate_tokens_total") == generated + reply.usage.completion_tokens
+    assert metric(shim, "kakeya_generate_tokens_total") == generated + reply.usage.completion_tokens

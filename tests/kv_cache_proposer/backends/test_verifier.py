@@ -141,7 +141,7 @@ def test_commit_checks_every_layer_against_the_bookkeeping(verifiers):
     cache = verifier.new_cache(FullStrategy())
     verifier.verify(cache, [1, 2, 3], 1)
     verifier.commit(cache, 3)
-    cache._held[1] += 1  # a layer claims a K/V entry the history does not have
+    cache._layers[1].held += 1  # a layer claims a K/V entry the history does not have
     verifier.verify(cache, [4], 1)
     with pytest.raises(InvariantViolation) as info:
         verifier.commit(cache, 1)

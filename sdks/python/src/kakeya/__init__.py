@@ -24,7 +24,19 @@ from kakeya.errors import (
     Unauthenticated,
     Unavailable,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, StopReason, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    Grammar,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    ServerLimits,
+    SessionInfo,
+    StopReason,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 __version__ = "0.1.0"
 
@@ -39,20 +51,25 @@ __all__ = [
     "Conversation",
     "ConverseTokenStream",
     "DeadlineExceeded",
+    "GenerationControls",
     "GenerationStats",
+    "Grammar",
     "InterTokenTimeout",
     "InvalidArgument",
     "InvariantViolation",
     "KakeyaError",
     "KvStrategy",
+    "ModelInfo",
     "ProtocolError",
     "ResourceExhausted",
     "RetryPolicy",
+    "ServerLimits",
     "Session",
     "SessionInfo",
     "SessionNotFound",
     "StopReason",
     "TlsConfig",
+    "TokenLogprobs",
     "TokenStream",
     "Unauthenticated",
     "Unavailable",

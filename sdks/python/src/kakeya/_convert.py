@@ -9,7 +9,16 @@ from collections.abc import Iterable
 
 from kakeya._generated import runtime_pb2 as pb
 from kakeya.errors import InvalidArgument, ProtocolError
-from kakeya.types import GenerationStats, KvStrategy, SessionInfo, StopReason
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    ServerLimits,
+    SessionInfo,
+    StopReason,
+    TokenLogprobs,
+)
 
 _UINT32 = 1 << 32
 _UINT64 = 1 << 64
@@ -21,6 +30,8 @@ _STOP_REASONS = {
     pb.STOP_REASON_EOS: StopReason.EOS,
     pb.STOP_REASON_CANCELLED: StopReason.CANCELLED,
     pb.STOP_REASON_TRUNCATED: StopReason.TRUNCATED,
+    pb.STOP_REASON_STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
+    pb.STOP_REASON_GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
 }
 
 
@@ -87,7 +98,7 @@ def strategy(value: KvStrategy | str | None) -> int:
 def create_request(
     *,
     label: str,
-    eos_token_ids: Iterable[int],
+    eos_token_ids: Iterable[int] | None,
     initial_tokens: Iterable[int],
     kv_strategy: KvStrategy | str | None,
     sink_tokens: int | None,
@@ -95,9 +106,12 @@ def create_request(
 ) -> pb.CreateSessionRequest:
     if not isinstance(label, str):
         raise InvalidArgument(f"label must be a string, got {label!r}")
+    eos = None if eos_token_ids is None else token_ids(eos_token_ids, "eos_token_ids")
     request = pb.CreateSessionRequest(
         client_label=label,
-        eos_token_ids=token_ids(eos_token_ids, "eos_token_ids"),
+        eos_token_ids=eos or [],
+        # None takes the model's EOS ids; an empty list asks for none at all.
+        no_default_eos=eos is not None and not eos,
         initial_token_ids=token_ids(initial_tokens, "initial_tokens"),
         kv_strategy=strategy(kv_strategy),  # type: ignore[arg-type]
     )
@@ -116,10 +130,14 @@ def generate_fields(
     top_p: float | None,
     top_k: int | None,
     stop_token_ids: Iterable[int],
+    max_generate_tokens: int | None = None,
+    controls: GenerationControls | None = None,
 ) -> dict[str, object]:
-    """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out."""
+    """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out.
+
+    `max_tokens` must be in 1..`max_generate_tokens` (the server's limit, when known)."""
     fields: dict[str, object] = {
-        "max_tokens": uint32(max_tokens, "max_tokens"),
+        "max_tokens": _max_tokens(max_tokens, max_generate_tokens),
         "stop_token_ids": token_ids(stop_token_ids, "stop_token_ids"),
     }
     if seed is not None:
@@ -130,7 +148,81 @@ def generate_fields(
         fields["top_p"] = value
     if top_k is not None:
         fields["top_k"] = uint32(top_k, "top_k")
+    if controls is not None:
+        fields.update(_control_fields(controls))
     return fields
+
+
+def _max_tokens(value: object, limit: int | None) -> int:
+    """`max_tokens` within 1..the server's limit; without the limit, within what the wire carries."""
+    if isinstance(value, bool):
+        raise InvalidArgument(f"max_tokens must be an integer, got {value!r}")
+    try:
+        number = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidArgument(f"max_tokens must be an integer, got {value!r}") from None
+    upper = limit if limit is not None else _UINT32 - 1
+    if not 1 <= number <= upper:
+        bound = f"1..{limit} (the server's limit)" if limit is not None else f"1..{upper}"
+        raise InvalidArgument(f"max_tokens must be in {bound}, got {number}")
+    return number
+
+
+def model_info(reply: pb.GetModelInfoResponse) -> ModelInfo:
+    limits = reply.limits
+    return ModelInfo(
+        vocab_size=reply.vocab_size,
+        eos_token_ids=tuple(reply.eos_token_ids),
+        trained_context_tokens=reply.trained_context_tokens,
+        backend=reply.backend,
+        model_name=reply.model_name,
+        description=reply.description,
+        chat_template=reply.chat_template if reply.HasField("chat_template") else None,
+        default_kv_strategy=_STRATEGIES.get(reply.default_kv_strategy),
+        default_sink_tokens=reply.default_sink_tokens,
+        default_window_tokens=reply.default_window_tokens,
+        limits=ServerLimits(
+            max_generate_tokens=limits.max_generate_tokens,
+            max_append_tokens=limits.max_append_tokens,
+            max_history_tokens=limits.max_history_tokens,
+            max_sessions=limits.max_sessions,
+            max_message_bytes=limits.max_message_bytes,
+            max_concurrent_generations=limits.max_concurrent_generations,
+            queue_deadline_s=limits.queue_deadline_seconds,
+        ),
+        proposer=reply.proposer,
+        server_version=reply.server_version,
+    )
+
+
+def _control_fields(controls: GenerationControls) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "stop_sequences": [
+            pb.StopSequence(token_ids=token_ids(s, f"stop_sequences[{i}]"))
+            for i, s in enumerate(controls.stop_sequences)
+        ],
+        "logprobs": bool(controls.logprobs),
+        "top_logprobs": uint32(controls.top_logprobs, "top_logprobs"),
+    }
+    grammar = controls.grammar
+    if grammar is not None:
+        if grammar.kind not in ("json_schema", "regex", "lark", "gbnf"):
+            raise InvalidArgument(f"unknown grammar kind {grammar.kind!r}")
+        fields["grammar"] = pb.GrammarConstraint(**{grammar.kind: grammar.source})
+    for name in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p"):
+        if (value := _optional_float(getattr(controls, name), name)) is not None:
+            fields[name] = value
+    if controls.penalty_window_tokens is not None:
+        fields["penalty_window_tokens"] = uint32(controls.penalty_window_tokens, "penalty_window_tokens")
+    return fields
+
+
+def token_logprobs(scored: pb.TokenLogprobs) -> TokenLogprobs:
+    return TokenLogprobs(
+        token_id=scored.token_id,
+        logprob=scored.logprob,
+        top_logprobs=tuple((a.token_id, a.logprob) for a in scored.top_logprobs),
+    )
 
 
 def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> GenerationStats:
@@ -147,6 +239,7 @@ def generation_stats(done: pb.GenerateDone, truncated_token_count: int) -> Gener
         accepted_draft_token_count=done.accepted_draft_token_count,
         verifier_forward_count=done.verifier_forward_count,
         truncated_token_count=truncated_token_count,
+        stop_sequence_index=done.stop_sequence_index if done.HasField("stop_sequence_index") else None,
     )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from kakeya import _convert
 from kakeya.errors import ProtocolError
-from kakeya.types import GenerationStats
+from kakeya.types import GenerationStats, TokenLogprobs
 
 
 class Tally:
@@ -20,10 +20,11 @@ class Tally:
     (`token_id`, `truncated`, `done`), so one tally reads both.
     """
 
-    __slots__ = ("stats", "tokens", "truncated_token_count")
+    __slots__ = ("logprobs", "stats", "tokens", "truncated_token_count")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
+        self.logprobs: list[TokenLogprobs] = []  # one per token when the generation asked for them
         self.truncated_token_count = 0
         self.stats: GenerationStats | None = None
 
@@ -33,6 +34,11 @@ class Tally:
             token = int(reply.token_id)
             self.tokens.append(token)
             return token
+        if kind == "scored_token":
+            scored = _convert.token_logprobs(reply.scored_token)
+            self.tokens.append(scored.token_id)
+            self.logprobs.append(scored)
+            return scored.token_id
         if kind == "truncated":
             self.truncated_token_count = int(reply.truncated.dropped_token_count)
             return None

@@ -16,7 +16,16 @@ from kakeya._generated.runtime_pb2_grpc import RuntimeServiceStub
 from kakeya._stream import Tally, Watchdog
 from kakeya.conversation import Conversation
 from kakeya.errors import InterTokenTimeout, InvalidArgument, ProtocolError, Unavailable, from_rpc_error
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    SessionInfo,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 R = TypeVar("R")
 
@@ -51,6 +60,7 @@ class Client:
             self._channel = grpc.secure_channel(address, creds, options=options)
         self.stub = RuntimeServiceStub(self._channel)
         self.metadata = _channel.metadata(api_key)
+        self._model_info: ModelInfo | None = None
 
     def __enter__(self) -> Client:
         return self
@@ -69,11 +79,19 @@ class Client:
         except grpc.FutureTimeoutError:
             raise Unavailable(f"no connection to {self.address} within {timeout_s} s") from None
 
+    def model_info(self) -> ModelInfo:
+        """The served model's facts (vocabulary size, EOS ids, trained context length, chat template) and the
+        server's defaults and limits. Asked once per client, then remembered."""
+        if self._model_info is None:
+            reply = self.unary(self.stub.GetModelInfo, "GetModelInfo", pb.GetModelInfoRequest(), idempotent=True)
+            self._model_info = _convert.model_info(reply)
+        return self._model_info
+
     def create_session(
         self,
         *,
         initial_tokens: Iterable[int] = (),
-        eos_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] | None = None,
         label: str = "",
         kv_strategy: KvStrategy | str | None = None,
         sink_tokens: int | None = None,
@@ -81,8 +99,9 @@ class Client:
     ) -> Session:
         """Create a session, optionally starting with `initial_tokens` (pending until the first generation).
 
-        `eos_token_ids` end every generation of the session with stop reason EOS. `kv_strategy`, `sink_tokens`
-        and `window_tokens` override the server's defaults for this session.
+        `eos_token_ids` end every generation of the session with stop reason EOS; None (the default) takes the
+        model's end-of-sequence ids (`model_info().eos_token_ids`), an empty list gives none. `kv_strategy`,
+        `sink_tokens` and `window_tokens` override the server's defaults for this session.
         """
         request = _convert.create_request(
             label=label,
@@ -132,6 +151,7 @@ class Session:
         self.last_generation: GenerationStats | None = None
         """Statistics of the latest generation started through this handle, once it has ended."""
         self._closed = False
+        self._final_history_length: int | None = None
 
     def __repr__(self) -> str:
         return f"Session({self.id!r})"
@@ -167,6 +187,7 @@ class Session:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
         inter_token_timeout_s: float | None = None,
         timeout_s: float | None = None,
     ) -> TokenStream:
@@ -185,6 +206,8 @@ class Session:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=self.client.model_info().limits.max_generate_tokens,
+            controls=controls,
         )
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         _convert.check_timeout(timeout_s, "timeout_s")
@@ -218,11 +241,15 @@ class Session:
 
     def close(self) -> int:
         """Close the session and free its memory on the server; returns the final history length. A running
-        generation on it ends with stop reason CANCELLED."""
+        generation on it ends with stop reason CANCELLED. Idempotent: closing again returns the same length
+        without a call."""
+        if self._final_history_length is not None:
+            return self._final_history_length
         request = pb.CloseSessionRequest(session_id=self.id)
         reply = self.client.unary(self.client.stub.CloseSession, "CloseSession", request, idempotent=True)
         self._closed = True
-        return int(reply.final_history_length)
+        self._final_history_length = int(reply.final_history_length)
+        return self._final_history_length
 
 
 class TokenStream(Iterator[int]):
@@ -249,6 +276,12 @@ class TokenStream(Iterator[int]):
     def tokens(self) -> list[int]:
         """Tokens received so far."""
         return list(self._tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

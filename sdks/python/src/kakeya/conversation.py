@@ -23,7 +23,7 @@ from kakeya.errors import (
     ProtocolError,
     from_rpc_error,
 )
-from kakeya.types import GenerationStats
+from kakeya.types import GenerationControls, GenerationStats, TokenLogprobs
 
 if TYPE_CHECKING:
     from kakeya.client import Session
@@ -91,6 +91,7 @@ class Conversation:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
     ) -> ConverseTokenStream:
         """Start a generation (parameters as in `Session.generate`); the conversation's `inter_token_timeout_s`
         bounds each wait for its next event."""
@@ -101,6 +102,8 @@ class Conversation:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=self.session.client.model_info().limits.max_generate_tokens,
+            controls=controls,
         )
         with self._lock:
             self._settle()
@@ -252,6 +255,12 @@ class ConverseTokenStream(Iterator[int]):
     def tokens(self) -> list[int]:
         """Tokens received so far; once the stream has ended, exactly the tokens it added to the history."""
         return list(self._generation.tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._generation.tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import random
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from kakeya.errors import InvalidArgument
 
@@ -20,6 +23,10 @@ class StopReason(Enum):
     """The client cancelled, the session was closed, or the server shut down."""
     TRUNCATED = "truncated"
     """The session reached the server's maximum history length."""
+    STOP_SEQUENCE = "stop_sequence"
+    """A stop sequence was generated; it ends the stream (`GenerationStats.stop_sequence_index` says which)."""
+    GRAMMAR_DEAD_END = "grammar_dead_end"
+    """The grammar allowed no token at all (for instance one the model's tokenizer cannot spell)."""
 
 
 class KvStrategy(Enum):
@@ -54,6 +61,8 @@ class GenerationStats:
     truncated_token_count: int = 0
     """History positions no longer resident in the cache when the generation started (0: none were evicted)."""
     server_reported: bool = True
+    stop_sequence_index: int | None = None
+    """With stop reason STOP_SEQUENCE: the index of the stop sequence that matched."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,13 +83,62 @@ class SessionInfo:
     generating: bool
     sink_tokens: int
     window_tokens: int
-    history_tail: tuple[int, ...] = ()
-    """The last `history_tail_tokens` history tokens, when asked for."""
+    history_tail: tuple[int, ...] = field(default=(), repr=False)
+    """The last `history_tail_tokens` history tokens, when asked for (the repr shows only their count)."""
+
+    def __repr__(self) -> str:
+        shown = ", ".join(
+            f"{name}={getattr(self, name)!r}" for name in self.__dataclass_fields__ if name != "history_tail"
+        )
+        return f"SessionInfo({shown}, history_tail=<{len(self.history_tail)} tokens>)"
 
     @property
     def invariant_violations(self) -> int:
         """Cache invariant violations counted on the session (INV-1 and INV-2)."""
         return self.inv1_violations + self.inv2_violations
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """The limits the server checks requests against."""
+
+    max_generate_tokens: int
+    """Largest `max_tokens` of a generation (the smallest is 1)."""
+    max_append_tokens: int
+    """Tokens one append (or the initial tokens) may carry."""
+    max_history_tokens: int
+    """History tokens a session may hold."""
+    max_sessions: int
+    """Sessions the server holds at once (creating one more evicts the least recently used idle one)."""
+    max_message_bytes: int
+    """Largest gRPC message the server receives or sends."""
+    max_concurrent_generations: int
+    """Generations running at once across sessions."""
+    queue_deadline_s: float
+    """Seconds a request may wait for its session or a generation slot."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """The served model's facts and the server's session defaults and limits."""
+
+    vocab_size: int
+    """Token ids are in [0, vocab_size)."""
+    eos_token_ids: tuple[int, ...]
+    """The model's end-of-sequence ids: the default `eos_token_ids` of new sessions."""
+    trained_context_tokens: int
+    """Context length the model was trained for (0 when the model does not say)."""
+    backend: str
+    model_name: str
+    description: str
+    chat_template: str | None = field(repr=False)
+    """The tokenizer's chat template (Jinja source), or None when the model has none."""
+    default_kv_strategy: KvStrategy | None
+    default_sink_tokens: int
+    default_window_tokens: int
+    limits: ServerLimits
+    proposer: str
+    server_version: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +183,64 @@ class RetryPolicy:
         """Seconds to wait after failed attempt number `attempt` (1-based): half to all of the capped exponential."""
         ceiling = min(self.max_backoff_s, self.initial_backoff_s * self.multiplier ** (attempt - 1))
         return ceiling * random.uniform(0.5, 1.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A grammar the generated tokens must follow; build one with `json_schema`, `regex`, `lark` or `gbnf`."""
+
+    kind: str
+    source: str
+
+    @classmethod
+    def json_schema(cls, schema: Mapping[str, Any] | bool | str) -> Grammar:
+        """One JSON value valid for `schema` (a dict, or its JSON text)."""
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        """Output that the regular expression matches as a whole."""
+        return cls("regex", pattern)
+
+    @classmethod
+    def lark(cls, grammar: str) -> Grammar:
+        """A context-free grammar in Lark syntax (llguidance's dialect), starting at `start`."""
+        return cls("lark", grammar)
+
+    @classmethod
+    def gbnf(cls, grammar: str) -> Grammar:
+        """A context-free grammar in llama.cpp's GBNF syntax, starting at `root`."""
+        return cls("gbnf", grammar)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationControls:
+    """Per-generation controls beyond temperature, top-p, top-k and the seed.
+
+    - `grammar`: constrain the output; a completed grammar ends with the model's end-of-sequence token (EOS).
+    - `stop_sequences`: token-id sequences that end the generation after their first complete match in the
+      generated tokens (STOP_SEQUENCE; the matched tokens are streamed and stay in the history).
+    - `logprobs`: receive each token's log-probability (`TokenStream.logprobs`), with `top_logprobs`
+      alternatives per position (at most the server's `--max-top-logprobs`, 20 by default).
+    - `repetition_penalty` (> 0, 1 = none), `presence_penalty`, `frequency_penalty` over the last
+      `penalty_window_tokens` history tokens (server default 64); `min_p` in [0, 1].
+    """
+
+    grammar: Grammar | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    penalty_window_tokens: int | None = None
+    min_p: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A generated token, its log-probability, and the most likely alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()

@@ -24,7 +24,16 @@ from kakeya.errors import (
     Unavailable,
     from_rpc_error,
 )
-from kakeya.types import GenerationStats, KvStrategy, RetryPolicy, SessionInfo, TlsConfig
+from kakeya.types import (
+    GenerationControls,
+    GenerationStats,
+    KvStrategy,
+    ModelInfo,
+    RetryPolicy,
+    SessionInfo,
+    TlsConfig,
+    TokenLogprobs,
+)
 
 R = TypeVar("R")
 
@@ -58,6 +67,7 @@ class AsyncClient:
             self._channel = grpc.aio.secure_channel(address, creds, options=options)
         self.stub = RuntimeServiceStub(self._channel)
         self.metadata = _channel.metadata(api_key)
+        self._model_info: ModelInfo | None = None
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -77,11 +87,24 @@ class AsyncClient:
         except TimeoutError:
             raise Unavailable(f"no connection to {self.address} within {timeout_s} s") from None
 
+    async def model_info(self) -> ModelInfo:
+        """The served model's facts and the server's defaults and limits (see `Client.model_info`)."""
+        if self._model_info is None:
+            request = pb.GetModelInfoRequest()
+            reply = await self.unary(self.stub.GetModelInfo, "GetModelInfo", request, idempotent=True)
+            self._model_info = _convert.model_info(reply)
+        return self._model_info
+
+    @property
+    def known_model_info(self) -> ModelInfo | None:
+        """What `model_info()` returned, once it has been asked (creating a session asks it)."""
+        return self._model_info
+
     async def create_session(
         self,
         *,
         initial_tokens: Iterable[int] = (),
-        eos_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] | None = None,
         label: str = "",
         kv_strategy: KvStrategy | str | None = None,
         sink_tokens: int | None = None,
@@ -96,6 +119,7 @@ class AsyncClient:
             sink_tokens=sink_tokens,
             window_tokens=window_tokens,
         )
+        await self.model_info()  # the limits generate() checks max_tokens against
         reply = await self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
         return AsyncSession(self, reply.session_id)
 
@@ -133,6 +157,7 @@ class AsyncSession:
         self.last_generation: GenerationStats | None = None
         """Statistics of the latest generation started through this handle, once it has ended."""
         self._closed = False
+        self._final_history_length: int | None = None
 
     def __repr__(self) -> str:
         return f"AsyncSession({self.id!r})"
@@ -168,12 +193,15 @@ class AsyncSession:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
         inter_token_timeout_s: float | None = None,
         timeout_s: float | None = None,
     ) -> AsyncTokenStream:
         """Start a generation and return its token ids as an async iterator (parameters as in
         `Session.generate`). Stopping early (`break`, `aclose()`, leaving an `async with` block, or cancelling the
-        reading task) cancels it on the server. Never retried."""
+        reading task) cancels it on the server. `max_tokens` is checked against the server's limit once the client
+        knows it (`AsyncClient.model_info()`, asked when a session is created). Never retried."""
+        known = self.client.known_model_info
         fields = _convert.generate_fields(
             max_tokens=max_tokens,
             seed=seed,
@@ -181,6 +209,8 @@ class AsyncSession:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=known.limits.max_generate_tokens if known is not None else None,
+            controls=controls,
         )
         _convert.check_timeout(inter_token_timeout_s, "inter_token_timeout_s")
         _convert.check_timeout(timeout_s, "timeout_s")
@@ -209,11 +239,15 @@ class AsyncSession:
         return _convert.session_info(reply)
 
     async def close(self) -> int:
-        """Close the session and free its memory; returns the final history length."""
+        """Close the session and free its memory; returns the final history length. Idempotent: closing again
+        returns the same length without a call."""
+        if self._final_history_length is not None:
+            return self._final_history_length
         request = pb.CloseSessionRequest(session_id=self.id)
         reply = await self.client.unary(self.client.stub.CloseSession, "CloseSession", request, idempotent=True)
         self._closed = True
-        return int(reply.final_history_length)
+        self._final_history_length = int(reply.final_history_length)
+        return self._final_history_length
 
 
 def task_is_cancelling() -> bool:
@@ -240,6 +274,12 @@ class AsyncTokenStream(AsyncIterator[int]):
     @property
     def tokens(self) -> list[int]:
         return list(self._tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

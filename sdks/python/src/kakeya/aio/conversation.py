@@ -21,7 +21,7 @@ from kakeya.errors import (
     ProtocolError,
     from_rpc_error,
 )
-from kakeya.types import GenerationStats
+from kakeya.types import GenerationControls, GenerationStats, TokenLogprobs
 
 if TYPE_CHECKING:
     from kakeya.aio.client import AsyncSession
@@ -85,6 +85,7 @@ class AsyncConversation:
         top_p: float | None = None,
         top_k: int | None = None,
         stop_token_ids: Iterable[int] = (),
+        controls: GenerationControls | None = None,
     ) -> AsyncConverseTokenStream:
         """Start a generation (parameters as in `Session.generate`) and return its token stream:
         `async for token in await conversation.generate(16)`."""
@@ -95,6 +96,8 @@ class AsyncConversation:
             top_p=top_p,
             top_k=top_k,
             stop_token_ids=stop_token_ids,
+            max_generate_tokens=(await self.session.client.model_info()).limits.max_generate_tokens,
+            controls=controls,
         )
         async with self._lock:
             await self._settle()
@@ -246,6 +249,12 @@ class AsyncConverseTokenStream(AsyncIterator[int]):
     def tokens(self) -> list[int]:
         """Tokens received so far; once the stream has ended, exactly the tokens it added to the history."""
         return list(self._generation.tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._generation.tally.logprobs)
 
     @property
     def stats(self) -> GenerationStats | None:

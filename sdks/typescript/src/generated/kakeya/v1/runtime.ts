@@ -48,6 +48,10 @@ export enum StopReason {
   STOP_REASON_CANCELLED = 3,
   /** STOP_REASON_TRUNCATED - The session reached the server's maximum history length. */
   STOP_REASON_TRUNCATED = 4,
+  /** STOP_REASON_STOP_SEQUENCE - A stop sequence was generated (it is included in the stream); GenerateDone says which. */
+  STOP_REASON_STOP_SEQUENCE = 5,
+  /** STOP_REASON_GRAMMAR_DEAD_END - The grammar allowed no token at all (for instance one the tokenizer cannot spell). */
+  STOP_REASON_GRAMMAR_DEAD_END = 6,
   UNRECOGNIZED = -1,
 }
 
@@ -65,7 +69,16 @@ export interface CreateSessionRequest {
     | number
     | undefined;
   /** Window size for KV_STRATEGY_SINK_WINDOW; unset uses the server default. */
-  windowTokens?: number | undefined;
+  windowTokens?:
+    | number
+    | undefined;
+  /**
+   * With `eos_token_ids` empty, a session ends generations on the model's end-of-sequence ids
+   * (GetModelInfoResponse.eos_token_ids). Set this to give the session no end-of-sequence ids at all:
+   * its generations then stop only on max_tokens, per-generation stop ids or the history limit.
+   * Ignored when `eos_token_ids` is not empty.
+   */
+  noDefaultEos: boolean;
 }
 
 export interface CreateSessionResponse {
@@ -106,6 +119,85 @@ export interface GenerateRequest {
     | undefined;
   /** Extra token ids that end this generation with stop reason EOS (in addition to the session's). */
   stopTokenIds: number[];
+  /**
+   * Constrains the generated tokens to spell a sentence of a grammar (JSON schema, regex, Lark or GBNF).
+   * A completed grammar allows only the model's end-of-sequence token, which ends the generation (STOP_REASON_EOS).
+   */
+  grammar:
+    | GrammarConstraint
+    | undefined;
+  /**
+   * Token-id sequences that end this generation after their first complete match in the generated tokens
+   * (STOP_REASON_STOP_SEQUENCE; the matched tokens are streamed and stay in the history).
+   */
+  stopSequences: StopSequence[];
+  /** Stream every token as `scored_token` with its log-probability instead of `token_id`. */
+  logprobs: boolean;
+  /** With `logprobs`: also the N most likely alternatives at each position (N up to the server's limit). */
+  topLogprobs: number;
+  /** Repetition penalty (CTRL) > 0 on tokens seen in the penalty window; unset or 1 means none. */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of every token seen in the penalty window; unset means 0. */
+  presencePenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of a token once per occurrence in the penalty window; unset means 0. */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /** How many of the latest history tokens the penalties look at; unset means 64. */
+  penaltyWindowTokens?:
+    | number
+    | undefined;
+  /** Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; unset means 0. */
+  minP?: number | undefined;
+}
+
+/**
+ * GrammarConstraint is the grammar a generation's tokens must follow, compiled against the model's tokenizer.
+ * A grammar that does not compile is INVALID_ARGUMENT.
+ */
+export interface GrammarConstraint {
+  grammar:
+    | //
+    /** A JSON schema (as JSON text); the output is one JSON value valid for it. */
+    { $case: "jsonSchema"; value: string }
+    | //
+    /** A regular expression the whole output matches. */
+    { $case: "regex"; value: string }
+    | //
+    /** A context-free grammar in Lark syntax (llguidance's dialect), starting at `start`. */
+    { $case: "lark"; value: string }
+    | //
+    /** A context-free grammar in llama.cpp's GBNF syntax, starting at `root`. */
+    { $case: "gbnf"; value: string }
+    | undefined;
+}
+
+/** StopSequence is a sequence of token ids that ends a generation when the generated tokens end with it. */
+export interface StopSequence {
+  tokenIds: number[];
+}
+
+/**
+ * TokenLogprobs is one generated token with its log-probability under the distribution it was drawn from
+ * (after penalties, the grammar mask and the sampling transforms).
+ */
+export interface TokenLogprobs {
+  tokenId: number;
+  logprob: number;
+  /**
+   * The most likely tokens at this position, most likely first (as many as `top_logprobs` asked, fewer when
+   * fewer tokens could be drawn).
+   */
+  topLogprobs: LogprobAlternative[];
+}
+
+export interface LogprobAlternative {
+  tokenId: number;
+  logprob: number;
 }
 
 export interface GenerateResponse {
@@ -119,6 +211,9 @@ export interface GenerateResponse {
     | //
     /** Sent before the first token when the generation starts with evicted history positions. */
     { $case: "truncated"; value: HistoryTruncated }
+    | //
+    /** One generated token with its log-probabilities (instead of `token_id`, when the request asks for them). */
+    { $case: "scoredToken"; value: TokenLogprobs }
     | undefined;
 }
 
@@ -139,6 +234,8 @@ export interface GenerateDone {
   verifierForwardCount: number;
   /** Time from the start of the generation to its first token. */
   timeToFirstTokenSeconds: number;
+  /** With STOP_REASON_STOP_SEQUENCE: the index in `stop_sequences` of the sequence that matched. */
+  stopSequenceIndex?: number | undefined;
 }
 
 export interface HistoryTruncated {
@@ -217,6 +314,40 @@ export interface GenerateCommand {
   topP?: number | undefined;
   topK?: number | undefined;
   stopTokenIds: number[];
+  /**
+   * Constrains the generated tokens to spell a sentence of a grammar (JSON schema, regex, Lark or GBNF).
+   * A completed grammar allows only the model's end-of-sequence token, which ends the generation (STOP_REASON_EOS).
+   */
+  grammar:
+    | GrammarConstraint
+    | undefined;
+  /**
+   * Token-id sequences that end this generation after their first complete match in the generated tokens
+   * (STOP_REASON_STOP_SEQUENCE; the matched tokens are streamed and stay in the history).
+   */
+  stopSequences: StopSequence[];
+  /** Stream every token as `scored_token` with its log-probability instead of `token_id`. */
+  logprobs: boolean;
+  /** With `logprobs`: also the N most likely alternatives at each position (N up to the server's limit). */
+  topLogprobs: number;
+  /** Repetition penalty (CTRL) > 0 on tokens seen in the penalty window; unset or 1 means none. */
+  repetitionPenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of every token seen in the penalty window; unset means 0. */
+  presencePenalty?:
+    | number
+    | undefined;
+  /** Subtracted from the logit of a token once per occurrence in the penalty window; unset means 0. */
+  frequencyPenalty?:
+    | number
+    | undefined;
+  /** How many of the latest history tokens the penalties look at; unset means 64. */
+  penaltyWindowTokens?:
+    | number
+    | undefined;
+  /** Keep only tokens at least min_p times as likely as the most likely one, in [0, 1]; unset means 0. */
+  minP?: number | undefined;
 }
 
 /**
@@ -235,6 +366,9 @@ export interface ConverseResponse {
     | { $case: "tokenId"; value: number }
     | { $case: "truncated"; value: HistoryTruncated }
     | { $case: "done"; value: GenerateDone }
+    | //
+    /** A generated token with its log-probabilities (instead of `token_id`, when the command asks for them). */
+    { $case: "scoredToken"; value: TokenLogprobs }
     | undefined;
 }
 
@@ -244,6 +378,65 @@ export interface BoundEvent {
 
 export interface AppendedEvent {
   historyLength: bigint;
+}
+
+export interface GetModelInfoRequest {
+}
+
+export interface GetModelInfoResponse {
+  /** Token ids are in [0, vocab_size). */
+  vocabSize: number;
+  /**
+   * End-of-sequence ids from the model's generation config (config.json when it has none); the default
+   * `eos_token_ids` of new sessions.
+   */
+  eosTokenIds: number[];
+  /** Context length the model was trained for (max_position_embeddings); 0 when the model does not say. */
+  trainedContextTokens: bigint;
+  /** Verifier backend: "torch" or "mlx". */
+  backend: string;
+  /** Name of the model directory. */
+  modelName: string;
+  /** Backend, architecture, device and dtype of the loaded verifier, for humans. */
+  description: string;
+  /** The tokenizer's chat template (Jinja source), for clients that render prompts; unset when the model has none. */
+  chatTemplate?:
+    | string
+    | undefined;
+  /** KV strategy of sessions created with KV_STRATEGY_UNSPECIFIED. */
+  defaultKvStrategy: KvStrategy;
+  /** Sink and window sizes of KV_STRATEGY_SINK_WINDOW sessions that do not set their own. */
+  defaultSinkTokens: number;
+  defaultWindowTokens: number;
+  /** Request limits of this server. */
+  limits:
+    | ServerLimits
+    | undefined;
+  /** Speculative proposer: "none", "ngram", "draft_model" or "dflash". */
+  proposer: string;
+  /** Version of the server. */
+  serverVersion: string;
+}
+
+/**
+ * ServerLimits are the limits a request is checked against; exceeding one is INVALID_ARGUMENT or
+ * RESOURCE_EXHAUSTED (see each field).
+ */
+export interface ServerLimits {
+  /** Largest GenerateRequest.max_tokens (INVALID_ARGUMENT above it; the smallest is 1). */
+  maxGenerateTokens: number;
+  /** Tokens one append or initial history may carry (RESOURCE_EXHAUSTED above it). */
+  maxAppendTokens: number;
+  /** History tokens a session may hold. */
+  maxHistoryTokens: bigint;
+  /** Sessions held at once; creating one more evicts the least recently used idle one. */
+  maxSessions: number;
+  /** Largest gRPC message the server receives or sends. */
+  maxMessageBytes: bigint;
+  /** Generations running at once across sessions. */
+  maxConcurrentGenerations: number;
+  /** Seconds a request may wait for its session or a generation slot. */
+  queueDeadlineSeconds: number;
 }
 
 export interface ForkSessionRequest {
@@ -277,6 +470,7 @@ function createBaseCreateSessionRequest(): CreateSessionRequest {
     kvStrategy: 0,
     sinkTokens: undefined,
     windowTokens: undefined,
+    noDefaultEos: false,
   };
 }
 
@@ -307,6 +501,9 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     }
     if (message.windowTokens !== undefined) {
       writer.uint32(48).uint32(message.windowTokens);
+    }
+    if (message.noDefaultEos !== false) {
+      writer.uint32(72).bool(message.noDefaultEos);
     }
     return writer;
   },
@@ -392,6 +589,14 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
             message.windowTokens = reader.uint32();
             continue;
           }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.noDefaultEos = reader.bool();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -415,6 +620,7 @@ export const CreateSessionRequest: MessageFns<CreateSessionRequest> = {
     message.kvStrategy = object.kvStrategy ?? 0;
     message.sinkTokens = object.sinkTokens ?? undefined;
     message.windowTokens = object.windowTokens ?? undefined;
+    message.noDefaultEos = object.noDefaultEos ?? false;
     return message;
   },
 };
@@ -641,6 +847,15 @@ function createBaseGenerateRequest(): GenerateRequest {
     topP: undefined,
     topK: undefined,
     stopTokenIds: [],
+    grammar: undefined,
+    stopSequences: [],
+    logprobs: false,
+    topLogprobs: 0,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    penaltyWindowTokens: undefined,
+    minP: undefined,
   };
 }
 
@@ -673,6 +888,33 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.grammar !== undefined) {
+      GrammarConstraint.encode(message.grammar, writer.uint32(66).fork()).join();
+    }
+    for (const v of message.stopSequences) {
+      StopSequence.encode(v!, writer.uint32(74).fork()).join();
+    }
+    if (message.logprobs !== false) {
+      writer.uint32(80).bool(message.logprobs);
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(88).uint32(message.topLogprobs);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(101).float(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(109).float(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(117).float(message.frequencyPenalty);
+    }
+    if (message.penaltyWindowTokens !== undefined) {
+      writer.uint32(120).uint32(message.penaltyWindowTokens);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(133).float(message.minP);
     }
     return writer;
   },
@@ -756,6 +998,78 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
 
             break;
           }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.grammar = GrammarConstraint.decode(reader, reader.uint32());
+            continue;
+          }
+          case 9: {
+            if (tag !== 74) {
+              break;
+            }
+
+            message.stopSequences.push(StopSequence.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.logprobs = reader.bool();
+            continue;
+          }
+          case 11: {
+            if (tag !== 88) {
+              break;
+            }
+
+            message.topLogprobs = reader.uint32();
+            continue;
+          }
+          case 12: {
+            if (tag !== 101) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.float();
+            continue;
+          }
+          case 13: {
+            if (tag !== 109) {
+              break;
+            }
+
+            message.presencePenalty = reader.float();
+            continue;
+          }
+          case 14: {
+            if (tag !== 117) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.float();
+            continue;
+          }
+          case 15: {
+            if (tag !== 120) {
+              break;
+            }
+
+            message.penaltyWindowTokens = reader.uint32();
+            continue;
+          }
+          case 16: {
+            if (tag !== 133) {
+              break;
+            }
+
+            message.minP = reader.float();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -780,6 +1094,347 @@ export const GenerateRequest: MessageFns<GenerateRequest> = {
     message.topP = object.topP ?? undefined;
     message.topK = object.topK ?? undefined;
     message.stopTokenIds = object.stopTokenIds?.map((e) => e) || [];
+    message.grammar = (object.grammar !== undefined && object.grammar !== null)
+      ? GrammarConstraint.fromPartial(object.grammar)
+      : undefined;
+    message.stopSequences = object.stopSequences?.map((e) => StopSequence.fromPartial(e)) || [];
+    message.logprobs = object.logprobs ?? false;
+    message.topLogprobs = object.topLogprobs ?? 0;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.penaltyWindowTokens = object.penaltyWindowTokens ?? undefined;
+    message.minP = object.minP ?? undefined;
+    return message;
+  },
+};
+
+function createBaseGrammarConstraint(): GrammarConstraint {
+  return { grammar: undefined };
+}
+
+export const GrammarConstraint: MessageFns<GrammarConstraint> = {
+  encode(message: GrammarConstraint, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    switch (message.grammar?.$case) {
+      case "jsonSchema":
+        writer.uint32(10).string(message.grammar.value);
+        break;
+      case "regex":
+        writer.uint32(18).string(message.grammar.value);
+        break;
+      case "lark":
+        writer.uint32(26).string(message.grammar.value);
+        break;
+      case "gbnf":
+        writer.uint32(34).string(message.grammar.value);
+        break;
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GrammarConstraint {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGrammarConstraint();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 10) {
+              break;
+            }
+
+            message.grammar = { $case: "jsonSchema", value: reader.string() };
+            continue;
+          }
+          case 2: {
+            if (tag !== 18) {
+              break;
+            }
+
+            message.grammar = { $case: "regex", value: reader.string() };
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.grammar = { $case: "lark", value: reader.string() };
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.grammar = { $case: "gbnf", value: reader.string() };
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GrammarConstraint>): GrammarConstraint {
+    return GrammarConstraint.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<GrammarConstraint>): GrammarConstraint {
+    const message = createBaseGrammarConstraint();
+    switch (object.grammar?.$case) {
+      case "jsonSchema": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "jsonSchema", value: object.grammar.value };
+        }
+        break;
+      }
+      case "regex": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "regex", value: object.grammar.value };
+        }
+        break;
+      }
+      case "lark": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "lark", value: object.grammar.value };
+        }
+        break;
+      }
+      case "gbnf": {
+        if (object.grammar?.value !== undefined && object.grammar?.value !== null) {
+          message.grammar = { $case: "gbnf", value: object.grammar.value };
+        }
+        break;
+      }
+    }
+    return message;
+  },
+};
+
+function createBaseStopSequence(): StopSequence {
+  return { tokenIds: [] };
+}
+
+export const StopSequence: MessageFns<StopSequence> = {
+  encode(message: StopSequence, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenIds.length !== 0) {
+      writer.uint32(10).fork();
+      for (const v of message.tokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): StopSequence {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseStopSequence();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag === 8) {
+              message.tokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 10) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.tokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<StopSequence>): StopSequence {
+    return StopSequence.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<StopSequence>): StopSequence {
+    const message = createBaseStopSequence();
+    message.tokenIds = object.tokenIds?.map((e) => e) || [];
+    return message;
+  },
+};
+
+function createBaseTokenLogprobs(): TokenLogprobs {
+  return { tokenId: 0, logprob: 0, topLogprobs: [] };
+}
+
+export const TokenLogprobs: MessageFns<TokenLogprobs> = {
+  encode(message: TokenLogprobs, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenId !== 0) {
+      writer.uint32(8).uint32(message.tokenId);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(21).float(message.logprob);
+    }
+    for (const v of message.topLogprobs) {
+      LogprobAlternative.encode(v!, writer.uint32(26).fork()).join();
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): TokenLogprobs {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseTokenLogprobs();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tokenId = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 21) {
+              break;
+            }
+
+            message.logprob = reader.float();
+            continue;
+          }
+          case 3: {
+            if (tag !== 26) {
+              break;
+            }
+
+            message.topLogprobs.push(LogprobAlternative.decode(reader, reader.uint32()));
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<TokenLogprobs>): TokenLogprobs {
+    return TokenLogprobs.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<TokenLogprobs>): TokenLogprobs {
+    const message = createBaseTokenLogprobs();
+    message.tokenId = object.tokenId ?? 0;
+    message.logprob = object.logprob ?? 0;
+    message.topLogprobs = object.topLogprobs?.map((e) => LogprobAlternative.fromPartial(e)) || [];
+    return message;
+  },
+};
+
+function createBaseLogprobAlternative(): LogprobAlternative {
+  return { tokenId: 0, logprob: 0 };
+}
+
+export const LogprobAlternative: MessageFns<LogprobAlternative> = {
+  encode(message: LogprobAlternative, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.tokenId !== 0) {
+      writer.uint32(8).uint32(message.tokenId);
+    }
+    if (message.logprob !== 0) {
+      writer.uint32(21).float(message.logprob);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): LogprobAlternative {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseLogprobAlternative();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.tokenId = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 21) {
+              break;
+            }
+
+            message.logprob = reader.float();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<LogprobAlternative>): LogprobAlternative {
+    return LogprobAlternative.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<LogprobAlternative>): LogprobAlternative {
+    const message = createBaseLogprobAlternative();
+    message.tokenId = object.tokenId ?? 0;
+    message.logprob = object.logprob ?? 0;
     return message;
   },
 };
@@ -799,6 +1454,9 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         break;
       case "truncated":
         HistoryTruncated.encode(message.payload.value, writer.uint32(26).fork()).join();
+        break;
+      case "scoredToken":
+        TokenLogprobs.encode(message.payload.value, writer.uint32(34).fork()).join();
         break;
     }
     return writer;
@@ -841,6 +1499,14 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
             message.payload = { $case: "truncated", value: HistoryTruncated.decode(reader, reader.uint32()) };
             continue;
           }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.payload = { $case: "scoredToken", value: TokenLogprobs.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -877,6 +1543,12 @@ export const GenerateResponse: MessageFns<GenerateResponse> = {
         }
         break;
       }
+      case "scoredToken": {
+        if (object.payload?.value !== undefined && object.payload?.value !== null) {
+          message.payload = { $case: "scoredToken", value: TokenLogprobs.fromPartial(object.payload.value) };
+        }
+        break;
+      }
     }
     return message;
   },
@@ -893,6 +1565,7 @@ function createBaseGenerateDone(): GenerateDone {
     acceptedDraftTokenCount: 0,
     verifierForwardCount: 0,
     timeToFirstTokenSeconds: 0,
+    stopSequenceIndex: undefined,
   };
 }
 
@@ -924,6 +1597,9 @@ export const GenerateDone: MessageFns<GenerateDone> = {
     }
     if (message.timeToFirstTokenSeconds !== 0) {
       writer.uint32(73).double(message.timeToFirstTokenSeconds);
+    }
+    if (message.stopSequenceIndex !== undefined) {
+      writer.uint32(80).uint32(message.stopSequenceIndex);
     }
     return writer;
   },
@@ -1013,6 +1689,14 @@ export const GenerateDone: MessageFns<GenerateDone> = {
             message.timeToFirstTokenSeconds = reader.double();
             continue;
           }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.stopSequenceIndex = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1039,6 +1723,7 @@ export const GenerateDone: MessageFns<GenerateDone> = {
     message.acceptedDraftTokenCount = object.acceptedDraftTokenCount ?? 0;
     message.verifierForwardCount = object.verifierForwardCount ?? 0;
     message.timeToFirstTokenSeconds = object.timeToFirstTokenSeconds ?? 0;
+    message.stopSequenceIndex = object.stopSequenceIndex ?? undefined;
     return message;
   },
 };
@@ -1839,7 +2524,23 @@ export const AppendCommand: MessageFns<AppendCommand> = {
 };
 
 function createBaseGenerateCommand(): GenerateCommand {
-  return { maxTokens: 0, seed: undefined, temperature: undefined, topP: undefined, topK: undefined, stopTokenIds: [] };
+  return {
+    maxTokens: 0,
+    seed: undefined,
+    temperature: undefined,
+    topP: undefined,
+    topK: undefined,
+    stopTokenIds: [],
+    grammar: undefined,
+    stopSequences: [],
+    logprobs: false,
+    topLogprobs: 0,
+    repetitionPenalty: undefined,
+    presencePenalty: undefined,
+    frequencyPenalty: undefined,
+    penaltyWindowTokens: undefined,
+    minP: undefined,
+  };
 }
 
 export const GenerateCommand: MessageFns<GenerateCommand> = {
@@ -1868,6 +2569,33 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
         writer.uint32(v);
       }
       writer.join();
+    }
+    if (message.grammar !== undefined) {
+      GrammarConstraint.encode(message.grammar, writer.uint32(58).fork()).join();
+    }
+    for (const v of message.stopSequences) {
+      StopSequence.encode(v!, writer.uint32(66).fork()).join();
+    }
+    if (message.logprobs !== false) {
+      writer.uint32(72).bool(message.logprobs);
+    }
+    if (message.topLogprobs !== 0) {
+      writer.uint32(80).uint32(message.topLogprobs);
+    }
+    if (message.repetitionPenalty !== undefined) {
+      writer.uint32(93).float(message.repetitionPenalty);
+    }
+    if (message.presencePenalty !== undefined) {
+      writer.uint32(101).float(message.presencePenalty);
+    }
+    if (message.frequencyPenalty !== undefined) {
+      writer.uint32(109).float(message.frequencyPenalty);
+    }
+    if (message.penaltyWindowTokens !== undefined) {
+      writer.uint32(112).uint32(message.penaltyWindowTokens);
+    }
+    if (message.minP !== undefined) {
+      writer.uint32(125).float(message.minP);
     }
     return writer;
   },
@@ -1943,6 +2671,78 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
 
             break;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.grammar = GrammarConstraint.decode(reader, reader.uint32());
+            continue;
+          }
+          case 8: {
+            if (tag !== 66) {
+              break;
+            }
+
+            message.stopSequences.push(StopSequence.decode(reader, reader.uint32()));
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.logprobs = reader.bool();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.topLogprobs = reader.uint32();
+            continue;
+          }
+          case 11: {
+            if (tag !== 93) {
+              break;
+            }
+
+            message.repetitionPenalty = reader.float();
+            continue;
+          }
+          case 12: {
+            if (tag !== 101) {
+              break;
+            }
+
+            message.presencePenalty = reader.float();
+            continue;
+          }
+          case 13: {
+            if (tag !== 109) {
+              break;
+            }
+
+            message.frequencyPenalty = reader.float();
+            continue;
+          }
+          case 14: {
+            if (tag !== 112) {
+              break;
+            }
+
+            message.penaltyWindowTokens = reader.uint32();
+            continue;
+          }
+          case 15: {
+            if (tag !== 125) {
+              break;
+            }
+
+            message.minP = reader.float();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -1966,6 +2766,17 @@ export const GenerateCommand: MessageFns<GenerateCommand> = {
     message.topP = object.topP ?? undefined;
     message.topK = object.topK ?? undefined;
     message.stopTokenIds = object.stopTokenIds?.map((e) => e) || [];
+    message.grammar = (object.grammar !== undefined && object.grammar !== null)
+      ? GrammarConstraint.fromPartial(object.grammar)
+      : undefined;
+    message.stopSequences = object.stopSequences?.map((e) => StopSequence.fromPartial(e)) || [];
+    message.logprobs = object.logprobs ?? false;
+    message.topLogprobs = object.topLogprobs ?? 0;
+    message.repetitionPenalty = object.repetitionPenalty ?? undefined;
+    message.presencePenalty = object.presencePenalty ?? undefined;
+    message.frequencyPenalty = object.frequencyPenalty ?? undefined;
+    message.penaltyWindowTokens = object.penaltyWindowTokens ?? undefined;
+    message.minP = object.minP ?? undefined;
     return message;
   },
 };
@@ -2041,6 +2852,9 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
       case "done":
         GenerateDone.encode(message.event.value, writer.uint32(50).fork()).join();
         break;
+      case "scoredToken":
+        TokenLogprobs.encode(message.event.value, writer.uint32(58).fork()).join();
+        break;
     }
     return writer;
   },
@@ -2106,6 +2920,14 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
             message.event = { $case: "done", value: GenerateDone.decode(reader, reader.uint32()) };
             continue;
           }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.event = { $case: "scoredToken", value: TokenLogprobs.decode(reader, reader.uint32()) };
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2152,6 +2974,12 @@ export const ConverseResponse: MessageFns<ConverseResponse> = {
       case "done": {
         if (object.event?.value !== undefined && object.event?.value !== null) {
           message.event = { $case: "done", value: GenerateDone.fromPartial(object.event.value) };
+        }
+        break;
+      }
+      case "scoredToken": {
+        if (object.event?.value !== undefined && object.event?.value !== null) {
+          message.event = { $case: "scoredToken", value: TokenLogprobs.fromPartial(object.event.value) };
         }
         break;
       }
@@ -2276,6 +3104,428 @@ export const AppendedEvent: MessageFns<AppendedEvent> = {
     message.historyLength = (object.historyLength !== undefined && object.historyLength !== null)
       ? BigInt(object.historyLength)
       : 0n;
+    return message;
+  },
+};
+
+function createBaseGetModelInfoRequest(): GetModelInfoRequest {
+  return {};
+}
+
+export const GetModelInfoRequest: MessageFns<GetModelInfoRequest> = {
+  encode(_: GetModelInfoRequest, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetModelInfoRequest {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetModelInfoRequest();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GetModelInfoRequest>): GetModelInfoRequest {
+    return GetModelInfoRequest.fromPartial(base ?? {});
+  },
+  fromPartial(_: DeepPartial<GetModelInfoRequest>): GetModelInfoRequest {
+    const message = createBaseGetModelInfoRequest();
+    return message;
+  },
+};
+
+function createBaseGetModelInfoResponse(): GetModelInfoResponse {
+  return {
+    vocabSize: 0,
+    eosTokenIds: [],
+    trainedContextTokens: 0n,
+    backend: "",
+    modelName: "",
+    description: "",
+    chatTemplate: undefined,
+    defaultKvStrategy: 0,
+    defaultSinkTokens: 0,
+    defaultWindowTokens: 0,
+    limits: undefined,
+    proposer: "",
+    serverVersion: "",
+  };
+}
+
+export const GetModelInfoResponse: MessageFns<GetModelInfoResponse> = {
+  encode(message: GetModelInfoResponse, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.vocabSize !== 0) {
+      writer.uint32(8).uint32(message.vocabSize);
+    }
+    if (message.eosTokenIds.length !== 0) {
+      writer.uint32(18).fork();
+      for (const v of message.eosTokenIds) {
+        writer.uint32(v);
+      }
+      writer.join();
+    }
+    if (message.trainedContextTokens !== 0n) {
+      if (BigInt.asUintN(64, message.trainedContextTokens) !== message.trainedContextTokens) {
+        throw new globalThis.Error("value provided for field message.trainedContextTokens of type uint64 too large");
+      }
+      writer.uint32(24).uint64(message.trainedContextTokens);
+    }
+    if (message.backend !== "") {
+      writer.uint32(34).string(message.backend);
+    }
+    if (message.modelName !== "") {
+      writer.uint32(42).string(message.modelName);
+    }
+    if (message.description !== "") {
+      writer.uint32(50).string(message.description);
+    }
+    if (message.chatTemplate !== undefined) {
+      writer.uint32(58).string(message.chatTemplate);
+    }
+    if (message.defaultKvStrategy !== 0) {
+      writer.uint32(64).int32(message.defaultKvStrategy);
+    }
+    if (message.defaultSinkTokens !== 0) {
+      writer.uint32(72).uint32(message.defaultSinkTokens);
+    }
+    if (message.defaultWindowTokens !== 0) {
+      writer.uint32(80).uint32(message.defaultWindowTokens);
+    }
+    if (message.limits !== undefined) {
+      ServerLimits.encode(message.limits, writer.uint32(90).fork()).join();
+    }
+    if (message.proposer !== "") {
+      writer.uint32(98).string(message.proposer);
+    }
+    if (message.serverVersion !== "") {
+      writer.uint32(106).string(message.serverVersion);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): GetModelInfoResponse {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseGetModelInfoResponse();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.vocabSize = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag === 16) {
+              message.eosTokenIds.push(reader.uint32());
+
+              continue;
+            }
+
+            if (tag === 18) {
+              const end2 = reader.uint32() + reader.pos;
+              while (reader.pos < end2) {
+                message.eosTokenIds.push(reader.uint32());
+              }
+
+              continue;
+            }
+
+            break;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.trainedContextTokens = reader.uint64() as bigint;
+            continue;
+          }
+          case 4: {
+            if (tag !== 34) {
+              break;
+            }
+
+            message.backend = reader.string();
+            continue;
+          }
+          case 5: {
+            if (tag !== 42) {
+              break;
+            }
+
+            message.modelName = reader.string();
+            continue;
+          }
+          case 6: {
+            if (tag !== 50) {
+              break;
+            }
+
+            message.description = reader.string();
+            continue;
+          }
+          case 7: {
+            if (tag !== 58) {
+              break;
+            }
+
+            message.chatTemplate = reader.string();
+            continue;
+          }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.defaultKvStrategy = reader.int32() as any;
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.defaultSinkTokens = reader.uint32();
+            continue;
+          }
+          case 10: {
+            if (tag !== 80) {
+              break;
+            }
+
+            message.defaultWindowTokens = reader.uint32();
+            continue;
+          }
+          case 11: {
+            if (tag !== 90) {
+              break;
+            }
+
+            message.limits = ServerLimits.decode(reader, reader.uint32());
+            continue;
+          }
+          case 12: {
+            if (tag !== 98) {
+              break;
+            }
+
+            message.proposer = reader.string();
+            continue;
+          }
+          case 13: {
+            if (tag !== 106) {
+              break;
+            }
+
+            message.serverVersion = reader.string();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<GetModelInfoResponse>): GetModelInfoResponse {
+    return GetModelInfoResponse.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<GetModelInfoResponse>): GetModelInfoResponse {
+    const message = createBaseGetModelInfoResponse();
+    message.vocabSize = object.vocabSize ?? 0;
+    message.eosTokenIds = object.eosTokenIds?.map((e) => e) || [];
+    message.trainedContextTokens = (object.trainedContextTokens !== undefined && object.trainedContextTokens !== null)
+      ? BigInt(object.trainedContextTokens)
+      : 0n;
+    message.backend = object.backend ?? "";
+    message.modelName = object.modelName ?? "";
+    message.description = object.description ?? "";
+    message.chatTemplate = object.chatTemplate ?? undefined;
+    message.defaultKvStrategy = object.defaultKvStrategy ?? 0;
+    message.defaultSinkTokens = object.defaultSinkTokens ?? 0;
+    message.defaultWindowTokens = object.defaultWindowTokens ?? 0;
+    message.limits = (object.limits !== undefined && object.limits !== null)
+      ? ServerLimits.fromPartial(object.limits)
+      : undefined;
+    message.proposer = object.proposer ?? "";
+    message.serverVersion = object.serverVersion ?? "";
+    return message;
+  },
+};
+
+function createBaseServerLimits(): ServerLimits {
+  return {
+    maxGenerateTokens: 0,
+    maxAppendTokens: 0,
+    maxHistoryTokens: 0n,
+    maxSessions: 0,
+    maxMessageBytes: 0n,
+    maxConcurrentGenerations: 0,
+    queueDeadlineSeconds: 0,
+  };
+}
+
+export const ServerLimits: MessageFns<ServerLimits> = {
+  encode(message: ServerLimits, writer: BinaryWriter = new BinaryWriter()): BinaryWriter {
+    if (message.maxGenerateTokens !== 0) {
+      writer.uint32(8).uint32(message.maxGenerateTokens);
+    }
+    if (message.maxAppendTokens !== 0) {
+      writer.uint32(16).uint32(message.maxAppendTokens);
+    }
+    if (message.maxHistoryTokens !== 0n) {
+      if (BigInt.asUintN(64, message.maxHistoryTokens) !== message.maxHistoryTokens) {
+        throw new globalThis.Error("value provided for field message.maxHistoryTokens of type uint64 too large");
+      }
+      writer.uint32(24).uint64(message.maxHistoryTokens);
+    }
+    if (message.maxSessions !== 0) {
+      writer.uint32(32).uint32(message.maxSessions);
+    }
+    if (message.maxMessageBytes !== 0n) {
+      if (BigInt.asUintN(64, message.maxMessageBytes) !== message.maxMessageBytes) {
+        throw new globalThis.Error("value provided for field message.maxMessageBytes of type uint64 too large");
+      }
+      writer.uint32(40).uint64(message.maxMessageBytes);
+    }
+    if (message.maxConcurrentGenerations !== 0) {
+      writer.uint32(48).uint32(message.maxConcurrentGenerations);
+    }
+    if (message.queueDeadlineSeconds !== 0) {
+      writer.uint32(57).double(message.queueDeadlineSeconds);
+    }
+    return writer;
+  },
+
+  decode(input: BinaryReader | Uint8Array, length?: number): ServerLimits {
+    const reader = input instanceof BinaryReader ? input : new BinaryReader(input);
+    const previousRecursionDepth = (reader as any).__tsProtoDecodeDepth ?? 0;
+    if (previousRecursionDepth >= 100) {
+      throw new globalThis.Error("protobuf decode recursion limit exceeded");
+    }
+    (reader as any).__tsProtoDecodeDepth = previousRecursionDepth + 1;
+    try {
+      const end = length === undefined ? reader.len : reader.pos + length;
+      const message = createBaseServerLimits();
+      while (reader.pos < end) {
+        const tag = reader.uint32();
+        switch (tag >>> 3) {
+          case 1: {
+            if (tag !== 8) {
+              break;
+            }
+
+            message.maxGenerateTokens = reader.uint32();
+            continue;
+          }
+          case 2: {
+            if (tag !== 16) {
+              break;
+            }
+
+            message.maxAppendTokens = reader.uint32();
+            continue;
+          }
+          case 3: {
+            if (tag !== 24) {
+              break;
+            }
+
+            message.maxHistoryTokens = reader.uint64() as bigint;
+            continue;
+          }
+          case 4: {
+            if (tag !== 32) {
+              break;
+            }
+
+            message.maxSessions = reader.uint32();
+            continue;
+          }
+          case 5: {
+            if (tag !== 40) {
+              break;
+            }
+
+            message.maxMessageBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 6: {
+            if (tag !== 48) {
+              break;
+            }
+
+            message.maxConcurrentGenerations = reader.uint32();
+            continue;
+          }
+          case 7: {
+            if (tag !== 57) {
+              break;
+            }
+
+            message.queueDeadlineSeconds = reader.double();
+            continue;
+          }
+        }
+        if ((tag & 7) === 4 || tag === 0) {
+          break;
+        }
+        reader.skip(tag & 7);
+      }
+      return message;
+    } finally {
+      (reader as any).__tsProtoDecodeDepth = previousRecursionDepth;
+    }
+  },
+
+  create(base?: DeepPartial<ServerLimits>): ServerLimits {
+    return ServerLimits.fromPartial(base ?? {});
+  },
+  fromPartial(object: DeepPartial<ServerLimits>): ServerLimits {
+    const message = createBaseServerLimits();
+    message.maxGenerateTokens = object.maxGenerateTokens ?? 0;
+    message.maxAppendTokens = object.maxAppendTokens ?? 0;
+    message.maxHistoryTokens = (object.maxHistoryTokens !== undefined && object.maxHistoryTokens !== null)
+      ? BigInt(object.maxHistoryTokens)
+      : 0n;
+    message.maxSessions = object.maxSessions ?? 0;
+    message.maxMessageBytes = (object.maxMessageBytes !== undefined && object.maxMessageBytes !== null)
+      ? BigInt(object.maxMessageBytes)
+      : 0n;
+    message.maxConcurrentGenerations = object.maxConcurrentGenerations ?? 0;
+    message.queueDeadlineSeconds = object.queueDeadlineSeconds ?? 0;
     return message;
   },
 };
@@ -2532,6 +3782,20 @@ export const RuntimeServiceService = {
     responseDeserialize: (value: Buffer): ConverseResponse => ConverseResponse.decode(value),
   },
   /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo: {
+    path: "/kakeya.v1.RuntimeService/GetModelInfo" as const,
+    requestStream: false as const,
+    responseStream: false as const,
+    requestSerialize: (value: GetModelInfoRequest): Buffer => Buffer.from(GetModelInfoRequest.encode(value).finish()),
+    requestDeserialize: (value: Buffer): GetModelInfoRequest => GetModelInfoRequest.decode(value),
+    responseSerialize: (value: GetModelInfoResponse): Buffer =>
+      Buffer.from(GetModelInfoResponse.encode(value).finish()),
+    responseDeserialize: (value: Buffer): GetModelInfoResponse => GetModelInfoResponse.decode(value),
+  },
+  /**
    * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
    * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
    * session that is generating waits its turn like any other call on it.
@@ -2563,6 +3827,11 @@ export interface RuntimeServiceServer extends UntypedServiceImplementation {
    * commands flow in, token events flow out, in command order.
    */
   converse: handleBidiStreamingCall<ConverseRequest, ConverseResponse>;
+  /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo: handleUnaryCall<GetModelInfoRequest, GetModelInfoResponse>;
   /**
    * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
    * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a
@@ -2650,6 +3919,25 @@ export interface RuntimeServiceClient extends Client {
   converse(): ClientDuplexStream<ConverseRequest, ConverseResponse>;
   converse(options: Partial<CallOptions>): ClientDuplexStream<ConverseRequest, ConverseResponse>;
   converse(metadata: Metadata, options?: Partial<CallOptions>): ClientDuplexStream<ConverseRequest, ConverseResponse>;
+  /**
+   * GetModelInfo reports the served model's facts (vocabulary, end-of-sequence ids, context length, chat
+   * template) and the server's session defaults and request limits.
+   */
+  getModelInfo(
+    request: GetModelInfoRequest,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
+  getModelInfo(
+    request: GetModelInfoRequest,
+    metadata: Metadata,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
+  getModelInfo(
+    request: GetModelInfoRequest,
+    metadata: Metadata,
+    options: Partial<CallOptions>,
+    callback: (error: ServiceError | null, response: GetModelInfoResponse) => void,
+  ): ClientUnaryCall;
   /**
    * ForkSession creates a new session whose history is the parent's (or a prefix of it) and whose KV cache starts
    * as a copy of the parent's, so branching costs no prefill. The two are independent afterwards. A fork of a

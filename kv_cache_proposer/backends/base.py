@@ -1,0 +1,76 @@
+"""What the backends' verifiers share: the model's facts and session caches over the backend's array seam."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic
+
+from kv_cache_proposer.cache import KVSessionCache, LayerStoreFactory, SessionCache
+from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.strategies import KVStrategy
+from kv_cache_proposer.verifier import VerifyOutput
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What a backend reads off a loaded model."""
+
+    backend: str
+    model_type: str
+    vocab_size: int
+    num_layers: int
+    hidden_size: int
+    device: str
+    dtype: str
+
+
+class BackendModel(ABC, Generic[A]):
+    """The backend-neutral half of a verifier: a backend adds the forward over a staged block."""
+
+    def __init__(self, facts: ModelFacts, array_ops: ArrayOps[A]) -> None:
+        self.facts = facts
+        self.array_ops = array_ops
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.facts.num_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.facts.hidden_size
+
+    @property
+    def description(self) -> str:
+        """Human-readable summary: backend, model type, device, dtype."""
+        f = self.facts
+        return f"{f.backend} {f.model_type} ({f.num_layers} layers) on {f.device} {f.dtype}"
+
+    def new_cache(self, strategy: KVStrategy, *, layer_store: LayerStoreFactory[A] | None = None) -> SessionCache[A]:
+        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default)."""
+        return KVSessionCache(strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store)
+
+    def verify(
+        self,
+        cache: SessionCache[A],
+        token_ids: Sequence[int],
+        logits_rows: int,
+        *,
+        feature_layers: Sequence[int] = (),
+        extend_stage: bool = False,
+    ) -> VerifyOutput[A]:
+        """Stage the block at the cache's next positions and run the model over it (see `CausalLM.verify`)."""
+        cache.begin_stage(len(token_ids), extend=extend_stage)
+        return self.forward(cache, token_ids, logits_rows, feature_layers)
+
+    @abstractmethod
+    def forward(
+        self, cache: SessionCache[A], token_ids: Sequence[int], logits_rows: int, feature_layers: Sequence[int]
+    ) -> VerifyOutput[A]:
+        """The model over the block `begin_stage` just reserved: logits of its last `logits_rows` positions and
+        the outputs of `feature_layers` for every position."""

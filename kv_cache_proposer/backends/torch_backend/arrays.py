@@ -1,0 +1,51 @@
+"""The session cache's array seam on PyTorch: K/V tensors `[B, H, slots, D]`, slot indices from host arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kv_cache_proposer.cache.arrays import IndexedArrayOps
+
+
+class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
+    """`ArrayOps` over torch tensors; writes happen in place."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def _index(self, slots: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self._device)
+
+    def alloc(self, like: torch.Tensor, capacity: int) -> torch.Tensor:
+        return torch.zeros(
+            (like.shape[0], like.shape[1], capacity, like.shape[3]), dtype=like.dtype, device=like.device
+        )
+
+    def grow(self, buffer: torch.Tensor, capacity: int) -> torch.Tensor:
+        grown = self.alloc(buffer, capacity)
+        grown[:, :, : buffer.shape[2]] = buffer
+        return grown
+
+    def take(self, buffer: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
+        return buffer.index_select(2, self._index(slots))
+
+    def put(self, buffer: torch.Tensor, slots: np.ndarray, values: torch.Tensor) -> torch.Tensor:
+        return buffer.index_copy_(2, self._index(slots), values)
+
+    def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts), dim=2)
+
+    def copy(self, buffer: torch.Tensor) -> torch.Tensor:
+        return buffer.clone()
+
+    def cast(self, array: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return array.to(dtype)
+
+    def nbytes(self, array: torch.Tensor) -> int:
+        return array.numel() * array.element_size()
+
+    def settle(self, arrays: Sequence[torch.Tensor]) -> None:
+        return None

@@ -1,0 +1,173 @@
+"""What one layer of a session cache stores, behind a small interface, and the dense store.
+
+A layer store holds the K/V of a layer's slots: resident slots `[0, stage_offset)` addressed by the session
+cache's slot table, then the stage, where a forward writes the K/V of its block. Attention reads resident slots
+and stage together; a commit turns accepted staged entries into resident ones. A store may keep resident entries
+in any form (dense, packed) as long as `read` hands attention dense K/V; the stage is always written dense.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, Protocol
+
+import numpy as np
+
+from kv_cache_proposer.cache.arrays import A, ArrayOps
+
+
+@dataclass(frozen=True, slots=True)
+class CommitPlan:
+    """Where a commit puts the accepted staged entries of a layer.
+
+    The first `count` stage entries are accepted. When `slots` is None they become resident where they were
+    staged (stage index i is slot `stage_offset + i`); otherwise the entries at stage indices `sources` move to
+    `slots`, and the other accepted entries were overtaken by later positions within the same commit.
+    """
+
+    stage_offset: int
+    count: int
+    slots: np.ndarray | None  # [m] destination slots
+    sources: np.ndarray | None  # [m] stage indices
+    newly_held: int  # slots that held nothing before the commit
+
+
+class LayerStore(Protocol[A]):
+    """One layer's K/V: resident slots, then a dense stage."""
+
+    held: int
+    """Resident entries the layer holds; checked against the slot table after every commit (INV-1)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether the layer has received any K/V (a model may leave some layers without a cache)."""
+        ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the layer holds now."""
+        ...
+
+    def arrays(self) -> list[A]:
+        """Every array the layer holds."""
+        ...
+
+    def reserve(self, capacity: int) -> None:
+        """Make room for `capacity` slots (resident and stage together), keeping what is held."""
+        ...
+
+    def stage(self, slot: int, keys: A, values: A) -> None:
+        """Write a forward's K/V `[B, H, n, D]` into stage slots `[slot, slot + n)`."""
+        ...
+
+    def read(self, stage_offset: int, end: int) -> tuple[A, A]:
+        """Dense K/V `[B, H, end, D]` of slots `[0, end)`: resident slots before `stage_offset`, staged after."""
+        ...
+
+    def commit(self, plan: CommitPlan) -> None:
+        """Make accepted staged entries resident as `plan` says; the rest of the stage is forgotten."""
+        ...
+
+    def gather(self, slots: np.ndarray) -> tuple[A, A]:
+        """Dense K/V `[B, H, len(slots), D]` of resident `slots`."""
+        ...
+
+    def load(self, slots: np.ndarray, keys: A, values: A) -> None:
+        """Hold `keys`/`values` `[B, H, len(slots), D]` as the resident entries of `slots`."""
+        ...
+
+    def copy(self) -> LayerStore[A]:
+        """An independent store holding the same entries."""
+        ...
+
+    def release(self) -> None:
+        """Drop everything held."""
+        ...
+
+
+LayerStoreFactory = Callable[[ArrayOps[A]], LayerStore[A]]
+"""Builds the store of one layer over a backend's array operations."""
+
+
+class DenseLayerStore(Generic[A]):
+    """Resident and staged K/V in one buffer per tensor, in the model's dtype: attention reads a view of it."""
+
+    def __init__(self, ops: ArrayOps[A]) -> None:
+        self._ops = ops
+        self._keys: A | None = None
+        self._values: A | None = None
+        self._capacity = 0
+        self.held = 0
+
+    @property
+    def active(self) -> bool:
+        return self._keys is not None
+
+    @property
+    def nbytes(self) -> int:
+        if self._keys is None or self._values is None:
+            return 0
+        return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
+
+    def arrays(self) -> list[A]:
+        if self._keys is None or self._values is None:
+            return []
+        return [self._keys, self._values]
+
+    def reserve(self, capacity: int) -> None:
+        if capacity <= self._capacity:
+            return
+        if self._keys is not None and self._values is not None:
+            self._keys = self._ops.grow(self._keys, capacity)
+            self._values = self._ops.grow(self._values, capacity)
+        self._capacity = capacity
+
+    def _buffers(self, keys: A, values: A) -> tuple[A, A]:
+        if self._keys is None or self._values is None:
+            self._keys = self._ops.alloc(keys, self._capacity)
+            self._values = self._ops.alloc(values, self._capacity)
+        return self._keys, self._values
+
+    def stage(self, slot: int, keys: A, values: A) -> None:
+        key_buf, value_buf = self._buffers(keys, values)
+        self._keys = self._ops.write(key_buf, slot, keys)
+        self._values = self._ops.write(value_buf, slot, values)
+
+    def read(self, stage_offset: int, end: int) -> tuple[A, A]:
+        if self._keys is None or self._values is None:
+            raise ValueError("the layer holds no K/V")
+        return self._ops.head(self._keys, end), self._ops.head(self._values, end)
+
+    def commit(self, plan: CommitPlan) -> None:
+        if self._keys is None or self._values is None:
+            return
+        if plan.slots is not None and plan.sources is not None and plan.slots.size:
+            sources = plan.sources + plan.stage_offset
+            self._keys = self._ops.put(self._keys, plan.slots, self._ops.take(self._keys, sources))
+            self._values = self._ops.put(self._values, plan.slots, self._ops.take(self._values, sources))
+        self.held += plan.newly_held
+
+    def gather(self, slots: np.ndarray) -> tuple[A, A]:
+        if self._keys is None or self._values is None:
+            raise ValueError("the layer holds no K/V")
+        return self._ops.take(self._keys, slots), self._ops.take(self._values, slots)
+
+    def load(self, slots: np.ndarray, keys: A, values: A) -> None:
+        key_buf, value_buf = self._buffers(keys, values)
+        self._keys = self._ops.put(key_buf, slots, keys)
+        self._values = self._ops.put(value_buf, slots, values)
+
+    def copy(self) -> DenseLayerStore[A]:
+        twin = DenseLayerStore(self._ops)
+        twin._capacity = self._capacity
+        twin.held = self.held
+        if self._keys is not None and self._values is not None:
+            twin._keys = self._ops.copy(self._keys)
+            twin._values = self._ops.copy(self._values)
+        return twin
+
+    def release(self) -> None:
+        self._keys = self._values = None
+        self._capacity = 0
+        self.held = 0

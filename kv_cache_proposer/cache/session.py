@@ -1,0 +1,312 @@
+"""The session cache: one session's K/V under a KV strategy, written once for every backend.
+
+Storage is a slot table plus one `LayerStore` per layer. `positions[s]` is the global position held in slot s
+(-1: empty). Slots `[0, stage_offset)` are resident; the stage follows them, holding the K/V of the forward in
+flight. Attention reads resident slots and stage together, with a mask built from their positions, so the physical
+slot order never matters:
+
+- `full`: slot = position and the stage sits right after the committed slots, so a commit moves nothing.
+- `sink_window`: slots `[0, sink)` hold the sink, `[sink, sink + window)` are a ring for the window and the stage
+  sits after the ring; a commit moves the accepted staged entries into their ring slots, overwriting evicted ones.
+
+Either way, staged K/V of rejected drafts never overwrite a resident entry (no write on reject).
+
+What attention reads may start with extra parts in front of the resident slots: an `AttentionPrefix` supplies K/V
+of positions that are not resident (for instance rebuilt evicted positions), with their global positions, and the
+mask treats them like any other key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Generic
+
+import numpy as np
+
+from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.protocol import AttentionPrefix
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
+
+_GROWTH_TOKENS = 256
+
+
+class KVSessionCache(Generic[A]):
+    """The session cache of every backend: slot table, stage, commit and eviction over per-layer stores."""
+
+    def __init__(
+        self,
+        strategy: KVStrategy,
+        *,
+        num_layers: int,
+        ops: ArrayOps[A],
+        layer_store: LayerStoreFactory[A] | None = None,
+    ) -> None:
+        factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
+        self._strategy = strategy
+        self._ops = ops
+        self._layer_store = factory
+        self._layers: list[LayerStore[A]] = [factory(ops) for _ in range(num_layers)]
+        self._next_position = 0
+        self._capacity = 0
+        self._positions = np.full(0, -1, dtype=np.int64)  # [capacity]: slot positions, then stage positions
+        self._steps = np.arange(0, dtype=np.int64)  # 0, 1, 2, ...: block positions relative to the block start
+        self._staged = 0  # positions in the stage
+        self._query_start = self._query_end = 0  # the part of the stage the model call in flight processes
+        self._staged_counts = [0] * num_layers  # staged K/V written per layer since the stage began
+        self._prefix: AttentionPrefix[A] | None = None
+        self._released = False
+
+    # -- counters ----------------------------------------------------------------------------------------------
+    @property
+    def strategy(self) -> KVStrategy:
+        return self._strategy
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._layers)
+
+    @property
+    def next_position(self) -> int:
+        return self._next_position
+
+    @property
+    def resident_count(self) -> int:
+        return self._strategy.resident_count(self._next_position)
+
+    @property
+    def evicted_count(self) -> int:
+        return self._next_position - self.resident_count
+
+    @property
+    def nbytes(self) -> int:
+        return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
+
+    @property
+    def compressed_bytes(self) -> int:
+        return 0
+
+    @property
+    def stage_offset(self) -> int:
+        """First slot of the stage; slots before it are resident."""
+        bounded = self._strategy.bounded_slots
+        return self._next_position if bounded is None else bounded
+
+    # -- the model call in flight ------------------------------------------------------------------------------
+    @property
+    def query_positions(self) -> np.ndarray:
+        offset = self.stage_offset
+        return self._positions[offset + self._query_start : offset + self._query_end]
+
+    @property
+    def key_positions(self) -> np.ndarray:
+        own = self._positions[: self.stage_offset + self._query_end]
+        if self._prefix is None:
+            return own
+        return np.concatenate([self._prefix.positions, own])
+
+    @property
+    def query_offset(self) -> int:
+        return self._next_position + self._query_start
+
+    @property
+    def keys_before_queries(self) -> int:
+        prefix = 0 if self._prefix is None else int(self._prefix.positions.size)
+        return prefix + self.stage_offset + self._query_start
+
+    @property
+    def prefix(self) -> AttentionPrefix[A] | None:
+        return self._prefix
+
+    def attach_prefix(self, prefix: AttentionPrefix[A] | None) -> None:
+        """Read `prefix` ahead of the cache's own slots in every forward from now on (None: stop)."""
+        self._prefix = prefix
+
+    def begin_stage(self, block_len: int, *, extend: bool = False) -> None:
+        if self._released:
+            raise RuntimeError("the cache was released")
+        if block_len < 1:
+            raise ValueError(f"a block holds at least one position, got {block_len}")
+        kept = self._staged if extend else 0
+        offset = self.stage_offset
+        needed = offset + kept + block_len
+        if needed > self._capacity:
+            if self._strategy.bounded_slots is None:
+                # Unbounded caches grow geometrically so appends stay amortised O(1).
+                needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
+            self._grow(needed)
+        if block_len > self._steps.size:
+            self._steps = np.arange(max(block_len, 2 * self._steps.size), dtype=np.int64)
+        start = offset + kept
+        np.add(self._steps[:block_len], self._next_position + kept, out=self._positions[start : start + block_len])
+        self._staged = kept + block_len
+        if not extend:
+            self._staged_counts = [0] * len(self._layers)
+        self.select_queries(kept, kept + block_len)
+
+    def select_queries(self, start: int, end: int) -> None:
+        if not 0 <= start < end <= self._staged:
+            raise ValueError(f"cannot select [{start}, {end}) of a stage of {self._staged}")
+        self._query_start, self._query_end = start, end
+
+    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+        count = self._query_end - self._query_start
+        given = self._ops.length(keys)
+        if given != count:
+            raise InvariantViolation(
+                "inv1", f"layer {layer_idx} staged {given} K/V for a model call over {count} positions"
+            )
+        layer = self._layers[layer_idx]
+        offset = self.stage_offset
+        layer.stage(offset + self._query_start, keys, values)
+        self._staged_counts[layer_idx] += count
+        layer_keys, layer_values = layer.read(offset, offset + self._query_end)
+        if self._prefix is None:
+            return layer_keys, layer_values
+        prefix_keys, prefix_values = self._prefix.layer(layer_idx)
+        return self._ops.concat([prefix_keys, layer_keys]), self._ops.concat([prefix_values, layer_values])
+
+    # -- commit ------------------------------------------------------------------------------------------------
+    def commit(self, count: int) -> None:
+        staged = self._staged
+        if not 0 <= count <= staged:
+            raise ValueError(f"cannot commit {count} of {staged} staged positions")
+        if count and any(written != staged for written in self._staged_counts):
+            missing = [i for i, written in enumerate(self._staged_counts) if written != staged]
+            raise InvariantViolation("inv1", f"layers {missing} did not receive the K/V of the whole block")
+        plan = self._commit_plan(count)
+        for layer in self._layers:
+            if layer.active:
+                layer.commit(plan)
+        if plan.slots is not None and plan.sources is not None:
+            self._positions[plan.slots] = plan.sources + self._next_position
+        self._next_position += count
+        self._staged = self._query_start = self._query_end = 0
+        self._staged_counts = [0] * len(self._layers)
+        self._ops.settle(self.arrays())
+        self.check_invariants()
+
+    def _commit_plan(self, count: int) -> CommitPlan:
+        offset = self.stage_offset
+        if self._strategy.bounded_slots is None:
+            return CommitPlan(offset, count, None, None, count)
+        positions = self._steps[:count] + self._next_position
+        targets = self._strategy.slots_of(positions)  # [count]
+        # A later position wins a slot that an earlier one of the same commit also maps to.
+        reversed_unique, first_from_end = np.unique(targets[::-1], return_index=True)
+        sources = (count - 1 - first_from_end).astype(np.int64)
+        newly_held = int((self._positions[reversed_unique] < 0).sum())
+        return CommitPlan(offset, count, reversed_unique.astype(np.int64), sources, newly_held)
+
+    def check_invariants(self) -> None:
+        """INV-1: every layer that stores K/V holds exactly the strategy's resident count, as does the slot table."""
+        expected = self.resident_count
+        for layer_idx, layer in enumerate(self._layers):
+            if layer.active and layer.held != expected:
+                raise InvariantViolation(
+                    "inv1", f"layer {layer_idx} holds {layer.held} K/V but {expected} positions are resident"
+                )
+        occupied = int((self._positions[: self.stage_offset] >= 0).sum())
+        if occupied != expected:
+            raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
+
+    def _grow(self, capacity: int) -> None:
+        positions = np.full(capacity, -1, dtype=np.int64)
+        positions[: self._capacity] = self._positions
+        self._positions = positions
+        for layer in self._layers:
+            layer.reserve(capacity)
+        self._capacity = capacity
+
+    def arrays(self) -> list[A]:
+        return [array for layer in self._layers for array in layer.arrays()]
+
+    # -- inspection and state ----------------------------------------------------------------------------------
+    def _resident_slots(self) -> np.ndarray:
+        """Occupied resident slots ordered by position."""
+        positions = self._positions[: self.stage_offset]
+        slots = np.flatnonzero(positions >= 0)
+        return slots[np.argsort(positions[slots], kind="stable")]
+
+    def resident_kv(self, layer_idx: int) -> tuple[A, A, np.ndarray]:
+        layer = self._layers[layer_idx]
+        if not layer.active:
+            raise ValueError(f"layer {layer_idx} holds no K/V")
+        slots = self._resident_slots()
+        keys, values = layer.gather(slots)
+        return keys, values, self._positions[slots].copy()
+
+    @property
+    def state(self) -> list[tuple[A, A] | None]:
+        """Resident K/V of every layer in position order (None for a layer that holds none)."""
+        slots = self._resident_slots()
+        return [layer.gather(slots) if layer.active else None for layer in self._layers]
+
+    @property
+    def meta_state(self) -> dict[str, Any]:
+        """What `state` needs to be rebuilt: the strategy, the next position and the resident positions."""
+        return {
+            "strategy": self._strategy.name,
+            **strategy_options(self._strategy),
+            "next_position": self._next_position,
+            "positions": self._positions[self._resident_slots()].tolist(),
+        }
+
+    @classmethod
+    def from_state(
+        cls,
+        state: Sequence[tuple[A, A] | None],
+        meta_state: dict[str, Any],
+        *,
+        ops: ArrayOps[A],
+        layer_store: LayerStoreFactory[A] | None = None,
+    ) -> KVSessionCache[A]:
+        """A cache holding what `state` / `meta_state` of another cache describe."""
+        options = {key: int(meta_state[key]) for key in ("sink", "window") if key in meta_state}
+        strategy = make_strategy(str(meta_state["strategy"]), **options)
+        cache = cls(strategy, num_layers=len(state), ops=ops, layer_store=layer_store)
+        cache._restore(state, np.asarray(meta_state["positions"], dtype=np.int64), int(meta_state["next_position"]))
+        return cache
+
+    def clone(self, length: int) -> KVSessionCache[A]:
+        if not 0 <= length <= self._next_position:
+            raise ValueError(f"cannot clone {length} positions of a cache holding {self._next_position}")
+        slots = self._resident_slots()
+        positions = self._positions[slots]
+        wanted = self._strategy.resident_positions(length)
+        present = np.isin(wanted, positions)
+        if not present.all():
+            raise ValueError(
+                f"positions {wanted[~present][:5].tolist()} that {length} committed positions keep resident "
+                "were already evicted"
+            )
+        keep = slots[positions < length]
+        state = [layer.gather(keep) if layer.active else None for layer in self._layers]
+        twin = KVSessionCache(
+            self._strategy, num_layers=len(self._layers), ops=self._ops, layer_store=self._layer_store
+        )
+        twin._restore(state, self._positions[keep], length)
+        return twin
+
+    def _restore(self, state: Sequence[tuple[A, A] | None], positions: np.ndarray, next_position: int) -> None:
+        self._next_position = next_position
+        if positions.size != self.resident_count:
+            raise ValueError(f"{positions.size} resident positions given, the strategy keeps {self.resident_count}")
+        slots = self._strategy.slots_of(positions)
+        self._grow(max(self.stage_offset, 1))
+        self._positions[slots] = positions
+        for layer, kv in zip(self._layers, state, strict=True):
+            if kv is not None:
+                layer.load(slots, *kv)
+                layer.held = positions.size
+        self._ops.settle(self.arrays())
+        self.check_invariants()
+
+    def release(self) -> None:
+        for layer in self._layers:
+            layer.release()
+        self._positions = np.full(0, -1, dtype=np.int64)
+        self._capacity = 0
+        self._prefix = None
+        self._released = True

@@ -1,0 +1,242 @@
+"""The backend-neutral session cache: replaceable layer stores, extra parts read ahead of the resident slots,
+state round trips and clones, on every backend."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kv_cache_proposer.cache import ArrayOps, CommitPlan, DenseLayerStore, KVSessionCache
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from tests.support.backends import BACKENDS, to_numpy
+from tests.support.checkpoints import VOCAB_SIZE
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+
+STRATEGIES = [FullStrategy(), SinkWindowStrategy(sink=2, window=10)]
+STRATEGY_IDS = ["full", "sink"]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+def _greedy(verifier: Any, cache: Any, prompt: list[int], new_tokens: int) -> list[int]:
+    seq = SequenceState(cache=cache, tokens=list(prompt))
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    budget = GenerationBudget(max_new_tokens=new_tokens)
+    generated: list[int] = []
+    while len(generated) < new_tokens:
+        step = decoder.step(seq, SamplingParams(), budget, len(generated))
+        generated += step.tokens
+    return generated
+
+
+class HalfPrecisionStore:
+    """A layer store that holds every entry in float16 whatever the model's dtype, and hands attention the
+    model's dtype back: a storage class written here alone, over the public array seam."""
+
+    def __init__(self, ops: ArrayOps[Any], *, half: Any) -> None:
+        self._ops = ops
+        self._dense: DenseLayerStore[Any] = DenseLayerStore(ops)
+        self._model_dtype: Any = None
+        self._half = half
+        self.held = 0
+
+    @property
+    def active(self) -> bool:
+        return self._dense.active
+
+    @property
+    def nbytes(self) -> int:
+        return self._dense.nbytes
+
+    def arrays(self) -> list[Any]:
+        return self._dense.arrays()
+
+    def reserve(self, capacity: int) -> None:
+        self._dense.reserve(capacity)
+
+    def _to_half(self, array: Any) -> Any:
+        if self._model_dtype is None:
+            self._model_dtype = self._ops.dtype(array)
+        return self._ops.cast(array, self._half)
+
+    def stage(self, slot: int, keys: Any, values: Any) -> None:
+        self._dense.stage(slot, self._to_half(keys), self._to_half(values))
+
+    def read(self, stage_offset: int, end: int) -> tuple[Any, Any]:
+        keys, values = self._dense.read(stage_offset, end)
+        return self._ops.cast(keys, self._model_dtype), self._ops.cast(values, self._model_dtype)
+
+    def commit(self, plan: CommitPlan) -> None:
+        self._dense.commit(plan)
+        self.held = self._dense.held
+
+    def gather(self, slots: np.ndarray) -> tuple[Any, Any]:
+        keys, values = self._dense.gather(slots)
+        return self._ops.cast(keys, self._model_dtype), self._ops.cast(values, self._model_dtype)
+
+    def load(self, slots: np.ndarray, keys: Any, values: Any) -> None:
+        self._dense.load(slots, self._to_half(keys), self._to_half(values))
+
+    def copy(self) -> HalfPrecisionStore:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        self._dense.release()
+
+
+def _float16(backend: str) -> Any:
+    if backend == "torch":
+        import torch
+
+        return torch.float16
+    import mlx.core as mx
+
+    return mx.float16
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_layer_store_defined_in_a_test_serves_a_session_with_the_dense_stores_greedy_tokens(
+    verifiers, backend, strategy
+):
+    verifier = verifiers["qwen3"]
+    prompt = _tokens(1, 30)
+    dense = verifier.new_cache(strategy)
+    half = verifier.new_cache(strategy, layer_store=partial(HalfPrecisionStore, half=_float16(backend)))
+    assert _greedy(verifier, half, prompt, 24) == _greedy(verifier, dense, prompt, 24)
+    # The session really ran on the half-precision store: it holds half the bytes of float32 K/V.
+    positions = dense._positions.nbytes
+    assert half.nbytes - positions == (dense.nbytes - positions) // 2
+
+
+@dataclass(frozen=True, slots=True)
+class WindowThatSeesEverything:
+    """Resident like sink + window, but every query may read every earlier position: what a strategy that
+    rebuilds evicted K/V in front of the resident ones needs."""
+
+    resident: SinkWindowStrategy
+
+    @property
+    def name(self) -> str:
+        return "test_sees_everything"
+
+    @property
+    def bounded_slots(self) -> int | None:
+        return self.resident.bounded_slots
+
+    def slot_of(self, position: int) -> int:
+        return self.resident.slot_of(position)
+
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.resident.slots_of(positions)
+
+    def resident_count(self, committed: int) -> int:
+        return self.resident.resident_count(committed)
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        return self.resident.resident_positions(committed)
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        return key_pos >= 0
+
+
+class EvictedFromReference:
+    """An attention prefix holding, for every evicted position, the K/V a full cache computed for it."""
+
+    def __init__(self, reference: Any, positions: np.ndarray, ops: ArrayOps[Any]) -> None:
+        self._positions = positions
+        self._layers = []
+        for layer in range(reference.num_layers):
+            keys, values, held = reference.resident_kv(layer)
+            index = np.searchsorted(held, positions)
+            self._layers.append((ops.take(keys, index), ops.take(values, index)))
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._positions
+
+    def layer(self, layer_idx: int) -> tuple[Any, Any]:
+        return self._layers[layer_idx]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_evicted_kv_put_in_front_of_a_bounded_cache_give_full_attention(verifiers, arch):
+    verifier = verifiers[arch]
+    tokens = _tokens(2, 60)
+    reference = verifier.new_cache(FullStrategy())
+    full_logits = to_numpy(verifier.verify(reference, tokens, len(tokens)).logits)
+    verifier.commit(reference, len(tokens))
+
+    strategy = WindowThatSeesEverything(SinkWindowStrategy(sink=3, window=9))
+    cache = verifier.new_cache(strategy)
+    rows, start = [], 0
+    for size in [12, 1, 1, 20, 5, 21]:
+        committed = np.arange(cache.next_position)
+        evicted = committed[~np.isin(committed, strategy.resident_positions(cache.next_position))]
+        cache.attach_prefix(EvictedFromReference(reference, evicted, verifier.array_ops) if evicted.size else None)
+        rows.append(to_numpy(verifier.verify(cache, tokens[start : start + size], size).logits))
+        verifier.commit(cache, size)
+        start += size
+    assert cache.evicted_count == 60 - 12
+    np.testing.assert_allclose(np.concatenate(rows), full_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_cache_rebuilt_from_its_state_continues_exactly_like_the_original(verifiers, strategy):
+    verifier = verifiers["llama"]
+    prompt = _tokens(3, 33)
+    original = verifier.new_cache(strategy)
+    verifier.verify(original, prompt[:-1], 1)
+    verifier.commit(original, len(prompt) - 1)
+    rebuilt = KVSessionCache.from_state(original.state, original.meta_state, ops=verifier.array_ops)
+    assert rebuilt.strategy == strategy and rebuilt.next_position == original.next_position
+    assert rebuilt.resident_count == original.resident_count
+
+    def continue_from(cache: Any) -> list[int]:
+        seq = SequenceState(cache=cache, tokens=list(prompt), committed=len(prompt) - 1)
+        decoder, budget = Decoder(verifier), GenerationBudget(max_new_tokens=12)
+        generated: list[int] = []
+        while len(generated) < 12:
+            generated += decoder.step(seq, SamplingParams(), budget, len(generated)).tokens
+        return generated
+
+    assert continue_from(rebuilt) == continue_from(original)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_clone_holds_what_a_cache_of_that_length_holds_and_is_independent(verifiers, strategy):
+    verifier = verifiers["qwen3"]
+    tokens = _tokens(4, 40)
+    source = verifier.new_cache(strategy)
+    verifier.verify(source, tokens[:30], 1)
+    verifier.commit(source, 30)
+    length = 30 if strategy.bounded_slots else 25
+    clone = source.clone(length)
+    fresh = verifier.new_cache(strategy)
+    verifier.verify(fresh, tokens[:length], 1)
+    verifier.commit(fresh, length)
+    # Both continue with the same block: same logits, and the source is untouched by the clone's commits.
+    expected = to_numpy(verifier.verify(fresh, tokens[length:40], 40 - length).logits)
+    got = to_numpy(verifier.verify(clone, tokens[length:40], 40 - length).logits)
+    np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+    verifier.commit(clone, 40 - length)
+    assert source.next_position == 30 and clone.next_position == 40
+
+
+def test_a_clone_refuses_a_length_whose_positions_were_evicted(verifiers):
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(SinkWindowStrategy(sink=2, window=6))
+    verifier.verify(cache, _tokens(5, 20), 1)
+    verifier.commit(cache, 20)
+    with pytest.raises(ValueError, match="evicted"):
+        cache.clone(12)

@@ -1,0 +1,44 @@
+"""scripts/bench_threads.py measures decode speed per thread count and load, and writes the common results format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmark_measures_every_thread_count_under_every_load(checkpoints, tmp_path):
+    command = [
+        sys.executable,
+        "scripts/bench_threads.py",
+        "--model",
+        str(checkpoints["qwen3"]),
+        "--threads",
+        "1",
+        "2",
+        "--busy",
+        "0",
+        "1",
+        "--prompt-tokens",
+        "8",
+        "--max-tokens",
+        "4",
+        "--repeats",
+        "1",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip().splitlines()[-1])
+    payload = json.loads(path.read_text())
+    assert path.with_suffix(".png").is_file()
+    assert {(s["busy"], s["threads"]) for s in payload["samples"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
+    assert all(s["tokens_per_s"] > 0 for s in payload["samples"])
+    arms = payload["summary"]["by_busy_processes"]
+    assert set(arms) == {"busy_0", "busy_1"}
+    assert all(arm["fastest_threads"] in (1, 2) for arm in arms.values())
+    assert "omp_wait_policy" in payload["environment"]
