@@ -44,15 +44,11 @@ class MlxLatticeCodec:
     """`LatticeCodec` over mlx arrays."""
 
     def __init__(self, spec: LatticeSpec) -> None:
-        self._spec = spec
+        self.spec = spec
         self._hadamard = _hadamard(spec.head_dim)
 
-    @property
-    def spec(self) -> LatticeSpec:
-        return self._spec
-
     def encode(self, vectors: mx.array) -> LatticeCoding:
-        spec = self._spec
+        spec = self.spec
         flat = vectors.reshape(-1, spec.head_dim).astype(mx.float32)  # [N, D]
         n = flat.shape[0]
         eps = float(np.finfo(np.float32).eps)
@@ -71,7 +67,7 @@ class MlxLatticeCodec:
         )
 
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-        spec = self._spec
+        spec = self.spec
         n = coding.count
         lattice = mx.array(coding.doubled).astype(mx.float32) / 2
         scale = mx.array(coding.qmax).astype(mx.float32).reshape(n, 1, 1) / float(spec.q_range)

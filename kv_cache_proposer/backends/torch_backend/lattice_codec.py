@@ -15,19 +15,15 @@ class TorchLatticeCodec:
     """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes."""
 
     def __init__(self, spec: LatticeSpec, device: torch.device) -> None:
-        self._spec = spec
+        self.spec = spec
         self._device = device
         codec_class = V14KakeyaZamirLatticeGPU if spec.kind == "d4" else V15KakeyaZamirE8GPU
         # The package runs on any torch device; "cuda" is only its default.
         self.reference = codec_class(D=spec.head_dim, q_range=spec.q_range, device=str(device))
         self._hadamard = self.reference.H  # [D, D], self-inverse
 
-    @property
-    def spec(self) -> LatticeSpec:
-        return self._spec
-
     def encode(self, vectors: torch.Tensor) -> LatticeCoding:
-        spec = self._spec
+        spec = self.spec
         flat = vectors.reshape(-1, spec.head_dim).to(torch.float32)  # [N, D]
         n = flat.shape[0]
         eps = torch.finfo(flat.dtype).eps
@@ -47,7 +43,7 @@ class TorchLatticeCodec:
         )
 
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        spec = self._spec
+        spec = self.spec
         n = coding.count
         device = self._device
         lattice = torch.from_numpy(coding.doubled).to(device).to(torch.float32) / 2  # exact: halves of integers
