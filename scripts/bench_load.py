@@ -42,7 +42,7 @@ from inference_engine.journal import Journal, JournalAppended, JournalOpened, Se
 from inference_engine.journal.sqlite import SqliteJournal
 
 _METRICS_PORT = re.compile(r'"msg": "listening".*"metrics_url": "http://[^"]*:(\d+)/metrics"')
-_KV_GAUGE = re.compile(r"^(?:kakeya_)?session_kv_live_bytes (\S+)$", re.MULTILINE)
+_KV_GAUGE = re.compile(r"^kakeya_session_kv_live_bytes (\S+)$", re.MULTILINE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,7 +81,7 @@ def _kv_live_bytes(metrics_port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
         match = _KV_GAUGE.search(reply.read().decode())
     if match is None:
-        raise RuntimeError("the daemon's /metrics has no session_kv_live_bytes gauge")
+        raise RuntimeError("the daemon's /metrics has no kakeya_session_kv_live_bytes gauge")
     return float(match.group(1))
 
 

@@ -39,7 +39,7 @@ def test_a_compressed_session_reports_packed_bytes_in_session_info_and_metrics(s
     text = server.metrics_text()
     assert _value(text, "kakeya_kv_compressed_bytes") == packed_info.kv_compressed_bytes
     ratio = packed_info.kv_dense_equivalent_bytes / packed_info.kv_compressed_bytes
-    assert _value(text, "kv_compression_ratio") == pytest.approx(ratio)
+    assert _value(text, "kakeya_kv_compression_ratio") == pytest.approx(ratio)
     assert _value(text, "kakeya_kv_escaped_blocks") == packed_info.kv_escaped_blocks
 
 
@@ -85,7 +85,7 @@ def test_a_byte_budget_holds_more_compressed_sessions(serve):
             sid = create(server.stub, initial=PROMPT)
             generate(server.stub, sid, max_tokens=2)
             ids.append(sid)
-        return int(_value(server.metrics_text(), "session_active"))
+        return int(_value(server.metrics_text(), "kakeya_session_active"))
 
     probe = serve("qwen3")
     sid = create(probe.stub, initial=PROMPT)
