@@ -76,6 +76,10 @@ class GenerationStats:
     """With stop reason STOP_SEQUENCE: the index of the stop sequence that matched."""
 
 
+# Compression details the repr leaves out for a session that is not compressed.
+_SHOWN_WHEN_COMPRESSED = ("kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks")
+
+
 @dataclass(frozen=True, slots=True)
 class SessionInfo:
     """A session as the server describes it."""
@@ -105,10 +109,15 @@ class SessionInfo:
     """Lattice blocks held by escape (off the lattice after clamping)."""
 
     def __repr__(self) -> str:
-        shown = ", ".join(
-            f"{name}={getattr(self, name)!r}" for name in self.__dataclass_fields__ if name != "history_tail"
-        )
-        return f"SessionInfo({shown}, history_tail=<{len(self.history_tail)} tokens>)"
+        parts = []
+        for name in self.__dataclass_fields__:
+            value = getattr(self, name)
+            if name == "history_tail" or (name in _SHOWN_WHEN_COMPRESSED and not self.kv_q_range):
+                continue
+            if isinstance(value, Enum):
+                value = value.value
+            parts.append(f"{name}={value:.3f}" if isinstance(value, float) else f"{name}={value!r}")
+        return f"SessionInfo({', '.join(parts)}, history_tail=<{len(self.history_tail)} tokens>)"
 
     @property
     def invariant_violations(self) -> int:
