@@ -46,10 +46,6 @@ class ArrayOps(Protocol[A]):
         """The parts joined along the slot axis."""
         ...
 
-    def copy(self, buffer: A) -> A:
-        """An independent copy."""
-        ...
-
     def cast(self, array: A, dtype: Any) -> A:
         """`array` converted to `dtype` (a dtype of this backend)."""
         ...

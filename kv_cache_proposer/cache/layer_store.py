@@ -95,10 +95,6 @@ class LayerStore(Protocol[A]):
         """The session stops generating for now: drop whatever only speeds up forwards (the resident entries stay)."""
         ...
 
-    def copy(self) -> LayerStore[A]:
-        """An independent store holding the same entries."""
-        ...
-
     def release(self) -> None:
         """Drop everything held."""
         ...
@@ -183,15 +179,6 @@ class DenseLayerStore(Generic[A]):
 
     def park(self) -> None:
         return None
-
-    def copy(self) -> DenseLayerStore[A]:
-        twin = DenseLayerStore(self._ops)
-        twin._capacity = self._capacity
-        twin.held = self.held
-        if self._keys is not None and self._values is not None:
-            twin._keys = self._ops.copy(self._keys)
-            twin._values = self._ops.copy(self._values)
-        return twin
 
     def release(self) -> None:
         self._keys = self._values = None

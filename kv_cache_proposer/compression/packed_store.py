@@ -142,18 +142,6 @@ class PackedLayerStore(Generic[A]):
         occupied = np.flatnonzero(self._occupied())
         self._resize(int(occupied[-1]) + 1 if occupied.size else 0)
 
-    def copy(self) -> PackedLayerStore[A]:
-        twin = PackedLayerStore(self._ops, self._codec_for)
-        twin._codec = self._codec
-        twin._capacity = self._capacity
-        twin._work.reserve(self._capacity)
-        twin._batch, twin._heads, twin._itemsize = self._batch, self._heads, self._itemsize
-        twin._model_dtype = self._model_dtype
-        twin._codes, twin._norms, twin._qmax = self._codes.copy(), self._norms.copy(), self._qmax.copy()
-        twin._escape_keys, twin._escape_points = self._escape_keys.copy(), self._escape_points.copy()
-        twin.held = self.held
-        return twin
-
     def release(self) -> None:
         self._work.release()
         self._working = False

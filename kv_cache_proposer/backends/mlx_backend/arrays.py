@@ -30,9 +30,6 @@ class MlxArrayOps(IndexedArrayOps[mx.array]):
     def concat(self, parts: Sequence[mx.array]) -> mx.array:
         return mx.concatenate(list(parts), axis=2)
 
-    def copy(self, buffer: mx.array) -> mx.array:
-        return mx.array(buffer)
-
     def cast(self, array: mx.array, dtype: mx.Dtype) -> mx.array:
         return array.astype(dtype)
 

@@ -45,9 +45,6 @@ class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
     def concat(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
         return torch.cat(list(parts), dim=2)
 
-    def copy(self, buffer: torch.Tensor) -> torch.Tensor:
-        return buffer.clone()
-
     def cast(self, array: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return array.to(dtype)
 

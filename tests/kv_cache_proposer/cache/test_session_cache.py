@@ -94,9 +94,6 @@ class HalfPrecisionStore:
     def park(self) -> None:
         self._dense.park()
 
-    def copy(self) -> HalfPrecisionStore:
-        raise NotImplementedError
-
     def release(self) -> None:
         self._dense.release()
 
