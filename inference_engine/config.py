@@ -16,6 +16,7 @@ from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
+from kv_cache_proposer.decoding import DraftPolicy
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 from kv_cache_proposer.strategies import STRATEGIES
 
@@ -26,6 +27,7 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 JOURNAL_SYNC_POLICIES = ("normal", "full")
 JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
+DRAFT_POLICIES = tuple(policy.value for policy in DraftPolicy)
 
 
 class ConfigError(ValueError):
@@ -82,6 +84,12 @@ class ServerConfig:
         0, "most tokens drafted per step (0: the proposer's default: ngram 8, draft_model 4, dflash block size - 1)"
     )
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
+    draft_policy: str = _opt(
+        "full",
+        "draft length per step: full (every proposal may hold the whole --num-draft-tokens; the faster measured, "
+        "docs/speculative-decoding.md) or adaptive (shrinks after a rejection, grows after a full acceptance)",
+        choices=DRAFT_POLICIES,
+    )
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
     ngram_min_n: int = _opt(1, "ngram: shortest history suffix looked up")
     host: str = _opt(

@@ -58,7 +58,7 @@ from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
+from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.sampling import SamplingParams
@@ -142,7 +142,11 @@ class Runtime:
             kv_strategy=config.kv_strategy,
         ).set(1)
         self.worker = ModelWorker()
-        self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
+        self.decoder = Decoder(
+            verifier,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            draft_policy=DraftPolicy(config.draft_policy),
+        )
         self.store = SessionStore(
             max_sessions=config.max_sessions,
             idle_ttl_s=config.session_idle_ttl_s,

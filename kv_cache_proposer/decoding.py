@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from kv_cache_proposer.cache import SessionCache
@@ -32,6 +32,18 @@ class StopCause(Enum):
     HISTORY_LIMIT = "history_limit"
     STOP_SEQUENCE = "stop_sequence"
     GRAMMAR_DEAD_END = "grammar_dead_end"
+
+
+class DraftPolicy(StrEnum):
+    """How many tokens a proposal may hold.
+
+    `full`: every proposal may hold the proposer's whole limit (a DFlash block drafts all of it in one forward, so a
+    shorter draft saves nothing but accepted tokens). `adaptive`: the limit shrinks by one after a partly rejected
+    draft and grows by two after a fully accepted one (`DraftLength`).
+    """
+
+    FULL = "full"
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(slots=True)
@@ -103,11 +115,18 @@ class StepResult:
 class Decoder:
     """Runs decode steps for sequences on one verifier."""
 
-    def __init__(self, verifier: Verifier[Any], *, prefill_chunk_tokens: int = 512) -> None:
+    def __init__(
+        self,
+        verifier: Verifier[Any],
+        *,
+        prefill_chunk_tokens: int = 512,
+        draft_policy: DraftPolicy = DraftPolicy.FULL,
+    ) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.draft_policy = DraftPolicy(draft_policy)
 
     def step(
         self,
@@ -138,7 +157,8 @@ class Decoder:
             room = min(room, budget.max_history_tokens - len(seq.tokens))
         if room < 1:
             raise ValueError("no room left for another token")
-        wanted = min(seq.draft_length.current, room - 1)
+        limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
+        wanted = min(limit, room - 1)
         draft = seq.draft.propose(seq.tokens, wanted)[:wanted] if wanted > 0 else []
         grammar = controls.grammar if controls is not None else None
         if grammar is not None:
