@@ -150,7 +150,7 @@ class TimedDraft:
         self._session, self._clock = session, clock
 
     def propose(self, history: Any, max_tokens: int) -> list[int]:
-        return self._clock.time(self._session.propose, history, max_tokens)  # type: ignore[no-any-return]
+        return self._clock.time(self._session.propose, history, max_tokens)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._session, name)

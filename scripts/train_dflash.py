@@ -145,10 +145,12 @@ def continuations(
 ) -> Rows:
     """`rows` rows of `row_len` tokens: a slice of `seeds` as the prompt, then the verifier's continuation."""
     sampling = {"do_sample": True, "temperature": args.generate_temperature} if args.generate_temperature else {}
-    tokens, firsts = [], []
+    tokens: list[np.ndarray] = []
+    firsts: list[np.ndarray] = []
+    done = 0
     with tqdm(total=rows, desc=desc, unit="row") as bar:
-        while sum(len(t) for t in tokens) < rows:
-            batch = min(args.generate_batch, rows - sum(len(t) for t in tokens))
+        while done < rows:
+            batch = min(args.generate_batch, rows - done)
             prompt_len = int(generator.integers(prompt_lens[0], prompt_lens[1] + 1))
             if len(seeds) <= prompt_len:
                 raise SystemExit(f"the prompt text holds {len(seeds)} tokens, not more than a prompt of {prompt_len}")
@@ -165,6 +167,7 @@ def continuations(
                 )
             tokens.append(out.cpu().numpy().astype(np.int64))
             firsts.append(np.full(batch, prompt_len, dtype=np.int64))
+            done += batch
             bar.update(batch)
     return Rows(np.concatenate(tokens), np.concatenate(firsts))
 
