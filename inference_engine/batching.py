@@ -8,11 +8,12 @@ Batch forming, in order:
 - Gathering: once a step is queued the dispatcher waits until every running generation has queued its next step
   (each does so as soon as it has streamed its previous tokens), up to `max_batch_size` steps, or for at most
   `gather_s`: a generation whose client reads slowly delays the others by no more than that.
-- Fairness: steps are taken in arrival order. A batch holds at most `max_batch_size` steps and, beyond its first
-  step, at most `token_budget` block tokens (the prefill chunk size): a step that does not fit waits at the head
-  of the queue for the next forward, where it goes first, while smaller steps behind it may join this one. A
-  prefill advances one chunk per forward, so a long prompt delays the other sessions' next tokens by at most about
-  one chunk's forward, and decode steps never wait for a prefill to finish.
+- Fairness: steps are taken in arrival order, at most `max_batch_size` per forward. A forward prefills at most
+  `token_budget` prompt tokens (the prefill chunk size; a step's prompt tokens are its pending tokens but the last,
+  so a decode step has none): a step whose prompt tokens do not fit waits at the head of the queue and goes first
+  in the next forward, while decode steps and smaller prefills behind it still join this one. A long prompt is
+  prefilled one chunk per forward, so it slows the forwards that carry the other sessions' tokens by at most one
+  chunk's work, and decode steps never wait behind a prefill.
 
 With `max_batch_size` 1 every step runs alone, in arrival order, with no gathering (one forward per step).
 """
@@ -38,9 +39,9 @@ class _Queued:
     queued_at: float = field(default_factory=time.perf_counter)
 
     @property
-    def tokens(self) -> int:
-        """Block tokens this step is expected to run (its pending tokens up to a chunk, and a draft)."""
-        return self.request.seq.pending_count + self.request.seq.draft_length.current
+    def prefill_tokens(self) -> int:
+        """Prompt tokens this step prefills: its pending tokens but the last (a decode step has none)."""
+        return self.request.seq.pending_count - 1
 
 
 class StepBatcher:
@@ -168,15 +169,15 @@ class StepBatcher:
     def _select(self) -> list[_Queued]:
         """The next batch, in arrival order within the batch size and token budget (see the module doc)."""
         batch: list[_Queued] = []
-        tokens = 0
+        prefill = 0
         for queued in self._queue:
             if len(batch) == self.max_batch_size:
                 break
-            size = min(queued.tokens, self._token_budget)
-            if batch and tokens + size > self._token_budget:
+            size = min(queued.prefill_tokens, self._token_budget)
+            if batch and prefill + size > self._token_budget:
                 continue
             batch.append(queued)
-            tokens += size
+            prefill += size
         for queued in batch:
             self._queue.remove(queued)
         return batch

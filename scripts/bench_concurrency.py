@@ -18,7 +18,7 @@ Bounded: N x `--max-tokens` tokens per configuration, and `--time-limit-s` per c
 
 Usage:
     python scripts/bench_concurrency.py [--model DIR] [--sessions 1 2 4 8 16] [--max-tokens 64]
-        [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--backend torch] [--time-limit-s 300]
+        [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--threads 0] [--backend torch] [--time-limit-s 300]
         [--results-dir DIR]
 """
 
@@ -54,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16, help="--max-batch-size of the batched mode (default: 16)")
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds per mode and session count; the median is kept (default: 3)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=0, help="--threads of both daemons (default: 0, one per usable core)"
     )
     p.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="daemon backend (default: torch)")
     p.add_argument(
@@ -170,6 +173,8 @@ def start_daemon(args: argparse.Namespace, mode: str) -> Daemon:
         str(max(64, max(args.sessions) + 2)),
         "--queue-deadline-s",
         str(args.time_limit_s),
+        "--threads",
+        str(args.threads),
     ]
     return Daemon(flags)
 
