@@ -55,9 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds per mode and session count; the median is kept (default: 3)"
     )
-    p.add_argument(
-        "--threads", type=int, default=0, help="--threads of both daemons (default: 0, one per usable core)"
-    )
+    p.add_argument("--threads", type=int, default=0, help="--threads of both daemons (default: 0, one per usable core)")
     p.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="daemon backend (default: torch)")
     p.add_argument(
         "--time-limit-s", type=float, default=300.0, help="per configuration: give up after this (default: 300)"
