@@ -184,11 +184,13 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for mode, rows in runs.items():
+    for (mode, rows), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=False):
         counts = [r["sessions"] for r in rows]
-        left.plot(counts, [r["aggregate_tokens_per_s"] for r in rows], marker="o", label=mode)
-        right.plot(counts, [1000 * r["inter_token_p50_s"] for r in rows], marker="o", label=f"{mode} p50")
-        right.plot(counts, [1000 * r["inter_token_p99_s"] for r in rows], marker="x", ls="--", label=f"{mode} p99")
+        left.plot(counts, [r["aggregate_tokens_per_s"] for r in rows], marker="o", color=color, label=mode)
+        p50 = [1000 * r["inter_token_p50_s"] for r in rows]
+        p99 = [1000 * r["inter_token_p99_s"] for r in rows]
+        right.plot(counts, p50, marker="o", color=color, label=f"{mode} p50")
+        right.plot(counts, p99, marker="x", ls="--", color=color, label=f"{mode} p99")
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent sessions")
