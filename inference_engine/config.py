@@ -108,6 +108,11 @@ class ServerConfig:
     max_sessions: int = _opt(64, "sessions held at once; creating one more evicts the least recently used idle one")
     session_idle_ttl_s: float = _opt(1800.0, "seconds a session may stay idle before it is evicted")
     max_concurrent: int = _opt(1, "generations running at once across sessions; others wait in FIFO order")
+    max_batch_size: int = _opt(
+        8,
+        "generation steps of concurrent sessions run in one verifier forward (1: one forward per step); takes "
+        "effect with --max-concurrent above 1",
+    )
     kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
     max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
@@ -156,6 +161,7 @@ class ServerConfig:
             "window",
             "max_sessions",
             "max_concurrent",
+            "max_batch_size",
             "kv_budget_bytes",
             "max_history_tokens",
             "max_append_tokens",
