@@ -15,7 +15,9 @@ from kakeya._generated.runtime_pb2_grpc import RuntimeServiceStub
 from tests.support.server import RunningServer
 
 
-class _Recorder(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor):
+class _Recorder(
+    grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor, grpc.StreamStreamClientInterceptor
+):
     """Records (method, routing key) of every call."""
 
     def __init__(self) -> None:
