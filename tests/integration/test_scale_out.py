@@ -12,8 +12,16 @@ from collections.abc import Iterator
 import kakeya
 import pytest
 
-from tests.support.cluster import ClusterDaemon, Proxy, haproxy_binary, start_daemons, stop_daemons
-from tests.support.postgres import PostgresServer, fresh_database, postgres  # noqa: F401 - fixture
+from tests.support.postgres import (  # noqa: F401 - postgres is a fixture
+    ClusterDaemon,
+    PostgresServer,
+    Proxy,
+    fresh_database,
+    haproxy_binary,
+    postgres,
+    start_daemons,
+    stop_daemons,
+)
 
 SESSIONS = 30
 TURNS_BEFORE = 2
@@ -83,7 +91,7 @@ def test_sessions_stay_on_one_daemon_and_survive_the_sigkill_of_a_daemon(
 
         victim = max(daemons, key=lambda d: len(served[d.name]))
         moved = {s.id for s, _ in sessions if s.id in served[victim.name]}
-        victim.daemon.kill()  # SIGKILL, between two turns of every conversation
+        victim.kill()  # SIGKILL, between two turns of every conversation
 
         started = time.monotonic()
         for session, known in sessions:
