@@ -253,7 +253,7 @@ def _plot(throughput: list[dict[str, Any]], resume: dict[str, Any], png: Path) -
     right.bar([x - 0.2 for x in xs], [s["before_turn_first_token_s"] for s in samples], width=0.4, label="turn before")
     right.bar([x + 0.2 for x in xs], [s["resume_turn_first_token_s"] for s in samples], width=0.4, label="after kill")
     right.set_xlabel("session of the killed daemon (in resume order)")
-    right.set_ylabel("time to first token (s)")
+    right.set_ylabel("append to first token (s)")
     right.set_title(f"resume on another daemon ({resume['history_tokens']}-token histories)")
     right.legend()
     fig.tight_layout()

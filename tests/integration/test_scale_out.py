@@ -1,11 +1,13 @@
 """Scale-out as shipped: a real PostgreSQL server, three daemons sharing the journal, and HAProxy with the
 configuration in deploy/haproxy/, all on loopback. Thirty sessions driven through the Python SDK stay each on one
-daemon; one daemon is killed with SIGKILL mid-conversation, and every session goes on through the proxy on a
-surviving daemon with its full history, continuing exactly as a fresh session given that history."""
+daemon; one daemon is killed with SIGKILL mid-conversation (one of its sessions streaming a generation), and every
+session goes on through the proxy on a surviving daemon with its full history, continuing exactly as a fresh
+session given that history."""
 
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Iterator
 
@@ -91,12 +93,36 @@ def test_sessions_stay_on_one_daemon_and_survive_the_sigkill_of_a_daemon(
 
         victim = max(daemons, key=lambda d: len(served[d.name]))
         moved = {s.id for s, _ in sessions if s.id in served[victim.name]}
-        victim.kill()  # SIGKILL, between two turns of every conversation
+        # One of the victim's sessions is generating when the daemon dies; the others are between two turns.
+        streaming = next(s for s, _ in sessions if s.id in moved)
+        received: list[int] = []
+        reading = threading.Event()
+
+        def read() -> None:
+            try:
+                for token in streaming.generate(400):
+                    received.append(token)
+                    reading.set()
+            except kakeya.KakeyaError:
+                pass  # the daemon died mid-stream
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert reading.wait(60)
+        victim.kill()  # SIGKILL
+        reader.join(60)
+        assert 0 < len(received) < 400
 
         started = time.monotonic()
         for session, known in sessions:
-            info = session.info(history_tail_tokens=len(known) + 8)  # the first call after the kill: retried
-            assert list(info.history_tail) == known, session.id
+            info = session.info(history_tail_tokens=len(known) + 410)  # the first call after the kill: retried
+            history = list(info.history_tail)
+            if session is streaming:
+                # every token received is in the history, and at most the one step in flight beyond them
+                assert history[: len(known) + len(received)] == known + received
+                assert len(history) - len(known) - len(received) <= 1
+                known[:] = history
+            assert history == known, session.id
         resumed_s = time.monotonic() - started
         for _ in range(TURNS_AFTER):
             for session, known in sessions:
