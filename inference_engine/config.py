@@ -147,6 +147,17 @@ class ServerConfig:
         "what was dropped)",
         choices=JOURNAL_RECOVERY_CHOICES,
     )
+    journal_url: str = _opt(
+        "",
+        "postgresql://user[:password]@host:port/database of a session journal shared by the daemons of a cluster "
+        "(instead of --state-dir): a call for a session this daemon does not hold takes the session over from the "
+        "journal, its K/V rebuilt by prefill, and the daemon that held it loses it (docs/scale-out.md); empty: no "
+        "shared journal",
+        secret=True,
+    )
+    node_name: str = _opt(
+        "", "this daemon's name in the shared journal's ownership records (empty: <hostname>:<gRPC port>)"
+    )
     shutdown_grace_s: float = _opt(10.0, "seconds in-flight generations may run after SIGTERM before cancellation")
     log_format: str = _opt("text", "log line format", choices=LOG_FORMATS)
     log_level: str = _opt("info", "minimum log level", choices=LOG_LEVELS)
@@ -198,6 +209,10 @@ class ServerConfig:
             raise ConfigError(f"http_port must be in -1..65535, got {self.http_port}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key must be given together")
+        if self.journal_url and self.state_dir:
+            raise ConfigError("journal_url and state_dir are two places for one journal: give one of them")
+        if self.journal_url and not self.journal_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("journal_url must be a postgresql:// URL")
         if not self.api_key and not is_loopback(self.host):
             raise ConfigError(
                 f"refusing to bind non-loopback address {self.host!r} without an API key "

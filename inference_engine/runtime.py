@@ -16,6 +16,7 @@ from typing import Any
 
 from inference_engine import __version__
 from inference_engine.batching import StepBatcher
+from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
     CreateParams,
@@ -48,6 +49,7 @@ from inference_engine.journal import (
     JournalEntry,
     JournalError,
     JournalOpened,
+    OwnershipLost,
     SessionHeader,
     SessionRecord,
 )
@@ -174,6 +176,8 @@ class Runtime:
         self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
         self._generations_in_flight = 0  # running or queued
         self.journal: Journal | None = None
+        self.cluster_metrics = ClusterMetrics(metrics.registry)
+        self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
 
     # -- requests ----------------------------------------------------------------------------------------------
@@ -204,7 +208,7 @@ class Runtime:
     async def append(self, session_id: str, token_ids: Iterable[int]) -> int:
         """Append tokens to a session's history (pending until the next generation); returns the history length."""
         self._check_accepting()
-        session = self.store.get(session_id)
+        session = await self.acquire(session_id)
         async with self.scheduler.session_turn(session):
             tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
             await self._journal_write(JournalAppended(session_id, tuple(tokens), time.time()))
@@ -228,7 +232,7 @@ class Runtime:
         if params.grammar is not None:
             controls.grammar, grammar_stops = await asyncio.to_thread(self.grammars.start, params.grammar)
             budget_stops |= grammar_stops
-        session = self.store.get(session_id)
+        session = await self.acquire(session_id)
         self._generations_in_flight += 1
         try:
             async with (
@@ -284,7 +288,7 @@ class Runtime:
         caches start as copies of the parent's. Waits for the parent's turn. Returns (fork id, history length,
         positions whose K/V were copied)."""
         self._check_accepting()
-        parent = self.store.get(session_id)
+        parent = await self.acquire(session_id)
         async with self.scheduler.session_turn(parent):
             history = len(parent.seq.tokens)
             length = history if prefix_tokens is None else prefix_tokens
@@ -314,7 +318,7 @@ class Runtime:
     async def close_session(self, session_id: str) -> int:
         """Close a session: a running generation is cancelled, then its memory is freed. Returns the final
         history length."""
-        session = self.store.get(session_id, touch=False)
+        session = await self.acquire(session_id, touch=False)
         self.store.detach(session, "closed", "closed")
         if session.cancel is not None:
             session.cancel.set()
@@ -420,9 +424,18 @@ class Runtime:
         }
 
     def attach_journal(self, journal: Journal) -> None:
-        """Record every session change in `journal` from now on; sessions that end are written as ended."""
+        """Record every session change in `journal` from now on; sessions that end are written as ended. A shared
+        journal also brings the sessions this daemon does not hold when they are asked for (`acquire`)."""
         self.journal = journal
         self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
+        if journal.shared:
+            self.takeovers = SessionTakeovers(journal, self.store, self.restore_session, self.cluster_metrics)
+
+    async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
+        """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
+        if self.takeovers is None:
+            return self.store.get(session_id, touch=touch)
+        return await self.takeovers.acquire(session_id, touch=touch)
 
     def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
         """Bring journaled sessions back under their ids, with their whole history pending.
@@ -432,27 +445,32 @@ class Runtime:
         written as ended); returns what was dropped.
         """
         dropped = []
-        now_unix = time.time()
         for record in records:
-            header = record.header
             try:
-                compressor = KVCompressor.parse(header.kv_compressor)
-                strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
-                eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
-                tokens = self.checks.tokens(record.tokens, "tokens")
-                if len(tokens) > self.config.max_history_tokens:
-                    raise ValueError(f"{len(tokens)} tokens is above the --max-history-tokens limit")
-            except (ValueError, InvalidArgument) as exc:
-                reason = f"session {header.session_id!r} cannot be restored: {exc}"
+                self.restore_session(record)
+            except JournalDamaged as exc:
                 if not drop_invalid:
-                    raise JournalDamaged(reason) from None
-                dropped.append(reason)
+                    raise
+                dropped.append(str(exc))
                 if self.journal is not None:
-                    self.journal.submit(JournalEnded(header.session_id))
-                continue
-            last_access = self.store.now() - max(0.0, now_unix - record.last_active_unix)
-            self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access, compressor)
+                    self.journal.submit(JournalEnded(record.header.session_id))
         return dropped
+
+    def restore_session(self, record: SessionRecord) -> Session:
+        """Bring one journaled session back under its id with its whole history pending; `JournalDamaged` when
+        the record does not fit this model."""
+        header = record.header
+        try:
+            compressor = KVCompressor.parse(header.kv_compressor)
+            strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
+            eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
+            tokens = self.checks.tokens(record.tokens, "tokens")
+            if len(tokens) > self.config.max_history_tokens:
+                raise ValueError(f"{len(tokens)} tokens is above the --max-history-tokens limit")
+        except (ValueError, InvalidArgument) as exc:
+            raise JournalDamaged(f"session {header.session_id!r} cannot be restored: {exc}") from None
+        last_access = self.store.now() - max(0.0, time.time() - record.last_active_unix)
+        return self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access, compressor)
 
     def evict_idle(self) -> int:
         return self.store.evict_idle()
@@ -461,6 +479,11 @@ class Runtime:
     def active_generations(self) -> int:
         """Generations running or queued for their turn."""
         return self._generations_in_flight
+
+    @property
+    def accepting(self) -> bool:
+        """Whether new calls are taken (False once shutdown began)."""
+        return self._accepting
 
     def stop_accepting(self) -> None:
         self._accepting = False
@@ -658,12 +681,19 @@ class Runtime:
             return
         try:
             await self.journal.write(entry)
+        except OwnershipLost as exc:
+            if self.takeovers is not None and isinstance(entry, JournalAppended):
+                self.takeovers.drop_lost(entry.session_id)
+            raise JournalUnavailable(f"{exc}: the change was not made here; retry through the proxy") from exc
         except JournalError as exc:
             message = f"the session journal cannot record the change, so it was not made: {exc}"
             raise JournalUnavailable(message) from exc
 
     def _fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
         """Fail a session whose generated tokens could not be journaled: its memory and journal would disagree."""
+        if isinstance(exc, OwnershipLost) and self.takeovers is not None:
+            self.takeovers.drop_lost(session.session_id)
+            return JournalUnavailable(f"{exc}: the generation stopped here; retry through the proxy")
         self.store.detach(session, "failed", f"failed: {exc}")
         session.release()
         self.store.refresh_gauges()

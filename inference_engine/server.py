@@ -5,24 +5,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import socket
 from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2
-from inference_engine.journal import Journal, JournalDamaged, open_journal
+from inference_engine.journal import Journal, JournalDamaged, open_journal, open_shared_journal
 from inference_engine.metrics import Metrics
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_handlers import add_runtime_service
 from inference_engine.transport.grpc_service import RuntimeServicer
 from inference_engine.transport.http_server import HttpShimServer
+from inference_engine.transport.metrics_http import start_metrics_server
 from inference_engine.transport.text_codec import TextCodec
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.proposers import load_proposer
@@ -73,6 +75,8 @@ class KakeyaServer:
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         if config.state_dir:
             self._restore_sessions(Path(config.state_dir))
+        elif config.journal_url:
+            self._open_shared_journal()
         server = grpc.aio.server(options=options, interceptors=interceptors)
         add_runtime_service(RuntimeServicer(self.runtime), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -90,7 +94,7 @@ class KakeyaServer:
         for name in ("", SERVICE_NAME):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port >= 0:
-            httpd, _ = start_http_server(config.metrics_port, addr=config.host, registry=self.runtime.metrics.registry)
+            httpd = start_metrics_server(config.host, config.metrics_port, self.runtime.metrics.registry, self.serving)
             self._metrics_http = httpd
             self.metrics_port = httpd.server_port
         if config.http_port >= 0:
@@ -119,6 +123,10 @@ class KakeyaServer:
             metrics_url,
             f"at {http_url}" if self.http_port is not None else "off",
         )
+
+    def serving(self) -> bool:
+        """Whether the daemon takes new work (False once it drains); `/healthz` and the gRPC health service agree."""
+        return self._server is not None and self.runtime.accepting
 
     async def stop(self) -> None:
         """Graceful stop: refuse new work, let generations finish within the grace period, then cancel them."""
@@ -199,6 +207,17 @@ class KakeyaServer:
             "sessions restored",
             extra={"sessions": len(self.runtime.store), "journal": opened.journal.backend.location},
         )
+
+    def _open_shared_journal(self) -> None:
+        """Join the cluster journal: sessions come to this daemon as their calls do (docs/scale-out.md)."""
+        config = self.config
+        node = config.node_name or f"{socket.gethostname()}:{config.port or os.getpid()}"
+        opened = open_shared_journal(
+            config.journal_url, self.runtime.model_identity(), node=node, sync=config.journal_sync
+        )
+        self._journal = opened.journal
+        self.runtime.attach_journal(opened.journal)
+        log.info("shared session journal opened", extra={"journal": opened.journal.backend.location, "node": node})
 
     async def _sweep_idle(self) -> None:
         interval = min(30.0, max(0.05, self.config.session_idle_ttl_s / 4))

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
 # Install the Debian packages the test suite needs and pip cannot provide: prometheus (and its promtool), which
-# tests/integration/test_prometheus_rules.py runs against a real daemon to check deploy/prometheus and deploy/grafana.
+# tests/integration/test_prometheus_rules.py runs against a real daemon to check deploy/prometheus and deploy/grafana;
+# postgresql and haproxy, which tests/integration/test_scale_out.py and scripts/bench_scale_out.py run (the shared
+# session journal and the proxy of deploy/haproxy). The tests start their own servers on loopback; the package's
+# own PostgreSQL cluster service is not needed.
 # Safe to re-run: installs only what is missing. Needs root (or sudo) and apt-get.
 #
 # Usage: scripts/install_system_packages.sh [--check]   (--check: exit 1 listing what is missing, install nothing)
 set -euo pipefail
 
-packages=(prometheus)
-commands=(prometheus)
+packages=(prometheus postgresql haproxy)
+# A file each package installs: the PostgreSQL server binaries live under /usr/lib/postgresql/<version>/bin, off PATH.
+installed() {
+  case "$1" in
+    prometheus) command -v prometheus >/dev/null 2>&1 ;;
+    postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null ;;
+    haproxy) command -v haproxy >/dev/null 2>&1 || [[ -x /usr/sbin/haproxy ]] ;;
+  esac
+}
 
 missing=()
-for i in "${!packages[@]}"; do
-  command -v "${commands[$i]}" >/dev/null 2>&1 || missing+=("${packages[$i]}")
+for package in "${packages[@]}"; do
+  installed "$package" || missing+=("$package")
 done
 if [[ ${#missing[@]} == 0 ]]; then
   exit 0

@@ -1,8 +1,9 @@
 """The session journal behind `--state-dir`: every session's creation, appended and generated tokens, and end,
 written durably as they happen, so neither a restart nor a crash loses an acknowledged token.
 
-`JournalBackend` is the storage (one class per database); `Journal` feeds it from the event loop through one writer
-thread that commits queued entries together; `open_journal` opens the configured backend and reads its sessions.
+`JournalBackend` is the storage (one class per database: SQLite under `--state-dir`, PostgreSQL shared by a cluster
+under `--journal-url`); `Journal` feeds it from the event loop through one writer thread that commits queued entries
+together; `open_journal` / `open_shared_journal` open the configured backend and read its sessions.
 """
 
 from inference_engine.journal.entries import (
@@ -13,10 +14,12 @@ from inference_engine.journal.entries import (
     JournalEntry,
     JournalError,
     JournalOpened,
+    OwnershipLost,
     SessionHeader,
     SessionRecord,
+    SharedJournalBackend,
 )
-from inference_engine.journal.opening import OpenedJournal, open_journal
+from inference_engine.journal.opening import OpenedJournal, open_journal, open_shared_journal
 from inference_engine.journal.writer import Journal
 
 __all__ = [
@@ -29,7 +32,10 @@ __all__ = [
     "JournalError",
     "JournalOpened",
     "OpenedJournal",
+    "OwnershipLost",
     "SessionHeader",
     "SessionRecord",
+    "SharedJournalBackend",
     "open_journal",
+    "open_shared_journal",
 ]

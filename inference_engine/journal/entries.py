@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
 class JournalError(RuntimeError):
@@ -13,6 +13,10 @@ class JournalError(RuntimeError):
 
 class JournalDamaged(JournalError):
     """The journal's contents cannot be read back (a corrupt file, a record that does not decode)."""
+
+
+class OwnershipLost(JournalError):
+    """Another daemon has taken the session over (shared journal): this daemon's copy is stale, its writes refused."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,8 +82,21 @@ class JournalBackend(Protocol):
         another model while it still holds sessions, `JournalDamaged` when it cannot be read back."""
         ...
 
-    def write(self, entries: Sequence[JournalEntry]) -> None:
-        """Apply `entries` in order as one durable transaction (durable as the sync policy says)."""
+    def write(self, entries: Sequence[JournalEntry]) -> frozenset[str]:
+        """Apply `entries` in order as one durable transaction (durable as the sync policy says). Returns the ids
+        of sessions whose entries were refused because another daemon owns them now (a shared journal only)."""
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class SharedJournalBackend(JournalBackend, Protocol):
+    """A journal shared by the daemons of a cluster, with an ownership record per session."""
+
+    node: str
+
+    def take_over(self, session_id: str) -> SessionRecord | None:
+        """Become the session's owner (the previous owner's writes are refused from now on) and read its whole
+        history, atomically; None when the journal holds no such session."""
+        ...

@@ -54,6 +54,22 @@ def open_journal(directory: Path, model: Mapping[str, Any], *, sync: str, recove
     return OpenedJournal(Journal(backend), records + legacy)
 
 
+def open_shared_journal(url: str, model: Mapping[str, Any], *, node: str, sync: str) -> OpenedJournal:
+    """Connect to the PostgreSQL journal at `url` as the daemon named `node`, creating its tables when needed.
+
+    No session comes back at start: each one moves to the daemon its next call reaches (`Journal.take_over`).
+    """
+    from inference_engine.journal.postgres import PostgresJournal  # psycopg is loaded only by a cluster daemon
+
+    backend = PostgresJournal(url, node=node, sync=sync)
+    try:
+        records = backend.load(model)
+    except JournalError:
+        backend.close()
+        raise
+    return OpenedJournal(Journal(backend), records)
+
+
 def _take_over_snapshot(directory: Path, model: Mapping[str, Any], backend: SqliteJournal) -> list[SessionRecord]:
     """Sessions of a shutdown snapshot left by an earlier version, written into the journal; the file is removed
     once they are. A snapshot of another model, or one that does not read, stops the start and stays in place."""

@@ -140,9 +140,10 @@ class SqliteJournal:
         self._transaction(self._compact, records)
         return records
 
-    def write(self, entries: Sequence[JournalEntry]) -> None:
+    def write(self, entries: Sequence[JournalEntry]) -> frozenset[str]:
         if entries:
             self._transaction(self._apply, entries)
+        return frozenset()
 
     def close(self) -> None:
         self._db.close()

@@ -84,6 +84,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
     ) -> pb.GetSessionInfoResponse:
         _begin(context)
         try:
+            await self.runtime.acquire(request.session_id, touch=False)
             await self.runtime.settle_cancellations(request.session_id)
             info = self.runtime.session_info(request.session_id, request.history_tail_tokens)
         except ServiceError as exc:
@@ -170,6 +171,7 @@ class _Conversation:
         if kind == "bind":
             if self.session_id is not None:
                 raise InvalidArgument("the stream is already bound to a session")
+            await self.runtime.acquire(request.bind.session_id, touch=False)
             info = self.runtime.session_info(request.bind.session_id)
             self.session_id = request.bind.session_id
             yield pb.ConverseResponse(command_id=command_id, bound=pb.BoundEvent(history_length=info.history_length))

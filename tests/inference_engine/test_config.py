@@ -83,3 +83,12 @@ def test_dflash_without_a_drafter_uses_the_model_directorys_own(tmp_path):
         load_config({"proposer": "dflash", "model": str(tmp_path)}, environ={})
     with pytest.raises(ConfigError, match="needs a model directory"):
         load_config({"proposer": "draft_model"}, environ={})
+
+
+def test_a_shared_journal_is_a_postgresql_url_given_instead_of_a_state_dir_and_masked_in_logs():
+    config = ServerConfig(journal_url="postgresql://kakeya:pw@db:5432/kakeya", node_name="d1")
+    assert config.redacted()["journal_url"] == "***"
+    with pytest.raises(ConfigError, match="journal_url and state_dir"):
+        ServerConfig(journal_url="postgresql://db/kakeya", state_dir="/tmp/state")
+    with pytest.raises(ConfigError, match="postgresql://"):
+        ServerConfig(journal_url="mysql://db/kakeya")

@@ -3,7 +3,7 @@ import { count, createSessionRequest, milliseconds, modelInfo } from "./convert.
 import { KakeyaError, UnavailableError } from "./errors.js";
 import { RuntimeServiceClient } from "./generated/kakeya/v1/runtime.js";
 import { Session } from "./session.js";
-import { Transport } from "./transport.js";
+import { routingKey, Transport } from "./transport.js";
 import type { CallOptions, CreateSessionOptions, ModelInfo } from "./types.js";
 
 /** TLS settings; `true` uses the system's root certificates. */
@@ -77,14 +77,16 @@ export class Client {
   async createSession(options: CreateSessionOptions = {}): Promise<Session> {
     const request = createSessionRequest(options);
     await this.modelInfo(options); // the limits generate() checks maxTokens against
-    const response = await this.transport.unary(this.transport.stub.createSession, request, options);
-    return new Session(this.transport, response.sessionId, count(response.historyLength));
+    const key = routingKey(options.routingKey);
+    const response = await this.transport.unary(this.transport.stub.createSession, request, options, key);
+    return new Session(this.transport, response.sessionId, count(response.historyLength), key);
   }
 
   /** A handle on an existing session id (no call is made; a wrong id fails on first use with
-   * `SessionNotFoundError`). */
-  session(sessionId: string): Session {
-    return new Session(this.transport, sessionId);
+   * `SessionNotFoundError`). Behind a proxy, pass the session's `routingKey` to keep its calls on the daemon that
+   * holds it; without one the session id is the key. */
+  session(sessionId: string, options: { routingKey?: string } = {}): Session {
+    return new Session(this.transport, sessionId, undefined, routingKey(options.routingKey, sessionId));
   }
 
   /** Wait until the channel is connected, up to `timeoutMs` (default 10 s). */

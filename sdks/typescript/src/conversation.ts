@@ -62,13 +62,18 @@ export class Conversation {
   }
 
   /** Open a stream and bind it to `sessionId`; resolves once the server confirmed the binding. */
-  static async open(transport: Transport, sessionId: string, options: { signal?: AbortSignal }): Promise<Conversation> {
+  static async open(
+    transport: Transport,
+    sessionId: string,
+    options: { signal?: AbortSignal },
+    routingKey?: string,
+  ): Promise<Conversation> {
     transport.checkOpen();
     const { signal } = options;
     if (signal?.aborted) {
       throw new CancelledError("the conversation was cancelled by its AbortSignal", { cause: signal.reason });
     }
-    const call = transport.stub.converse(transport.metadata(), {});
+    const call = transport.stub.converse(transport.metadata(routingKey), {});
     const limit = transport.modelInfo?.limits.maxGenerateTokens;
     const conversation = new Conversation(call, transport.track(call), limit);
     if (signal !== undefined) {

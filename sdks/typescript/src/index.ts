@@ -25,6 +25,7 @@ export {
   UnavailableError,
 } from "./errors.js";
 export { Session } from "./session.js";
+export { ROUTING_KEY_HEADER } from "./transport.js";
 export { TokenStream } from "./stream.js";
 export type {
   CallOptions,

@@ -51,19 +51,23 @@ export class Session {
   /** Statistics of this object's last generation that ended normally; reset when a new generation starts. */
   lastStats: GenerationStats | undefined;
   private finalHistoryLength: number | undefined;
+  /** The key a proxy in front of several daemons routes this session's calls by (`x-kakeya-routing-key`). */
+  readonly routingKey: string;
 
   constructor(
     private readonly transport: Transport,
     readonly id: string,
     historyLength?: number,
+    routingKey?: string,
   ) {
     this.historyLength = historyLength;
+    this.routingKey = routingKey ?? id;
   }
 
   /** Append token ids to the history (they are prefilled by the next generation). Returns the history length. */
   async append(ids: Iterable<number>, options: CallOptions = {}): Promise<number> {
     const request = { sessionId: this.id, tokenIds: tokenIds(ids, "ids") };
-    const response = await this.transport.unary(this.transport.stub.appendTokens, request, options);
+    const response = await this.transport.unary(this.transport.stub.appendTokens, request, options, this.routingKey);
     this.historyLength = count(response.historyLength);
     return this.historyLength;
   }
@@ -89,7 +93,7 @@ export class Session {
 
   /** Open a `Converse` stream bound to this session (one long-lived bidirectional RPC). */
   converse(options: { signal?: AbortSignal } = {}): Promise<Conversation> {
-    return Conversation.open(this.transport, this.id, options);
+    return Conversation.open(this.transport, this.id, options, this.routingKey);
   }
 
   /**
@@ -99,14 +103,14 @@ export class Session {
    */
   async fork(options: ForkOptions = {}): Promise<Session> {
     const request = forkRequest(this.id, options);
-    const response = await this.transport.unary(this.transport.stub.forkSession, request, options);
-    return new Session(this.transport, response.sessionId, count(response.historyLength));
+    const response = await this.transport.unary(this.transport.stub.forkSession, request, options, this.routingKey);
+    return new Session(this.transport, response.sessionId, count(response.historyLength), this.routingKey);
   }
 
   /** Describe the session; `historyTailTokens` also returns that many trailing history tokens. */
   async info(options: SessionInfoOptions = {}): Promise<SessionInfo> {
     const request = { sessionId: this.id, historyTailTokens: historyTailTokens(options.historyTailTokens) };
-    const response = await this.transport.unary(this.transport.stub.getSessionInfo, request, options);
+    const response = await this.transport.unary(this.transport.stub.getSessionInfo, request, options, this.routingKey);
     return sessionInfo(response);
   }
 
@@ -114,7 +118,12 @@ export class Session {
    * history length. Idempotent: closing again returns the same length without a call. */
   async close(options: CallOptions = {}): Promise<number> {
     if (this.finalHistoryLength !== undefined) return this.finalHistoryLength;
-    const response = await this.transport.unary(this.transport.stub.closeSession, { sessionId: this.id }, options);
+    const response = await this.transport.unary(
+      this.transport.stub.closeSession,
+      { sessionId: this.id },
+      options,
+      this.routingKey,
+    );
     this.historyLength = count(response.finalHistoryLength);
     this.finalHistoryLength = this.historyLength;
     return this.historyLength;
@@ -123,7 +132,7 @@ export class Session {
   private openGenerate(command: ReturnType<typeof generateCommand>): GenerationSource {
     const transport = this.transport;
     transport.checkOpen();
-    const call = transport.stub.generate({ sessionId: this.id, ...command }, transport.metadata(), {});
+    const call = transport.stub.generate({ sessionId: this.id, ...command }, transport.metadata(this.routingKey), {});
     const release = transport.track(call);
     const events = new EventQueue<GenerationEvent>();
     events.onDrain = () => call.resume();

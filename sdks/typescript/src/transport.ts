@@ -1,8 +1,24 @@
 import { Metadata, status, type CallOptions as GrpcCallOptions, type ServiceError } from "@grpc/grpc-js";
+import { randomBytes } from "node:crypto";
 import { milliseconds } from "./convert.js";
-import { CancelledError, fromGrpcError, KakeyaError } from "./errors.js";
+import { CancelledError, fromGrpcError, InvalidArgumentError, KakeyaError } from "./errors.js";
 import type { RuntimeServiceClient } from "./generated/kakeya/v1/runtime.js";
 import type { CallOptions, ModelInfo } from "./types.js";
+
+/**
+ * The metadata key every call of a session carries its routing key in: a proxy in front of several daemons hashes on
+ * it so that all calls of a session reach the daemon holding its KV cache (docs/scale-out.md).
+ */
+export const ROUTING_KEY_HEADER = "x-kakeya-routing-key";
+
+/** `key` checked, or `fallback`, or a fresh random key (128 bits). */
+export function routingKey(key: string | undefined, fallback?: string): string {
+  if (key === undefined) return fallback ?? randomBytes(16).toString("base64url");
+  if (typeof key !== "string" || key.length === 0 || !/^[\x20-\x7e]+$/.test(key)) {
+    throw new InvalidArgumentError(`routingKey must be a non-empty printable ASCII string, got ${JSON.stringify(key)}`);
+  }
+  return key;
+}
 
 /** Anything that can be cancelled: the calls a transport tracks so that `close()` can end them. */
 interface Cancellable {
@@ -33,9 +49,11 @@ export class Transport {
     private readonly defaultTimeoutMs: number | undefined,
   ) {}
 
-  metadata(): Metadata {
+  /** Call metadata: the API key, and the session's routing key when the call belongs to a session. */
+  metadata(routingKey?: string): Metadata {
     const metadata = new Metadata();
     if (this.apiKey) metadata.set("authorization", `Bearer ${this.apiKey}`);
+    if (routingKey !== undefined) metadata.set(ROUTING_KEY_HEADER, routingKey);
     return metadata;
   }
 
@@ -50,14 +68,19 @@ export class Transport {
   }
 
   /** Run a unary call as a promise under the call's (or the client's default) deadline. */
-  unary<Req, Res>(method: UnaryMethod<Req, Res>, request: Req, options: CallOptions = {}): Promise<Res> {
+  unary<Req, Res>(
+    method: UnaryMethod<Req, Res>,
+    request: Req,
+    options: CallOptions = {},
+    routingKey?: string,
+  ): Promise<Res> {
     this.checkOpen();
     const { signal } = options;
     const callOptions = this.callOptions(options.timeoutMs ?? this.defaultTimeoutMs);
     if (signal?.aborted) return Promise.reject(cancelledBy(signal));
     return new Promise<Res>((resolve, reject) => {
       const onAbort = (): void => call.cancel();
-      const call = method.call(this.stub, request, this.metadata(), callOptions, (error, response) => {
+      const call = method.call(this.stub, request, this.metadata(routingKey), callOptions, (error, response) => {
         this.live.delete(call);
         signal?.removeEventListener("abort", onAbort);
         if (error === null) resolve(response);

@@ -34,6 +34,9 @@ export interface CreateSessionOptions extends CallOptions {
   kvCompressor?: KvCompressor;
   /** Lattice range Q of a KakeyaLattice compressor (larger: more bits, less error). */
   kvQRange?: number;
+  /** Key sent with every call of the session (`x-kakeya-routing-key` metadata) so that a proxy in front of several
+   * daemons sends them all to one daemon; unset picks a random one. Sessions given the same key share a daemon. */
+  routingKey?: string;
 }
 
 /** The limits the server checks requests against. */

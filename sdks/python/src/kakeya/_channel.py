@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,10 @@ MAX_MESSAGE_BYTES = 64 << 20
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
 Metadata = tuple[tuple[str, str], ...]
+
+ROUTING_KEY_HEADER = "x-kakeya-routing-key"
+"""The metadata key every call of a session carries its routing key in; a proxy in front of several daemons
+hashes on it so that all calls of a session reach the daemon holding its KV cache (docs/scale-out.md)."""
 
 
 def check_settings(address: str, api_key: str | None, timeout_s: float | None) -> None:
@@ -60,6 +65,20 @@ def credentials(tls: TlsConfig | bool | None) -> tuple[grpc.ChannelCredentials |
 def metadata(api_key: str | None) -> Metadata:
     """Per-call metadata: the API key as a bearer token (sent on plaintext loopback channels too)."""
     return (("authorization", f"Bearer {api_key}"),) if api_key else ()
+
+
+def routing_key(key: str | None, default: str | None = None) -> str:
+    """`key` checked, or `default`, or a fresh random key (128 bits)."""
+    if key is None:
+        return default if default is not None else secrets.token_urlsafe(16)
+    if not isinstance(key, str) or not key or not key.isprintable() or not key.isascii():
+        raise InvalidArgument(f"routing_key must be a non-empty printable ASCII string, got {key!r}")
+    return key
+
+
+def routed(metadata: Metadata, key: str) -> Metadata:
+    """Call metadata carrying a session's routing key."""
+    return (*metadata, (ROUTING_KEY_HEADER, key))
 
 
 def should_retry(error: grpc.RpcError, idempotent: bool, attempt: int, retry: RetryPolicy) -> bool:

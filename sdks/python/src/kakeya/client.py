@@ -99,6 +99,7 @@ class Client:
         window_tokens: int | None = None,
         kv_compressor: KvCompressor | str | None = None,
         kv_q_range: int | None = None,
+        routing_key: str | None = None,
     ) -> Session:
         """Create a session, optionally starting with `initial_tokens` (pending until the first generation).
 
@@ -106,6 +107,9 @@ class Client:
         model's end-of-sequence ids (`model_info().eos_token_ids`), an empty list gives none. `kv_strategy`,
         `sink_tokens` and `window_tokens` override the server's defaults for this session, as do `kv_compressor`
         (none, kakeya_d4, kakeya_e8: how committed K/V are held) and `kv_q_range` (its lattice range Q).
+        `routing_key` is sent with every call of the session (`x-kakeya-routing-key` metadata) so that a proxy in
+        front of several daemons sends them all to one daemon; None picks a random one. Sessions given the same
+        key land on the same daemon (docs/scale-out.md).
         """
         request = _convert.create_request(
             label=label,
@@ -117,23 +121,40 @@ class Client:
             kv_compressor=kv_compressor,
             kv_q_range=kv_q_range,
         )
-        reply = self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
-        return Session(self, reply.session_id)
+        key = _channel.routing_key(routing_key)
+        reply = self.unary(
+            self.stub.CreateSession,
+            "CreateSession",
+            request,
+            idempotent=False,
+            metadata=_channel.routed(self.metadata, key),
+        )
+        return Session(self, reply.session_id, routing_key=key)
 
-    def session(self, session_id: str) -> Session:
-        """A handle on an existing session (no call is made)."""
+    def session(self, session_id: str, *, routing_key: str | None = None) -> Session:
+        """A handle on an existing session (no call is made). Behind a proxy, pass the session's `routing_key`
+        (`Session.routing_key`) to keep its calls on the daemon that holds it; without one the session id is the
+        key, and the daemon that key reaches takes the session over from the shared journal on the first call."""
         if not isinstance(session_id, str) or not session_id:
             raise InvalidArgument(f"session_id must be a non-empty string, got {session_id!r}")
-        return Session(self, session_id)
+        return Session(self, session_id, routing_key=_channel.routing_key(routing_key, default=session_id))
 
-    def unary(self, rpc: Callable[..., R], name: str, request: object, *, idempotent: bool) -> R:
+    def unary(
+        self,
+        rpc: Callable[..., R],
+        name: str,
+        request: object,
+        *,
+        idempotent: bool,
+        metadata: _channel.Metadata | None = None,
+    ) -> R:
         """Run one unary call within the client's deadline, retrying idempotent ones on UNAVAILABLE."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         attempt = 1
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return rpc(request, timeout=remaining, metadata=self.metadata)
+                return rpc(request, timeout=remaining, metadata=self.metadata if metadata is None else metadata)
             except grpc.RpcError as error:
                 if _channel.should_retry(error, idempotent, attempt, self.retry):
                     delay = self.retry.backoff_s(attempt)
@@ -151,9 +172,12 @@ class Session:
     Closing it (`close()`, or leaving a `with` block) frees the server's memory.
     """
 
-    def __init__(self, client: Client, session_id: str) -> None:
+    def __init__(self, client: Client, session_id: str, *, routing_key: str | None = None) -> None:
         self.client = client
         self.id = session_id
+        self.routing_key = session_id if routing_key is None else routing_key
+        """The key a proxy in front of several daemons routes this session's calls by (`x-kakeya-routing-key`)."""
+        self.metadata = _channel.routed(client.metadata, self.routing_key)
         self.last_generation: GenerationStats | None = None
         """Statistics of the latest generation started through this handle, once it has ended."""
         self._closed = False
@@ -181,7 +205,9 @@ class Session:
     def append(self, token_ids: Iterable[int]) -> int:
         """Append tokens to the history; returns the history length. Never retried."""
         request = pb.AppendTokensRequest(session_id=self.id, token_ids=_convert.token_ids(token_ids, "token_ids"))
-        reply = self.client.unary(self.client.stub.AppendTokens, "AppendTokens", request, idempotent=False)
+        reply = self.client.unary(
+            self.client.stub.AppendTokens, "AppendTokens", request, idempotent=False, metadata=self.metadata
+        )
         return int(reply.history_length)
 
     def generate(
@@ -219,7 +245,7 @@ class Session:
         _convert.check_timeout(timeout_s, "timeout_s")
         request = pb.GenerateRequest(session_id=self.id, **fields)  # type: ignore[arg-type]
         self.last_generation = None
-        call = self.client.stub.Generate(request, timeout=timeout_s, metadata=self.client.metadata)
+        call = self.client.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
         return TokenStream(self, call, inter_token_timeout_s)
 
     def converse(self, *, inter_token_timeout_s: float | None = None) -> Conversation:
@@ -233,8 +259,10 @@ class Session:
         to this session's. The two are independent afterwards; a fork of a generating session waits for the
         generation to end. Never retried (a retry could create a second fork)."""
         request = _convert.fork_request(self.id, prefix_tokens, label)
-        reply = self.client.unary(self.client.stub.ForkSession, "ForkSession", request, idempotent=False)
-        return Session(self.client, reply.session_id)
+        reply = self.client.unary(
+            self.client.stub.ForkSession, "ForkSession", request, idempotent=False, metadata=self.metadata
+        )
+        return Session(self.client, reply.session_id, routing_key=self.routing_key)
 
     def info(self, *, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe the session; `history_tail_tokens` > 0 also returns that many trailing history tokens
@@ -242,7 +270,9 @@ class Session:
         request = pb.GetSessionInfoRequest(
             session_id=self.id, history_tail_tokens=_convert.uint32(history_tail_tokens, "history_tail_tokens")
         )
-        reply = self.client.unary(self.client.stub.GetSessionInfo, "GetSessionInfo", request, idempotent=True)
+        reply = self.client.unary(
+            self.client.stub.GetSessionInfo, "GetSessionInfo", request, idempotent=True, metadata=self.metadata
+        )
         return _convert.session_info(reply)
 
     def close(self) -> int:
@@ -252,7 +282,9 @@ class Session:
         if self._final_history_length is not None:
             return self._final_history_length
         request = pb.CloseSessionRequest(session_id=self.id)
-        reply = self.client.unary(self.client.stub.CloseSession, "CloseSession", request, idempotent=True)
+        reply = self.client.unary(
+            self.client.stub.CloseSession, "CloseSession", request, idempotent=True, metadata=self.metadata
+        )
         self._closed = True
         self._final_history_length = int(reply.final_history_length)
         return self._final_history_length

@@ -52,7 +52,7 @@ class Conversation:
         self.session = session
         client = session.client
         self._requests: queue.SimpleQueue[pb.ConverseRequest | None] = queue.SimpleQueue()
-        self._call = client.stub.Converse(iter(self._requests.get, None), metadata=client.metadata)
+        self._call = client.stub.Converse(iter(self._requests.get, None), metadata=session.metadata)
         self._token_timeout_s = inter_token_timeout_s
         self._reply_timeout_s = client.timeout_s
         self._watchdog = Watchdog(self._call.cancel)

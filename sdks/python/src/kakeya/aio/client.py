@@ -112,6 +112,7 @@ class AsyncClient:
         window_tokens: int | None = None,
         kv_compressor: KvCompressor | str | None = None,
         kv_q_range: int | None = None,
+        routing_key: str | None = None,
     ) -> AsyncSession:
         """Create a session (arguments as in `Client.create_session`)."""
         request = _convert.create_request(
@@ -125,23 +126,38 @@ class AsyncClient:
             kv_q_range=kv_q_range,
         )
         await self.model_info()  # the limits generate() checks max_tokens against
-        reply = await self.unary(self.stub.CreateSession, "CreateSession", request, idempotent=False)
-        return AsyncSession(self, reply.session_id)
+        key = _channel.routing_key(routing_key)
+        reply = await self.unary(
+            self.stub.CreateSession,
+            "CreateSession",
+            request,
+            idempotent=False,
+            metadata=_channel.routed(self.metadata, key),
+        )
+        return AsyncSession(self, reply.session_id, routing_key=key)
 
-    def session(self, session_id: str) -> AsyncSession:
-        """A handle on an existing session (no call is made)."""
+    def session(self, session_id: str, *, routing_key: str | None = None) -> AsyncSession:
+        """A handle on an existing session (no call is made); `routing_key` as in `Client.session`."""
         if not isinstance(session_id, str) or not session_id:
             raise InvalidArgument(f"session_id must be a non-empty string, got {session_id!r}")
-        return AsyncSession(self, session_id)
+        return AsyncSession(self, session_id, routing_key=_channel.routing_key(routing_key, default=session_id))
 
-    async def unary(self, rpc: Callable[..., Awaitable[R]], name: str, request: object, *, idempotent: bool) -> R:
+    async def unary(
+        self,
+        rpc: Callable[..., Awaitable[R]],
+        name: str,
+        request: object,
+        *,
+        idempotent: bool,
+        metadata: _channel.Metadata | None = None,
+    ) -> R:
         """Run one unary call within the client's deadline, retrying idempotent ones on UNAVAILABLE."""
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         attempt = 1
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                return await rpc(request, timeout=remaining, metadata=self.metadata)
+                return await rpc(request, timeout=remaining, metadata=self.metadata if metadata is None else metadata)
             except grpc.RpcError as error:
                 if _channel.should_retry(error, idempotent, attempt, self.retry):
                     delay = self.retry.backoff_s(attempt)
@@ -156,9 +172,12 @@ class AsyncClient:
 class AsyncSession:
     """One server-side session (see `kakeya.Session`); close it with `await close()` or `async with`."""
 
-    def __init__(self, client: AsyncClient, session_id: str) -> None:
+    def __init__(self, client: AsyncClient, session_id: str, *, routing_key: str | None = None) -> None:
         self.client = client
         self.id = session_id
+        self.routing_key = session_id if routing_key is None else routing_key
+        """The key a proxy in front of several daemons routes this session's calls by (`x-kakeya-routing-key`)."""
+        self.metadata = _channel.routed(client.metadata, self.routing_key)
         self.last_generation: GenerationStats | None = None
         """Statistics of the latest generation started through this handle, once it has ended."""
         self._closed = False
@@ -186,7 +205,9 @@ class AsyncSession:
     async def append(self, token_ids: Iterable[int]) -> int:
         """Append tokens to the history; returns the history length. Never retried."""
         request = pb.AppendTokensRequest(session_id=self.id, token_ids=_convert.token_ids(token_ids, "token_ids"))
-        reply = await self.client.unary(self.client.stub.AppendTokens, "AppendTokens", request, idempotent=False)
+        reply = await self.client.unary(
+            self.client.stub.AppendTokens, "AppendTokens", request, idempotent=False, metadata=self.metadata
+        )
         return int(reply.history_length)
 
     def generate(
@@ -221,7 +242,7 @@ class AsyncSession:
         _convert.check_timeout(timeout_s, "timeout_s")
         request = pb.GenerateRequest(session_id=self.id, **fields)  # type: ignore[arg-type]
         self.last_generation = None
-        call = self.client.stub.Generate(request, timeout=timeout_s, metadata=self.client.metadata)
+        call = self.client.stub.Generate(request, timeout=timeout_s, metadata=self.metadata)
         return AsyncTokenStream(self, call, inter_token_timeout_s)
 
     def converse(self, *, inter_token_timeout_s: float | None = None) -> AsyncConversation:
@@ -232,15 +253,19 @@ class AsyncSession:
     async def fork(self, *, prefix_tokens: int | None = None, label: str | None = None) -> AsyncSession:
         """Branch the session (see `Session.fork`)."""
         request = _convert.fork_request(self.id, prefix_tokens, label)
-        reply = await self.client.unary(self.client.stub.ForkSession, "ForkSession", request, idempotent=False)
-        return AsyncSession(self.client, reply.session_id)
+        reply = await self.client.unary(
+            self.client.stub.ForkSession, "ForkSession", request, idempotent=False, metadata=self.metadata
+        )
+        return AsyncSession(self.client, reply.session_id, routing_key=self.routing_key)
 
     async def info(self, *, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe the session (see `Session.info`)."""
         request = pb.GetSessionInfoRequest(
             session_id=self.id, history_tail_tokens=_convert.uint32(history_tail_tokens, "history_tail_tokens")
         )
-        reply = await self.client.unary(self.client.stub.GetSessionInfo, "GetSessionInfo", request, idempotent=True)
+        reply = await self.client.unary(
+            self.client.stub.GetSessionInfo, "GetSessionInfo", request, idempotent=True, metadata=self.metadata
+        )
         return _convert.session_info(reply)
 
     async def close(self) -> int:
@@ -249,7 +274,9 @@ class AsyncSession:
         if self._final_history_length is not None:
             return self._final_history_length
         request = pb.CloseSessionRequest(session_id=self.id)
-        reply = await self.client.unary(self.client.stub.CloseSession, "CloseSession", request, idempotent=True)
+        reply = await self.client.unary(
+            self.client.stub.CloseSession, "CloseSession", request, idempotent=True, metadata=self.metadata
+        )
         self._closed = True
         self._final_history_length = int(reply.final_history_length)
         return self._final_history_length

@@ -54,7 +54,7 @@ class AsyncConversation:
         if self._call is not None:
             raise InvalidArgument("the conversation is already open")
         client = self.session.client
-        self._call = client.stub.Converse(self._requests(), metadata=client.metadata)
+        self._call = client.stub.Converse(self._requests(), metadata=self.session.metadata)
         try:
             bound = await self._command("bound", bind=pb.BindCommand(session_id=self.session.id))
         except KakeyaError:
