@@ -1,0 +1,34 @@
+"""The daemon's side of `dlm_restore`: which restoration plan its sessions use, and what a session reports of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from inference_engine.config import ConfigError, ServerConfig
+from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup, find_plan
+from kv_cache_proposer.verifier import SessionCache
+
+
+def restoration_setup(config: ServerConfig, num_layers: int) -> RestorationSetup:
+    """The plan of `--restore-plan`, else the model directory's `restore_plan.json`, else `recompute` for every
+    layer; raises `ConfigError` when the plan cannot be read or does not fit the model."""
+    path = config.restore_plan or find_plan(config.model_dir)
+    try:
+        plan = RestorationPlan.load(path) if path else None
+        setup = RestorationSetup(plan, rebuild=config.restore_rebuild)  # type: ignore[arg-type]
+        setup.plan_for(num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"restore_plan: {exc}") from None
+    return setup
+
+
+def restoration_info(cache: SessionCache[Any]) -> dict[str, int]:
+    """The `SessionInfo` fields of a session's restoration: restored positions and the bytes by kind."""
+    restoration_bytes = cache.restoration_state_bytes + cache.restored_bytes
+    return {
+        "restored_token_count": int(cache.restored_count),
+        "kv_resident_bytes": int(cache.nbytes) - restoration_bytes,
+        "kv_restored_bytes": int(cache.restored_bytes),
+        "kv_restoration_state_bytes": int(cache.restoration_state_bytes),
+        "kv_peak_restored_bytes": int(cache.peak_restored_bytes),
+    }
