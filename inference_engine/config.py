@@ -59,8 +59,9 @@ class ServerConfig:
     window: int = _opt(1024, "sink_window, dlm_restore: number of most recent positions that stay resident")
     restore_plan: str = _opt(
         "",
-        "dlm_restore: restoration plan manifest (JSON, f_θ weights in the safetensors file it names); empty uses "
-        "the model directory's restore_plan.json when it has one, else recompute for every layer (exact, slowest)",
+        "dlm_restore: restoration plan manifest (JSON, f_θ weights in the safetensors file it names), or recompute "
+        "(every layer rebuilt by a forward of the model: exact, slowest); empty uses the model directory's "
+        "restore_plan.json when it has one, else recompute",
     )
     restore_rebuild: str = _opt(
         "generation",

@@ -10,9 +10,10 @@ from kv_cache_proposer.verifier import SessionCache
 
 
 def restoration_setup(config: ServerConfig, num_layers: int) -> RestorationSetup:
-    """The plan of `--restore-plan`, else the model directory's `restore_plan.json`, else `recompute` for every
-    layer; raises `ConfigError` when the plan cannot be read or does not fit the model."""
-    path = config.restore_plan or find_plan(config.model_dir)
+    """The plan of `--restore-plan` (`recompute`: every layer recomputed), else the model directory's
+    `restore_plan.json`, else `recompute` for every layer; raises `ConfigError` when the plan cannot be read or does
+    not fit the model."""
+    path = None if config.restore_plan == "recompute" else config.restore_plan or find_plan(config.model_dir)
     try:
         plan = RestorationPlan.load(path) if path else None
         setup = RestorationSetup(plan, rebuild=config.restore_rebuild)  # type: ignore[arg-type]

@@ -176,7 +176,9 @@ class RestoringSessionCache(KVSessionCache[A]):
         offset = self.stage_offset
         resident = leaving < before
         slots = np.where(resident, self._restoring.slots_of(leaving), offset + leaving - before)
-        wanted = range(self.num_layers) if self._setup.rebuild == "generation" else self._kept.keys()
+        wanted = set(self._kept)
+        if self._setup.rebuild == "generation":  # recompute layers extend the restored K/V with these
+            wanted |= {i for i, source in enumerate(self._plan.layers) if source.kind == "recompute"}
         captured = {}
         for layer in wanted:
             keys, values = self._layers[layer].read(offset, offset + self._staged)
@@ -197,13 +199,25 @@ class RestoringSessionCache(KVSessionCache[A]):
                 return
             self._restored = RestoredPrefix(self._ops, self.num_layers, self._restoring.sink)
         kept_new = {layer: self._kept_tail(layer, added) for layer in self._kept}
+        first = self._restoring.sink + self._restored.count
+        token_layers = [i for i, source in enumerate(self._plan.layers) if source.kind == "tokens"]
+        rebuilt = {}
+        if token_layers:
+            tokens = self._tokens[first : first + added].tolist()
+            rebuilt = forward_kv(
+                self._model, self._ops, self.num_layers, tokens, start=first, last_layer=max(token_layers)
+            )
         per_layer = []
         for layer, source in enumerate(self._plan.layers):
             if source.kind == "kept":
                 per_layer.append(kept_new[layer])
             elif source.kind == "projected" and source.from_layer is not None:
                 per_layer.append(project(self._ops, source, *kept_new[source.from_layer]))
-            else:  # tokens / recompute: the window's own K/V of these positions are what a rebuild computes
+            elif source.kind == "tokens":
+                per_layer.append(rebuilt[layer])
+            else:
+                # recompute: the verifier's own K/V of these positions, computed over the restored history (exact
+                # when every layer is recomputed), spare a forward over the whole prefix at every commit
                 per_layer.append(captured[layer])
         self._restored.extend(per_layer)
         self._note_peak()

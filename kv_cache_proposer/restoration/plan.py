@@ -89,6 +89,19 @@ class RestorationPlan:
         """Whether rebuilding reads the whole token prefix (a `recompute` layer) rather than each evicted token."""
         return any(source.kind == "recompute" for source in self.layers)
 
+    @property
+    def kept_fraction(self) -> float:
+        """Bytes kept per evicted position, as a fraction of the full K/V of that position (before compression)."""
+        return len(self.kept_layers) / len(self.layers) if self.layers else 0.0
+
+    def with_projections(self, projections: dict[int, LinearProjection]) -> RestorationPlan:
+        """The same plan with the f_θ of the given `projected` layers replaced."""
+        layers = tuple(
+            LayerSource(source.kind, source.from_layer, projections[index]) if index in projections else source
+            for index, source in enumerate(self.layers)
+        )
+        return RestorationPlan(layers, verifier=self.verifier, notes=dict(self.notes))
+
     def describe(self) -> str:
         """One line: the source of every layer."""
         return ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
@@ -104,6 +117,7 @@ class RestorationPlan:
         from safetensors.numpy import save_file
 
         manifest_path = _manifest_path(Path(path))
+        manifest_path.parent.mkdir(parents=True, exist_ok=True)
         weights_name = manifest_path.with_suffix(".safetensors").name
         tensors: dict[str, np.ndarray] = {}
         layers: list[dict[str, Any]] = []
@@ -125,7 +139,6 @@ class RestorationPlan:
             save_file(tensors, str(manifest_path.with_suffix(".safetensors")))
         if self.notes:
             manifest["notes"] = self.notes
-        manifest_path.parent.mkdir(parents=True, exist_ok=True)
         manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest_path
 
@@ -195,12 +208,21 @@ def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarr
 
 
 def plan_from_spec(spec: str, num_layers: int) -> RestorationPlan:
-    """A plan without f_θ weights from a compact spec: one source per layer, comma-separated
-    (`tokens,kept,kept,kept`), or one source for every layer (`recompute`)."""
-    parts: list[str] = [part.strip() for part in spec.split(",")]
+    """A plan from a compact spec: one source per layer, comma-separated (`tokens,projected<-3,projected<-3,kept`),
+    or one source for every layer (`recompute`). `projected<-J` projects from kept layer J through an identity f_θ
+    (`scripts/train_f_theta.py` fits a linear one). Raises `ValueError` naming what is wrong."""
+    parts = [part.strip() for part in spec.split(",")]
     if len(parts) == 1:
         parts = parts * num_layers
+    if len(parts) != num_layers:
+        raise ValueError(f"restoration spec {spec!r} names {len(parts)} layers, the model has {num_layers}")
+    layers = []
     for part in parts:
-        if part not in ("tokens", "kept", "recompute"):
-            raise ValueError(f"restoration spec {spec!r}: {part!r} is not tokens, kept or recompute")
-    return RestorationPlan(tuple(LayerSource(part) for part in parts))  # type: ignore[arg-type]
+        kind, _, origin = part.partition("<-")
+        if kind == "projected" and origin.isdigit():
+            layers.append(LayerSource("projected", from_layer=int(origin)))
+        elif kind in ("tokens", "kept", "recompute") and not origin:
+            layers.append(LayerSource(kind))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"restoration spec {spec!r}: {part!r} is not tokens, kept, recompute or projected<-J")
+    return RestorationPlan(tuple(layers))

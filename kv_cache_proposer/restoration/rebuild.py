@@ -73,14 +73,19 @@ class _LayersCaptured(Exception):
 
 
 class CaptureCache(KVSessionCache[A]):
-    """A scratch cache whose block starts at global position `start` and that records the K/V the model stages,
-    cutting the forward short after layer `last_layer` (layers after it are not needed)."""
+    """A scratch cache for one forward over a block at global positions `start, start + 1, ...` that attends only
+    within the block; it records the K/V the model stages and cuts the forward short after layer `last_layer`
+    (layers after it are not needed)."""
 
     def __init__(self, ops: ArrayOps[A], num_layers: int, *, start: int, last_layer: int) -> None:
         super().__init__(FullStrategy(), num_layers=num_layers, ops=ops)
-        self._next_position = start  # slots before `start` stay empty (position -1): nothing reads them
+        self._next_position = start
         self._last_layer = last_layer
         self.captured: dict[int, tuple[A, A]] = {}
+
+    @property
+    def stage_offset(self) -> int:
+        return 0  # nothing is resident: the block's slots start at 0 whatever its positions
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         self.captured[layer_idx] = (keys, values)
