@@ -1,10 +1,14 @@
 """Find a restoration plan for a model: per-layer sensitivity, then the cheapest plan under a byte budget.
 
+First, which layers a `tokens` source rebuilds exactly: a layer qualifies when its K/V of a stretch of held-out
+text computed from that stretch alone equal (to 1e-4 relative) those computed after the whole text before it.
+
 Sensitivity: starting from the exact plan that keeps every layer's K/V, each layer in turn is restored from one
 candidate source while every other layer stays exact, and the script measures needle recall (greedy decoding of
 needle documents under `dlm_restore` with `--sink` + `--window`) and the mean KL divergence of the next-token
-distributions from `full` on held-out text. Candidate sources: `tokens` and `projected<-J` for every other layer J
-(a linear f_θ fitted by closed-form least squares on training text, as `train_f_theta.py` does).
+distributions from `full` on held-out text. Candidate sources: `projected<-J` for every other layer J (a linear f_θ
+fitted by closed-form least squares on training text, as `train_f_theta.py` does); `tokens` is exact where it
+applies and not tried elsewhere.
 
 Proposal: a layer tolerates a source when its recall is within `--recall-tolerance` of `full` and its KL is at
 most `--max-kl`. Over sets of kept layers, cheapest first, every other layer takes a tolerated source (`tokens`
@@ -38,6 +42,7 @@ from lib.restoration import (
     logit_divergence,
     make_probe,
     recall,
+    token_only_layers,
     token_stream,
 )
 from lib.results import RESULTS_DIR, write_results
@@ -107,7 +112,7 @@ def plot(sensitivity: list[dict[str, Any]], num_layers: int, png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    sources = sorted({row["source"] for row in sensitivity}, key=lambda s: (s != "tokens", s))
+    sources = sorted({row["source"] for row in sensitivity})
     grid = np.full((len(sources), num_layers), np.nan)
     for row in sensitivity:
         grid[sources.index(row["source"]), row["layer"]] = row["recall"]
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     train = token_stream(tokenizer, args.train_texts, args.train_length, random.Random(args.seed), held_out=False)
     rows = kv_rows_by_layer(verifier, train, range(layers))
+    token_layers = token_only_layers(verifier, probe.texts[0][: 2 * args.window], start=args.window)
+    print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
     full_recall = recall(verifier, None, probe, desc="full")
     exact = RestorationPlan.uniform(layers, "kept")
 
@@ -148,12 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     tolerated: dict[int, list[tuple[float, str]]] = {layer: [] for layer in range(layers)}
     fit_errors: dict[str, float] = {}
     for layer in range(layers):
-        sources = ["tokens", *(f"projected<-{j}" for j in range(layers) if j != layer)]
-        for source in sources:
-            if source == "tokens":
-                replaced = LayerSource("tokens")
-            else:
-                replaced = LayerSource("projected", from_layer=int(source.partition("<-")[2]))
+        if layer in token_layers:
+            tolerated[layer].append((-1.0, "tokens"))  # exact and free: nothing to measure
+            continue
+        for source in (f"projected<-{j}" for j in range(layers) if j != layer):
+            replaced = LayerSource("projected", from_layer=int(source.partition("<-")[2]))
             plan = RestorationPlan(tuple(replaced if i == layer else s for i, s in enumerate(exact.layers)))
             plan, errors = fit_projections(plan, rows, ridge=args.ridge)
             fit_errors.update(errors)
@@ -161,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             sensitivity.append(row)
             print(f"L{layer} <- {source}: recall {row['recall']:.2f}, KL {row['kl']:.4f}", file=sys.stderr)
             if full_recall - row["recall"] <= args.recall_tolerance and row["kl"] <= args.max_kl:
-                # tokens first (free), then projections by KL
-                tolerated[layer].append((-1.0 if source == "tokens" else row["kl"], source))
+                tolerated[layer].append((row["kl"], source))
     ranked = {layer: [s for _, s in sorted(options)] for layer, options in tolerated.items()}
 
     proposal: dict[str, Any] | None = None
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     for size in range(0, layers + 1):
         if size / layers > args.budget + 1e-9:
             break
-        for kept in itertools.combinations(range(layers), size):
+        # A layer rebuilt exactly from tokens is never worth keeping.
+        for kept in itertools.combinations([i for i in range(layers) if i not in token_layers], size):
             candidate = candidate_plans(layers, kept, ranked)
             if candidate is None:
                 continue
@@ -204,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         written = str(plan.save(args.out or args.model / PLAN_FILE))
     summary = {
         "full_recall": full_recall,
+        "token_only_layers": token_layers,
         "proposal": None if proposal is None else {k: v for k, v in proposal.items() if k != "plan"},
         "budget": args.budget,
         "tolerated": ranked,

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.restoration import LinearProjection, RestorationPlan, RestorationSetup
 from kv_cache_proposer.restoration.projection import kv_rows
+from kv_cache_proposer.restoration.rebuild import forward_kv
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
 from lib.corpus import read_text, split_sources, stdlib_sources
@@ -166,3 +167,24 @@ def fit_projections(
         errors[f"L{source.from_layer}->L{index}"] = float(np.sum(residual**2) / max(np.sum(spread**2), 1e-12))
         projections[index] = LinearProjection.fit(x, y, ridge=ridge)
     return plan.with_projections(projections), errors
+
+
+def token_only_layers(verifier: Any, tokens: Sequence[int], *, start: int, tolerance: float = 1e-4) -> list[int]:
+    """Layers whose K/V of `tokens[start:]` are the same when computed from those tokens alone (at their positions)
+    as with the whole sequence before them: the layers a `tokens` source rebuilds exactly."""
+    ops = verifier.array_ops
+    full = verifier.new_cache(FullStrategy())
+    verifier.verify(full, list(tokens), 1)
+    verifier.commit(full, len(tokens))
+    alone = forward_kv(
+        verifier, ops, verifier.num_layers, list(tokens[start:]), start=start, last_layer=verifier.num_layers - 1
+    )
+    found = []
+    for layer in range(verifier.num_layers):
+        keys, values, _ = full.resident_kv(layer)
+        reference = kv_rows(ops.to_host(keys), ops.to_host(values))[start:]
+        rebuilt = kv_rows(ops.to_host(alone[layer][0]), ops.to_host(alone[layer][1]))
+        if np.abs(rebuilt - reference).max() <= tolerance * max(np.abs(reference).max(), 1e-6):
+            found.append(layer)
+    full.release()
+    return found

@@ -54,10 +54,13 @@ def test_plan_restore_measures_each_layer_and_writes_a_plan_within_the_budget(tm
     (log,) = tmp_path.glob("plan_restore_*.json")
     payload = json.loads(log.read_text())
     sensitivity = payload["samples"]["sensitivity"]
-    assert len(sensitivity) == 4 * 4  # every layer from tokens and from each of the 3 other layers
+    # The first layer's K/V depend on the token alone: it is rebuilt from tokens, never measured.
+    assert payload["summary"]["token_only_layers"] == [0]
+    assert len(sensitivity) == 3 * 3  # every other layer from each of the 3 other layers
     assert payload["summary"]["proposal"] is not None
-    # Everything is tolerated here, so the cheapest plan keeps no layer: every layer rebuilt from the tokens.
-    assert RestorationPlan.load(out).kept_layers == ()
+    # Everything is tolerated here, so the cheapest plan keeps one layer and projects the others from it.
+    plan = RestorationPlan.load(out)
+    assert len(plan.kept_layers) == 1 and plan.layers[0].kind == "tokens"
     assert log.with_suffix(".png").is_file()
 
 
@@ -79,3 +82,20 @@ def test_eval_niah_runs_dlm_restore_arms_with_their_own_plans(tmp_path):
     # The kept layers are packed by the session's compressor: below their dense fp32 size (4 layers x K,V x 64 x 4).
     assert 0 < cost[arms[2]]["restoration_state_bytes_per_evicted_token"] < 4 * 2 * 64 * 4
     assert all(c["tokens_per_s"] > 0 for c in cost.values())
+
+
+def test_bench_restore_rebuild_measures_both_modes_against_full(tmp_path):
+    plan = RestorationPlan.uniform(4, "kept").save(tmp_path / "kept.json")
+    _run(
+        "scripts/bench_restore_rebuild.py",
+        *("--plans", f"recompute,{plan}", "--prompt", "200", "--new-tokens", "4", "--window", "48"),
+        *("--results-dir", str(tmp_path)),
+    )
+    (path,) = tmp_path.glob("bench_restore_rebuild_*.json")
+    summary = json.loads(path.read_text())["summary"]
+    assert set(summary["runs"]) == {"full", "recompute/generation", "recompute/step", "kept/generation", "kept/step"}
+    assert summary["modes_agree"] and all(summary["matches_full"].values())
+    runs = summary["runs"]
+    assert runs["recompute/generation"]["peak_bytes"] > runs["recompute/generation"]["sustained_bytes"]
+    assert runs["kept/step"]["sustained_bytes"] > runs["recompute/step"]["sustained_bytes"]  # kept K/V vs token ids
+    assert path.with_suffix(".png").is_file()
