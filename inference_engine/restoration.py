@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from inference_engine.config import ConfigError, ServerConfig
-from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup, find_plan
+from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup
 from kv_cache_proposer.verifier import SessionCache
 
 
-def restoration_setup(config: ServerConfig, num_layers: int) -> RestorationSetup:
-    """The plan of `--restore-plan` (`recompute`: every layer recomputed), else the model directory's
-    `restore_plan.json`, else `recompute` for every layer; raises `ConfigError` when the plan cannot be read or does
-    not fit the model."""
-    path = None if config.restore_plan == "recompute" else config.restore_plan or find_plan(config.model_dir)
+def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | None) -> RestorationSetup:
+    """The plan of `--restore-plan` (`recompute`: every layer recomputed), else the plan the model directory ships
+    (`shipped`), else `recompute` for every layer; raises `ConfigError` when the plan cannot be read or does not
+    fit the model."""
+    path = None if config.restore_plan == "recompute" else config.restore_plan or shipped
     try:
         plan = RestorationPlan.load(path) if path else None
         setup = RestorationSetup(plan, rebuild=config.restore_rebuild)  # type: ignore[arg-type]

@@ -156,7 +156,7 @@ class Runtime:
         self._generations_in_flight = 0  # running or queued
         self.journal: Journal | None = None
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
-        self.restoration = restoration_setup(config, verifier.num_layers)
+        self.restoration = restoration_setup(config, verifier.num_layers, self.model_facts.restore_plan)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
