@@ -149,7 +149,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         before = self.next_position
         leaving = self._leaving(before, count)  # [m] positions this commit evicts, ascending
         captured = self._capture(leaving, before) if leaving.size else {}
-        if count:
+        if count and self._plan.needs_tokens:
             self._tokens = np.concatenate([self._tokens, np.asarray(self._stage_tokens[:count], dtype=np.int32)])
         self._stage_tokens = []
         for layer, store in self._kept.items():
