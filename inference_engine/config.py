@@ -16,6 +16,7 @@ from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
+from kv_cache_proposer.decoding import DraftPolicy
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
@@ -27,6 +28,7 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 JOURNAL_SYNC_POLICIES = ("normal", "full")
 JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
+DRAFT_POLICIES = tuple(policy.value for policy in DraftPolicy)
 
 
 class ConfigError(ValueError):
@@ -95,6 +97,12 @@ class ServerConfig:
         0, "most tokens drafted per step (0: the proposer's default: ngram 8, draft_model 4, dflash block size - 1)"
     )
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
+    draft_policy: str = _opt(
+        "full",
+        "draft length per step: full (every proposal may hold the whole --num-draft-tokens; the faster measured, "
+        "docs/speculative-decoding.md) or adaptive (shrinks after a rejection, grows after a full acceptance)",
+        choices=DRAFT_POLICIES,
+    )
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
     ngram_min_n: int = _opt(1, "ngram: shortest history suffix looked up")
     host: str = _opt(
@@ -113,6 +121,11 @@ class ServerConfig:
     max_sessions: int = _opt(64, "sessions held at once; creating one more evicts the least recently used idle one")
     session_idle_ttl_s: float = _opt(1800.0, "seconds a session may stay idle before it is evicted")
     max_concurrent: int = _opt(1, "generations running at once across sessions; others wait in FIFO order")
+    max_batch_size: int = _opt(
+        8,
+        "generation steps of concurrent sessions run in one verifier forward (1: one forward per step); takes "
+        "effect with --max-concurrent above 1",
+    )
     kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
     max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
@@ -161,6 +174,7 @@ class ServerConfig:
             "window",
             "max_sessions",
             "max_concurrent",
+            "max_batch_size",
             "kv_budget_bytes",
             "max_history_tokens",
             "max_append_tokens",

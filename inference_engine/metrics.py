@@ -14,6 +14,7 @@ from prometheus_client.metrics_core import Metric
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ACCEPT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+_BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _RATIO_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
 
 
@@ -74,6 +75,21 @@ class Metrics:
         self.generate_tokens = Counter("kakeya_generate_tokens", "Tokens generated", registry=r)
         self.generate_requests = Counter(
             "kakeya_generate_requests", "Generations that ended, by stop reason or error", ["outcome"], registry=r
+        )
+        self.batch_size = Histogram(
+            "kakeya_batch_size",
+            "Generation steps (one per session) run in one verifier forward",
+            buckets=_BATCH_BUCKETS,
+            registry=r,
+        )
+        self.batch_forwards = Counter(
+            "kakeya_batch_forwards", "Batched verifier forwards the model worker ran (rate: forwards/s)", registry=r
+        )
+        self.batch_queue_wait_seconds = Histogram(
+            "kakeya_batch_queue_wait_seconds",
+            "Time a generation step waited, once ready, for the forward that runs it",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.cache_invariant_violations = Counter(
             "kakeya_cache_invariant_violations", "Cache invariant violations, by invariant", ["kind"], registry=r

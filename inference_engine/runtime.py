@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inference_engine import __version__
+from inference_engine.batching import StepBatcher
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
     CreateParams,
@@ -59,7 +60,15 @@ from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult, StopCause
+from kv_cache_proposer.decoding import (
+    Decoder,
+    DraftPolicy,
+    GenerationBudget,
+    SequenceState,
+    StepRequest,
+    StepResult,
+    StopCause,
+)
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.sampling import SamplingParams
@@ -143,7 +152,18 @@ class Runtime:
             kv_strategy=config.kv_strategy,
         ).set(1)
         self.worker = ModelWorker()
-        self.decoder = Decoder(verifier, prefill_chunk_tokens=config.prefill_chunk_tokens)
+        self.decoder = Decoder(
+            verifier,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            draft_policy=DraftPolicy(config.draft_policy),
+        )
+        self.batcher = StepBatcher(
+            self.worker,
+            self.decoder,
+            metrics,
+            max_batch_size=config.max_batch_size,
+            token_budget=config.prefill_chunk_tokens,
+        )
         self.store = SessionStore(
             max_sessions=config.max_sessions,
             idle_ttl_s=config.session_idle_ttl_s,
@@ -463,6 +483,7 @@ class Runtime:
         return self.active_generations == 0
 
     def shutdown(self) -> None:
+        self.batcher.close()
         self.worker.shutdown()
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -504,6 +525,7 @@ class Runtime:
         self.metrics.session_history_tokens.observe(len(seq.tokens))
         outcome = "cancelled"  # unless the loop below ends otherwise, the client went away mid-stream
         reason: StopReason | None = None
+        self.batcher.begin_generation()
         try:
             while reason is None:
                 if cancel.is_set():
@@ -511,9 +533,8 @@ class Runtime:
                     break
                 try:
                     # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
-                    step = await self.worker.run_cancellable(
-                        cancel.set, self.decoder.step, seq, sampling, budget, tally.generated, controls
-                    )
+                    request = StepRequest(seq, sampling, budget, tally.generated, controls)
+                    step = await self.batcher.step(request, cancel)
                 except InvariantViolation as exc:
                     outcome = "failed"
                     raise self._fail(session, exc) from exc
@@ -571,6 +592,7 @@ class Runtime:
             )
             yield DoneEvent(stats)
         finally:
+            self.batcher.end_generation()
             self.metrics.generate_requests.labels(outcome=outcome).inc()
 
     def _record_step(self, step: StepResult) -> None:

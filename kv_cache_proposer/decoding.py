@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
 from typing import Any
 
 from kv_cache_proposer.cache import SessionCache
@@ -23,7 +23,7 @@ from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.verifier import Verifier
+from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
 
 
 class StopCause(Enum):
@@ -32,6 +32,18 @@ class StopCause(Enum):
     HISTORY_LIMIT = "history_limit"
     STOP_SEQUENCE = "stop_sequence"
     GRAMMAR_DEAD_END = "grammar_dead_end"
+
+
+class DraftPolicy(StrEnum):
+    """How many tokens a proposal may hold.
+
+    `full`: every proposal may hold the proposer's whole limit (a DFlash block drafts all of it in one forward, so a
+    shorter draft saves nothing but accepted tokens). `adaptive`: the limit shrinks by one after a partly rejected
+    draft and grows by two after a fully accepted one (`DraftLength`).
+    """
+
+    FULL = "full"
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(slots=True)
@@ -100,14 +112,50 @@ class StepResult:
     stop_sequence_index: int | None = None  # which stop sequence matched (stop is STOP_SEQUENCE)
 
 
+@dataclass(frozen=True, slots=True)
+class StepRequest:
+    """One session's next step, as `Decoder.step` takes it."""
+
+    seq: SequenceState
+    params: SamplingParams
+    budget: GenerationBudget
+    generated: int
+    controls: DecodeControls | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """A step between its drafting and its forward."""
+
+    request: StepRequest
+    block: list[int]  # the tokens the forward runs: a prefill chunk, or the pending tokens and the draft
+    logits_rows: int
+    feature_layers: Sequence[int]
+    pending: int
+    room: int
+    draft: list[int]
+    prefill: bool = False
+
+    @property
+    def seq(self) -> SequenceState:
+        return self.request.seq
+
+
 class Decoder:
     """Runs decode steps for sequences on one verifier."""
 
-    def __init__(self, verifier: Verifier[Any], *, prefill_chunk_tokens: int = 512) -> None:
+    def __init__(
+        self,
+        verifier: Verifier[Any],
+        *,
+        prefill_chunk_tokens: int = 512,
+        draft_policy: DraftPolicy = DraftPolicy.FULL,
+    ) -> None:
         if prefill_chunk_tokens < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.draft_policy = DraftPolicy(draft_policy)
 
     def step(
         self,
@@ -121,6 +169,55 @@ class Decoder:
 
         `generated` counts the tokens this generation produced so far (the last `generated` history tokens).
         """
+        plan = self._plan(StepRequest(seq, params, budget, generated, controls))
+        out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
+        return self._finish(plan, out)
+
+    def step_batch(self, requests: Sequence[StepRequest]) -> list[StepResult | Exception]:
+        """One step of each request (of distinct sessions), their verifier blocks run in one batched forward.
+
+        Each result is what `step` alone would return for that request, or the exception it would raise: a
+        failing session never fails the others. Should the batched forward itself raise, each block is run alone,
+        so the error lands on the session that caused it.
+        """
+        results: list[StepResult | Exception | None] = [None] * len(requests)
+        plans: list[tuple[int, _Plan]] = []
+        for index, request in enumerate(requests):
+            try:
+                plans.append((index, self._plan(request)))
+            except Exception as exc:  # handed to that session's caller
+                results[index] = exc
+        groups: dict[tuple[int, ...], list[tuple[int, _Plan]]] = {}
+        for item in plans:
+            groups.setdefault(tuple(item[1].feature_layers), []).append(item)
+        for layers, group in groups.items():
+            outs: list[VerifyOutput[Any] | Exception]
+            try:
+                blocks = [BatchBlock(plan.seq.cache, plan.block, plan.logits_rows) for _, plan in group]
+                outs = list(self.verifier.verify_batch(blocks, feature_layers=layers))
+            except Exception:  # rerun alone below, each error goes to its own session
+                outs = [self._verify_alone(plan) for _, plan in group]
+            for (index, plan), out in zip(group, outs, strict=True):
+                if isinstance(out, Exception):
+                    results[index] = out
+                    continue
+                try:
+                    results[index] = self._finish(plan, out)
+                except Exception as exc:  # handed to that session's caller
+                    results[index] = exc
+        return [result if result is not None else RuntimeError("step not run") for result in results]
+
+    def _verify_alone(self, plan: _Plan) -> VerifyOutput[Any] | Exception:
+        try:
+            return self.verifier.verify(
+                plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers
+            )
+        except Exception as exc:  # handed to that session's caller
+            return exc
+
+    def _plan(self, request: StepRequest) -> _Plan:
+        """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft."""
+        seq, budget, generated, controls = request.seq, request.budget, request.generated, request.controls
         self._check_position(seq)
         pending = seq.pending_count
         if pending < 1:
@@ -129,24 +226,33 @@ class Decoder:
         start = seq.committed
         if pending > self.prefill_chunk_tokens:
             chunk = self.prefill_chunk_tokens
-            out = self.verifier.verify(seq.cache, seq.tokens[start : start + chunk], 1, feature_layers=layers)
-            self._commit(seq, chunk, out.features)
-            return StepResult(prefilled=chunk, forwards=1)
+            return _Plan(request, seq.tokens[start : start + chunk], 1, layers, pending, 0, [], prefill=True)
 
         room = budget.max_new_tokens - generated
         if budget.max_history_tokens is not None:
             room = min(room, budget.max_history_tokens - len(seq.tokens))
         if room < 1:
             raise ValueError("no room left for another token")
-        wanted = min(seq.draft_length.current, room - 1)
+        limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
+        wanted = min(limit, room - 1)
         draft = seq.draft.propose(seq.tokens, wanted)[:wanted] if wanted > 0 else []
         grammar = controls.grammar if controls is not None else None
         if grammar is not None:
             # Tokens the grammar forbids are never verified (the proposer's acceptance is judged on the rest).
             draft = draft[: grammar.valid_prefix(draft)]
+        return _Plan(request, seq.tokens[start:] + draft, len(draft) + 1, layers, pending, room, draft)
 
-        block = seq.tokens[start:] + draft
-        out = self.verifier.verify(seq.cache, block, len(draft) + 1, feature_layers=layers)
+    def _finish(self, plan: _Plan, out: VerifyOutput[Any]) -> StepResult:
+        """Everything a step does after its forward: sample, accept, stop, commit."""
+        seq, params, budget = plan.seq, plan.request.params, plan.request.budget
+        generated, controls = plan.request.generated, plan.request.controls
+        if plan.prefill:
+            chunk = len(plan.block)
+            self._commit(seq, chunk, out.features)
+            return StepResult(prefilled=chunk, forwards=1)
+        pending, room, draft = plan.pending, plan.room, plan.draft
+        start = seq.committed
+        grammar = controls.grammar if controls is not None else None
         # Row i holds the verifier's distribution for global position start + pending + i.
         positions = [start + pending + i for i in range(len(draft) + 1)]
         logprobs = None

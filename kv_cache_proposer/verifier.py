@@ -16,7 +16,7 @@ from kv_cache_proposer.restoration.cache import RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 
-__all__ = ["CausalLM", "SessionCache", "Verifier", "VerifyOutput"]
+__all__ = ["BatchBlock", "CausalLM", "SessionCache", "Verifier", "VerifyOutput"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,15 @@ class VerifyOutput(Generic[A]):
 
     logits: A  # [rows, vocab]: the last `logits_rows` block positions
     features: A | None = None  # [block, len(layers) * hidden]: hidden states at the requested layers
+
+
+@dataclass(frozen=True, slots=True)
+class BatchBlock(Generic[A]):
+    """One row of a batched forward: a block of tokens at the next positions of `cache`."""
+
+    cache: SessionCache[A]
+    token_ids: Sequence[int]
+    logits_rows: int  # logits wanted for the last this-many block positions
 
 
 class CausalLM(Protocol[A]):
@@ -81,6 +90,13 @@ class CausalLM(Protocol[A]):
 
 class Verifier(CausalLM[A], Protocol[A]):
     """The served model: a causal LM whose size and hidden states proposers may use."""
+
+    def verify_batch(
+        self, blocks: Sequence[BatchBlock[A]], *, feature_layers: Sequence[int] = ()
+    ) -> list[VerifyOutput[A]]:
+        """`verify` of several sessions' blocks (one per cache) in one forward; returns one output per block, in
+        order. Each block sees only its own cache, strategy, positions and mask, as if it ran alone."""
+        ...
 
     @property
     def description(self) -> str:

@@ -8,13 +8,18 @@ Prompts are slices of a local text corpus tokenized with the verifier's tokenize
 the standard-library corpus `scripts/train_tiny.py` trains on, text the bundled model never saw), or of a `.npy`
 token-id file.
 
+Each speculative proposer runs under every `--draft-policies` entry (`full`: every proposal a whole block;
+`adaptive`: the draft length shrinks after rejections and grows after full acceptances), as arms `NAME` (full)
+and `NAME/adaptive`.
+
 The dflash arm uses `--dflash`, else the model directory's own `dflash/` drafter when it has one. The draft_model
 arm uses `--draft-model`, else (with `--draft-layers N`) the verifier cut to its first N decoder layers, which keeps
 its embeddings, final norm and LM head: a smaller AR model with the same vocabulary, written to a temporary directory.
 
 Usage:
     python scripts/bench_speculative.py [--model DIR] [--dflash DRAFTER_DIR] [--draft-model DIR | --draft-layers N]
-        [--corpus FILE] [--prompts 8] [--prompt-tokens 128] [--max-tokens 64] [--repeats 2] [--results-dir DIR]
+        [--corpus FILE] [--prompts 8] [--prompt-tokens 128] [--max-tokens 128] [--repeats 2]
+        [--draft-policies full adaptive] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -25,19 +30,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.corpus import STDLIB, read_text, split_sources, stdlib_sources
 from lib.results import RESULTS_DIR, write_results
 from lib.tokens import read_tokens, spread_windows
 
 from inference_engine.config import BUNDLED_MODEL_DIR, model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
 from kv_cache_proposer.proposers.base import Proposer
 from kv_cache_proposer.sampling import SamplingParams
@@ -58,9 +63,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, help="text file or .npy token ids (default: held-out standard library)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--num-draft-tokens", type=int, default=0, help="0: each proposer's default")
+    p.add_argument(
+        "--draft-policies",
+        nargs="+",
+        choices=[policy.value for policy in DraftPolicy],
+        default=[policy.value for policy in DraftPolicy],
+        help="draft-length policies each speculative proposer runs under",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -68,18 +80,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_prompts(args: argparse.Namespace) -> list[list[int]]:
+def load_prompts(args: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
+    """The prompts, and the files they were cut from."""
     if args.corpus is not None:
-        ids = read_tokens(args.corpus, args.model)
+        ids, files = read_tokens(args.corpus, args.model), [str(args.corpus)]
     else:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
         held_out = split_sources(stdlib_sources())[1]
         ids = np.asarray(tokenizer.encode("".join(read_text(f) for f in held_out)), dtype=np.int64)
+        files = [str(f.relative_to(STDLIB)) for f in held_out]
     if len(ids) < args.prompt_tokens:
         raise SystemExit(f"the corpus holds {len(ids)} tokens, fewer than --prompt-tokens {args.prompt_tokens}")
-    return spread_windows(ids, args.prompts, args.prompt_tokens)
+    return spread_windows(ids, args.prompts, args.prompt_tokens), files
 
 
 def truncated_copy(model_dir: Path, layers: int, out: Path) -> Path:
@@ -98,11 +112,63 @@ def truncated_copy(model_dir: Path, layers: int, out: Path) -> Path:
     return out
 
 
-def decode(verifier: TorchVerifier, proposer: Proposer, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+class Clock:
+    """Seconds spent in the timed calls (after the device finished them)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        self._cuda = device.type == "cuda"
+
+    def time(self, call: Any, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        out = call(*args, **kwargs)
+        if self._cuda:
+            torch.cuda.synchronize()
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        return out
+
+
+class TimedVerifier:
+    """The verifier with its `verify` calls timed."""
+
+    def __init__(self, verifier: TorchVerifier, clock: Clock) -> None:
+        self._verifier, self._clock = verifier, clock
+
+    def verify(self, *args: Any, **kwargs: Any) -> Any:
+        return self._clock.time(self._verifier.verify, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._verifier, name)
+
+
+class TimedDraft:
+    """A draft session with its `propose` calls timed."""
+
+    def __init__(self, session: Any, clock: Clock) -> None:
+        self._session, self._clock = session, clock
+
+    def propose(self, history: Any, max_tokens: int) -> list[int]:
+        return self._clock.time(self._session.propose, history, max_tokens)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._session, name)
+
+
+def decode(
+    verifier: TorchVerifier,
+    proposer: Proposer,
+    prompt: list[int],
+    max_tokens: int,
+    policy: DraftPolicy = DraftPolicy.FULL,
+) -> dict[str, Any]:
     """Greedy decoding of `max_tokens` tokens after `prompt`; the clock covers prefill and decode."""
-    decoder = Decoder(verifier)
+    verify_clock, draft_clock = Clock(verifier.device), Clock(verifier.device)
+    decoder = Decoder(cast(Any, TimedVerifier(verifier, verify_clock)), draft_policy=policy)
     strategy = FullStrategy()
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=proposer.open(strategy))
+    draft = TimedDraft(proposer.open(strategy), draft_clock)
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=cast(Any, draft))
     budget = GenerationBudget(max_new_tokens=max_tokens)
     tokens: list[int] = []
     forwards = drafted = accepted = drafting_steps = drafting_tokens = 0
@@ -128,6 +194,10 @@ def decode(verifier: TorchVerifier, proposer: Proposer, prompt: list[int], max_t
         "draft_tokens": drafted,
         "accepted_tokens": accepted,
         "drafting_steps": drafting_steps,
+        "verify_seconds": verify_clock.seconds,
+        "verify_calls": verify_clock.calls,
+        "propose_seconds": draft_clock.seconds,
+        "propose_calls": draft_clock.calls,
         "drafting_step_tokens": drafting_tokens,
     }
 
@@ -144,7 +214,12 @@ def summarize(runs: list[dict[str, Any]], baseline: dict[str, Any] | None) -> di
             sum(r["accepted_tokens"] for r in runs) / max(1, sum(r["draft_tokens"] for r in runs))
         ),
         "mean_acceptance_length": sum(r["drafting_step_tokens"] for r in runs) / steps if steps else 1.0,
+        "verify_ms": 1000 * sum(r["verify_seconds"] for r in runs) / sum(r["verify_calls"] for r in runs),
     }
+    proposals = sum(r["propose_calls"] for r in runs)
+    if proposals and steps:
+        out["propose_ms"] = 1000 * sum(r["propose_seconds"] for r in runs) / proposals
+        out["propose_cost_vs_verify"] = out["propose_ms"] / out["verify_ms"]
     if baseline is not None:
         out["speedup_vs_none"] = out["tokens_per_s"] / baseline["tokens_per_s"]
     return out
@@ -195,17 +270,23 @@ def main(argv: list[str] | None = None) -> int:
             else o
             for name, o in arms.items()
         }
-    proposers = {name: load_proposer(options, verifier, backend="torch") for name, options in arms.items()}
-    prompts = load_prompts(args)
-    for proposer in proposers.values():  # warm-up: first forwards allocate and load kernels
-        decode(verifier, proposer, prompts[0], 4)
+    loaded = {name: load_proposer(options, verifier, backend="torch") for name, options in arms.items()}
+    policies = [DraftPolicy(p) for p in args.draft_policies]
+    proposers: dict[str, tuple[Proposer, DraftPolicy]] = {"none": (loaded.pop("none"), DraftPolicy.FULL)}
+    for name, proposer in loaded.items():
+        for policy in policies:
+            proposers[name if policy is DraftPolicy.FULL else f"{name}/{policy.value}"] = (proposer, policy)
+    prompts, prompt_files = load_prompts(args)
+    for proposer, policy in proposers.values():  # warm-up: first forwards allocate and load kernels
+        decode(verifier, proposer, prompts[0], 4, policy)
 
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in proposers}
     for repeat in range(args.repeats):
         for index, prompt in enumerate(prompts):
             order = list(proposers) if (repeat + index) % 2 == 0 else list(reversed(proposers))
             for name in order:
-                run = decode(verifier, proposers[name], prompt, args.max_tokens)
+                proposer, policy = proposers[name]
+                run = decode(verifier, proposer, prompt, args.max_tokens, policy)
                 runs[name].append({"prompt": index, "repeat": repeat, **run})
 
     baseline = summarize(runs["none"], None)
@@ -219,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     config["verifier"] = verifier.description
+    config["prompt_files"] = prompt_files
     samples = {
         name: [{k: v for k, v in r.items() if k != "tokens"} for r in arm_runs] for name, arm_runs in runs.items()
     }
@@ -235,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:12s} {values['tokens_per_s']:8.1f} tok/s  {values['verifier_forwards_per_token']:.3f} fwd/tok  "
             f"accept len {values['mean_acceptance_length']:.2f}  speedup {summary['speedup_vs_none'][name]:.2f}x  "
             f"identical={values['identical_to_none']}"
+            + (f"  propose/verify {values['propose_cost_vs_verify']:.2f}" if "propose_cost_vs_verify" in values else "")
         )
     print(f"wrote {path}")
     return 0

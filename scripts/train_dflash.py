@@ -1,18 +1,25 @@
 """Train a DFlash block-diffusion drafter for a local verifier (the verifier stays frozen).
 
-The corpus is token ids: `.npy` files (1-D integer arrays), text files tokenized with the verifier's tokenizer,
-and/or text the verifier generates itself (`--self-generate N`), which matches the verifier's own distribution.
-Every step samples sequences, runs the verifier once over them for its hidden states at the target layers, and
-trains the drafter on anchor-sampled blocks with the block-bidirectional mask and the position-decayed loss of
-`kv_cache_proposer.proposers.dflash.training`. The run is resumable (`--resume` continues from
-`OUT/train_state.pt`). At the end the drafter is written in the published DFlash format (`OUT/config.json`,
-`OUT/model.safetensors`), its mean acceptance length is measured by speculative greedy decoding on held-out
-prompts, and `OUT/training_log.json` plus `results/train_dflash_<stamp>.json` (+ PNG of the loss) are written.
+What a drafter must predict at serving time is the verifier's own continuation of whatever it is given, so the
+training rows are mostly exactly that: prompts cut from a text corpus (`--prompt-corpus`, of varied lengths
+`--prompt-lens`), each continued greedily by the verifier up to `--row-len` tokens (`--continuations ROWS`); blocks
+are anchored only in the continuations. Plain corpus rows (`--corpus`, anchored anywhere) can be mixed in. Every
+step runs the verifier over a batch of rows for its features at the target layers (transformers'
+`hidden_states[i + 1]` convention, as the engine captures them) and trains the drafter on anchor-sampled blocks
+with the block-bidirectional mask and the position-decayed loss of `kv_cache_proposer.proposers.dflash.training`.
+
+Held-out acceptance is logged during training (`--eval-every`): continuations of prompts from `--eval-corpus`
+(text neither model trained on) give, block by block, exactly the tokens greedy speculative decoding would accept
+there. At the end the drafter is written in the published DFlash format (`OUT/config.json`,
+`OUT/model.safetensors`), its mean acceptance length is measured by real speculative greedy decoding after held-out
+prompts, and `OUT/training_log.json` plus `results/train_dflash_<stamp>.json` (+ PNG) are written; both record the
+command line and the machine. The run is resumable (`--resume` continues from `OUT/train_state.pt`) and runs on a
+CPU or, faster, on a GPU (`--device cuda`).
 
 Usage:
-    python scripts/train_dflash.py --model VERIFIER_DIR --out DRAFTER_DIR [--corpus FILE ...]
-        [--self-generate TOKENS [--prompt-corpus FILE] [--generate-prompt-len 16] [--generate-new-tokens N]]
-        [--eval-corpus FILE] [--steps 2000] [--layers 1] [--block-size 8] [--resume]
+    python scripts/train_dflash.py --model VERIFIER_DIR --out DRAFTER_DIR
+        [--continuations ROWS --prompt-corpus FILE [--prompt-lens 16 192] [--row-len 320]] [--corpus FILE ...]
+        [--eval-corpus FILE] [--steps 2000] [--layers 1] [--block-size 8] [--device cpu] [--resume]
 """
 
 from __future__ import annotations
@@ -20,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -36,7 +45,7 @@ from transformers import Qwen3Config
 
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
@@ -50,22 +59,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, type=Path, help="verifier checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="drafter output directory")
-    p.add_argument("--corpus", action="append", type=Path, default=[], help=".npy token ids or a text file")
-    p.add_argument("--self-generate", type=int, default=0, help="tokens of verifier-generated text to add")
-    p.add_argument("--generate-temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
-    p.add_argument(
-        "--generate-prompt-len", type=int, default=16, help="tokens of corpus text each self-generated row continues"
-    )
+    p.add_argument("--corpus", action="append", type=Path, default=[], help="plain rows: .npy token ids or a text file")
+    p.add_argument("--continuations", type=int, default=0, help="rows of verifier continuations to generate")
     p.add_argument(
         "--prompt-corpus",
         type=Path,
-        help=".npy token ids or text file the self-generated rows continue, not trained on (default: the corpus)",
+        help=".npy token ids or text file the continuations start from (default: --corpus)",
     )
-    p.add_argument("--generate-new-tokens", type=int, help="tokens generated per row (default: --seq-len)")
+    p.add_argument(
+        "--prompt-lens", type=int, nargs=2, default=[16, 192], metavar=("MIN", "MAX"), help="prompt length range"
+    )
+    p.add_argument("--row-len", type=int, default=320, help="tokens per training row (prompt + continuation)")
+    p.add_argument("--generate-batch", type=int, default=64, help="rows generated per verifier generate() call")
+    p.add_argument("--generate-temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--steps", type=int, default=2000)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--anchors", type=int, default=16, help="blocks per sequence and step")
+    p.add_argument("--batch-size", type=int, default=8, help="rows per step")
+    p.add_argument("--anchors", type=int, default=16, help="blocks per row and step")
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--gamma", type=float, default=4.0, help="loss weight decay over block slots")
     p.add_argument("--layers", type=int, default=1, help="drafter decoder layers")
@@ -74,75 +83,155 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mask-token-id", type=int, help="default: the tokenizer's mask token")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--holdout-fraction", type=float, default=0.05)
     p.add_argument(
         "--eval-corpus",
         type=Path,
-        help="held-out .npy token ids or text file for the evaluation prompts (default: the corpus's held-out tail)",
+        help="held-out .npy token ids or text file for evaluation prompts (default: the held-out tail of the prompts)",
     )
-    p.add_argument("--eval-prompts", type=int, default=8)
+    p.add_argument("--holdout-fraction", type=float, default=0.05, help="without --eval-corpus: the tail held out")
+    p.add_argument("--eval-rows", type=int, default=16, help="held-out continuation rows for the training curve")
+    p.add_argument("--eval-every", type=int, default=200, help="steps between held-out acceptance measurements")
+    p.add_argument("--eval-prompts", type=int, default=8, help="prompts of the final speculative-decoding check")
     p.add_argument("--eval-prompt-len", type=int, default=32)
     p.add_argument("--eval-tokens", type=int, default=64)
     p.add_argument("--save-every", type=int, default=200)
     p.add_argument("--resume", action="store_true", help="continue from OUT/train_state.pt")
+    p.add_argument(
+        "--time-limit", type=float, default=0, help="stop training after this many seconds (0: run every step)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
-    for name in ("generate_prompt_len", "generate_new_tokens", "eval_prompt_len", "eval_prompts"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
+    for name in ("row_len", "eval_prompt_len", "eval_prompts", "eval_tokens", "eval_every", "generate_batch"):
+        if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    low, high = args.prompt_lens
+    if not 1 <= low <= high or high + args.block_size > args.row_len:
+        p.error(f"--prompt-lens {low} {high} must satisfy 1 <= MIN <= MAX and MAX + --block-size <= --row-len")
     return args
 
 
-def load_corpus(args: argparse.Namespace, verifier: TorchVerifier) -> np.ndarray:
-    parts = [read_tokens(path, args.model) for path in args.corpus]
-    if args.self_generate:
-        seeds = np.concatenate(parts) if parts else None
-        if args.prompt_corpus is not None:
-            seeds = read_tokens(args.prompt_corpus, args.model)
-            if len(seeds) <= args.generate_prompt_len:
-                raise SystemExit(
-                    f"--prompt-corpus holds {len(seeds)} tokens, not more than --generate-prompt-len "
-                    f"{args.generate_prompt_len}"
-                )
-        parts.append(self_generate(verifier, args, seeds))
-    if not parts:
-        raise SystemExit("no corpus: give --corpus files and/or --self-generate N")
-    return np.concatenate(parts)
+@dataclass
+class Rows:
+    """Training rows [R, L] and, per row, the first position a block may be anchored at [R]."""
+
+    tokens: np.ndarray
+    first_anchor: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @staticmethod
+    def concat(parts: list[Rows]) -> Rows:
+        return Rows(np.concatenate([r.tokens for r in parts]), np.concatenate([r.first_anchor for r in parts]))
 
 
-def self_generate(verifier: TorchVerifier, args: argparse.Namespace, seed_text: np.ndarray | None) -> np.ndarray:
-    """Text from the verifier itself: batched continuations of short prompts (corpus slices, else random
-    tokens), greedy or sampled at `--generate-temperature`."""
-    generator = np.random.default_rng(args.seed)
-    torch.manual_seed(args.seed)
-    prompt_len, batch = args.generate_prompt_len, 32
-    new_tokens = args.generate_new_tokens or args.seq_len
+def plain_rows(ids: np.ndarray, row_len: int) -> Rows:
+    count = len(ids) // row_len
+    return Rows(ids[: count * row_len].reshape(count, row_len).astype(np.int64), np.ones(count, dtype=np.int64))
+
+
+def continuations(
+    verifier: TorchVerifier,
+    seeds: np.ndarray,
+    rows: int,
+    args: argparse.Namespace,
+    generator: np.random.Generator,
+    *,
+    prompt_lens: tuple[int, int],
+    row_len: int,
+    desc: str,
+) -> Rows:
+    """`rows` rows of `row_len` tokens: a slice of `seeds` as the prompt, then the verifier's continuation."""
     sampling = {"do_sample": True, "temperature": args.generate_temperature} if args.generate_temperature else {}
-    out: list[np.ndarray] = []
-    total = 0
-    with tqdm(total=args.self_generate, desc="self-generate", unit="tok") as bar:
-        while total < args.self_generate:
-            if seed_text is not None and len(seed_text) > prompt_len:
-                starts = generator.integers(0, len(seed_text) - prompt_len, batch)
-                prompts = np.stack([seed_text[s : s + prompt_len] for s in starts])
-            else:
-                prompts = generator.integers(0, verifier.vocab_size, (batch, prompt_len))
+    tokens: list[np.ndarray] = []
+    firsts: list[np.ndarray] = []
+    done = 0
+    with tqdm(total=rows, desc=desc, unit="row") as bar:
+        while done < rows:
+            batch = min(args.generate_batch, rows - done)
+            prompt_len = int(generator.integers(prompt_lens[0], prompt_lens[1] + 1))
+            if len(seeds) <= prompt_len:
+                raise SystemExit(f"the prompt text holds {len(seeds)} tokens, not more than a prompt of {prompt_len}")
+            starts = generator.integers(0, len(seeds) - prompt_len, batch)
+            prompts = torch.from_numpy(np.stack([seeds[s : s + prompt_len] for s in starts])).to(verifier.device)
             with torch.no_grad():
-                rows = verifier.model.generate(  # type: ignore[operator]
-                    torch.from_numpy(prompts).to(verifier.device),
-                    max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens,
+                out = verifier.model.generate(  # type: ignore[operator]
+                    prompts,
+                    attention_mask=torch.ones_like(prompts),
+                    max_new_tokens=row_len - prompt_len,
+                    min_new_tokens=row_len - prompt_len,
                     pad_token_id=0,
                     **sampling,
                 )
-            chunk = rows.cpu().numpy().reshape(-1)
-            out.append(chunk)
-            total += len(chunk)
-            bar.update(len(chunk))
-    return np.concatenate(out)[: args.self_generate].astype(np.int64)
+            tokens.append(out.cpu().numpy().astype(np.int64))
+            firsts.append(np.full(batch, prompt_len, dtype=np.int64))
+            done += batch
+            bar.update(batch)
+    return Rows(np.concatenate(tokens), np.concatenate(firsts))
+
+
+def load_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, Rows, list[list[int]]]:
+    """(training rows, held-out continuation rows, held-out prompts of the final check)."""
+    generator = np.random.default_rng(args.seed)
+    torch.manual_seed(args.seed)
+    plain = [read_tokens(path, args.model) for path in args.corpus]
+    seeds = read_tokens(args.prompt_corpus, args.model) if args.prompt_corpus else None
+    if args.eval_corpus is not None:
+        held = read_tokens(args.eval_corpus, args.model)
+    else:  # hold out the tail of the prompt text (or of the corpus), never trained on
+        source = seeds if seeds is not None else (np.concatenate(plain) if plain else None)
+        if source is None:
+            raise SystemExit("no text: give --corpus and/or --continuations with --prompt-corpus")
+        cut = len(source) - max(args.eval_prompt_len * args.eval_prompts, int(len(source) * args.holdout_fraction))
+        held = source[cut:]
+        if seeds is not None:
+            seeds = source[:cut]
+        else:
+            plain = [source[:cut]]
+    if seeds is None and plain:
+        seeds = np.concatenate(plain)
+    if len(held) < args.eval_prompt_len:
+        raise SystemExit(
+            f"the evaluation text holds {len(held)} tokens, fewer than --eval-prompt-len {args.eval_prompt_len}"
+        )
+    parts = [plain_rows(ids, args.row_len) for ids in plain]
+    if args.continuations:
+        if seeds is None:
+            raise SystemExit("--continuations needs --prompt-corpus or --corpus to cut prompts from")
+        if len(seeds) <= args.prompt_lens[1]:
+            raise SystemExit(
+                f"the prompt text holds {len(seeds)} tokens, not more than --prompt-lens MAX {args.prompt_lens[1]}"
+            )
+        lens = (args.prompt_lens[0], args.prompt_lens[1])
+        parts.append(
+            continuations(
+                verifier,
+                seeds,
+                args.continuations,
+                args,
+                generator,
+                prompt_lens=lens,
+                row_len=args.row_len,
+                desc="continuations",
+            )
+        )
+    parts = [p for p in parts if len(p)]
+    if not parts:
+        raise SystemExit("no training rows: give --corpus files and/or --continuations N")
+    eval_len = args.eval_prompt_len
+    held_rows = continuations(
+        verifier,
+        held,
+        args.eval_rows,
+        args,
+        generator,
+        prompt_lens=(eval_len, eval_len),
+        row_len=eval_len + max(args.eval_tokens, args.block_size),
+        desc="held-out continuations",
+    )
+    return Rows.concat(parts), held_rows, spread_windows(held, args.eval_prompts, eval_len)
 
 
 def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DFlashDrafter, DFlashSpec]:
@@ -189,10 +278,10 @@ def features_of(verifier: TorchVerifier, tokens: torch.Tensor, layers: tuple[int
 def mean_acceptance_length(
     drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, prompts: list[list[int]], tokens: int
 ) -> dict[str, float]:
-    """Greedy speculative decoding of `tokens` tokens after each prompt: tokens per verifier step, and the
-    fraction of drafted tokens accepted."""
+    """Greedy speculative decoding of `tokens` tokens after each prompt, every proposal a full block: tokens per
+    verifier step, and the fraction of drafted tokens accepted."""
     proposer = DFlashProposer(drafter, spec, verifier)
-    decoder = Decoder(verifier)
+    decoder = Decoder(verifier, draft_policy=DraftPolicy.FULL)
     steps = generated = drafted = accepted = 0
     for prompt in prompts:
         seq = SequenceState(
@@ -226,6 +315,42 @@ def lr_at(step: int, args: argparse.Namespace) -> float:
     return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def row_anchors(first: np.ndarray, length: int, args: argparse.Namespace, generator: torch.Generator) -> torch.Tensor:
+    """`--anchors` anchors per row at or after the row's first anchor position [N, A]."""
+    return torch.stack([sample_anchors(length, args.block_size, args.anchors, generator, first=int(f)) for f in first])
+
+
+def held_out_acceptance(
+    drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, held: Rows, args: argparse.Namespace
+) -> float:
+    """Mean greedy acceptance length over blocks anchored at every continuation position of the held-out rows."""
+    embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
+    head = verifier.model.get_output_embeddings()
+    length = held.tokens.shape[1]
+    anchors = torch.arange(int(held.first_anchor[0]), length - args.block_size + 1)
+    total = weight = 0.0
+    drafter.eval()
+    with torch.no_grad():
+        for begin in range(0, len(held), 4):
+            tokens = torch.from_numpy(held.tokens[begin : begin + 4]).to(verifier.device)
+            features = features_of(verifier, tokens, spec.target_layer_ids)
+            stats = block_loss(
+                drafter,
+                embed,
+                head,
+                tokens,
+                features,
+                anchors,
+                block_size=args.block_size,
+                mask_token_id=spec.mask_token_id,
+                gamma=args.gamma,
+            )
+            total += stats.acceptance_length * len(tokens)
+            weight += len(tokens)
+    drafter.train()
+    return total / weight
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -233,22 +358,25 @@ def main(argv: list[str] | None = None) -> int:
     for parameter in verifier.model.parameters():
         parameter.requires_grad_(False)
     args.out.mkdir(parents=True, exist_ok=True)
-    corpus_file = args.out / "corpus.npy"
-    if args.resume and corpus_file.exists():
-        corpus = np.load(corpus_file)
+    rows_file = args.out / "rows.npz"
+    if args.resume and rows_file.exists():
+        saved = np.load(rows_file)
+        train = Rows(saved["train"].astype(np.int64), saved["train_first"])
+        held = Rows(saved["held"].astype(np.int64), saved["held_first"])
+        prompts = [list(map(int, p)) for p in saved["prompts"]]
     else:
-        corpus = load_corpus(args, verifier)
-        np.save(corpus_file, corpus)
-    holdout = max(args.eval_prompt_len * args.eval_prompts, int(len(corpus) * args.holdout_fraction))
-    train, held = torch.from_numpy(corpus[:-holdout]), corpus[-holdout:]
-    if len(train) < args.seq_len + 1:
-        raise SystemExit(f"the training corpus ({len(train)} tokens) is shorter than --seq-len {args.seq_len}")
-    source = held if args.eval_corpus is None else read_tokens(args.eval_corpus, args.model)
-    if len(source) < args.eval_prompt_len:
-        raise SystemExit(
-            f"the evaluation text holds {len(source)} tokens, fewer than --eval-prompt-len {args.eval_prompt_len}"
+        train, held, prompts = load_rows(args, verifier)
+        np.savez_compressed(  # token ids fit int32: a quarter of the int64 size before compression
+            rows_file,
+            train=train.tokens.astype(np.int32),
+            train_first=train.first_anchor,
+            held=held.tokens.astype(np.int32),
+            held_first=held.first_anchor,
+            prompts=np.asarray(prompts, dtype=np.int32),
         )
-    prompts = spread_windows(source, args.eval_prompts, args.eval_prompt_len)
+    length = train.tokens.shape[1]
+    if int(train.first_anchor.max()) + args.block_size + args.anchors - 1 > length:
+        raise SystemExit(f"rows of {length} tokens hold fewer than --anchors {args.anchors} blocks after the prompt")
 
     drafter, spec = build_drafter(args, verifier)
     drafter.to(device).train()
@@ -281,13 +409,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="train dflash") as bar:
         for step in bar:
-            offsets = torch.randint(0, len(train) - args.seq_len, (args.batch_size,), generator=generator)
-            tokens = torch.stack([train[o : o + args.seq_len] for o in offsets.tolist()]).to(device)
-            anchors = sample_anchors(args.seq_len, args.block_size, args.anchors, generator)
+            picks = torch.randint(0, len(train), (args.batch_size,), generator=generator).numpy()
+            tokens = torch.from_numpy(train.tokens[picks]).to(device)
+            anchors = row_anchors(train.first_anchor[picks], length, args, generator)
             features = features_of(verifier, tokens, spec.target_layer_ids)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, args)
-            loss, accuracy = block_loss(
+            stats = block_loss(
                 drafter,
                 embed,
                 head,
@@ -299,14 +427,29 @@ def main(argv: list[str] | None = None) -> int:
                 gamma=args.gamma,
             )
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            stats.loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
             optimizer.step()
-            history.append({"step": step + 1, "loss": float(loss), "slot_accuracy": accuracy.tolist()})
-            bar.set_postfix(loss=f"{float(loss):.3f}", acc1=f"{float(accuracy[0]):.2f}")
+            entry: dict[str, Any] = {
+                "step": step + 1,
+                "loss": float(stats.loss),
+                "slot_accuracy": stats.slot_accuracy.tolist(),
+                "train_acceptance_length": stats.acceptance_length,
+            }
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                entry["heldout_acceptance_length"] = held_out_acceptance(drafter, spec, verifier, held, args)
+                bar.write(f"step {step + 1}: held-out acceptance length {entry['heldout_acceptance_length']:.3f}")
+            history.append(entry)
+            bar.set_postfix(loss=f"{float(stats.loss):.3f}", accept=f"{stats.acceptance_length:.2f}")
             if (step + 1) % args.save_every == 0:
                 save_state(step + 1)
-    save_state(args.steps)
+            if args.time_limit and time.perf_counter() - started > args.time_limit and step + 1 < args.steps:
+                bar.write(f"--time-limit {args.time_limit:g} s reached after step {step + 1} of {args.steps}")
+                break
+    steps_done = history[-1]["step"] if history else start_step
+    if history and "heldout_acceptance_length" not in history[-1]:
+        history[-1]["heldout_acceptance_length"] = held_out_acceptance(drafter, spec, verifier, held, args)
+    save_state(steps_done)
     train_seconds = time.perf_counter() - started
 
     drafter.eval()
@@ -316,13 +459,18 @@ def main(argv: list[str] | None = None) -> int:
     config.update(
         target_layer_ids=list(spec.target_layer_ids),
         mask_token_id=spec.mask_token_id,
-        corpus_tokens=len(corpus),
-        holdout_tokens=int(holdout),
+        training_rows=len(train),
+        row_len=length,
+        heldout_rows=len(held),
+        command=shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
     )
+    evals = [h for h in history if "heldout_acceptance_length" in h]
     summary = {
         "final_loss": history[-1]["loss"] if history else None,
         "final_slot_accuracy": history[-1]["slot_accuracy"] if history else None,
+        "heldout_acceptance_length": evals[-1]["heldout_acceptance_length"] if evals else None,
         "train_seconds_this_run": round(train_seconds, 2),
+        "steps_done": steps_done,
         **evaluation,
     }
     log = {"config": config, "environment": environment(), "summary": summary, "history": history}
@@ -334,9 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot([h["step"] for h in history], [h["loss"] for h in history])
-        ax.set(xlabel="step", ylabel="weighted block loss", title="DFlash drafter training")
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+        left.plot([h["step"] for h in history], [h["loss"] for h in history])
+        left.set(xlabel="step", ylabel="weighted block loss", title="DFlash drafter training")
+        right.plot([h["step"] for h in evals], [h["heldout_acceptance_length"] for h in evals], "o-")
+        right.set(xlabel="step", ylabel="tokens per verify step", title="held-out greedy acceptance length")
         fig.tight_layout()
         fig.savefig(png, dpi=120)
         plt.close(fig)

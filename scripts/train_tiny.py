@@ -4,8 +4,9 @@ The corpus is the Python standard library's source (it ships with the interprete
 out). The verifier is a small Qwen3 (head dimension 64) trained on windows of that code and on synthetic
 needle-in-a-haystack documents (a `# The secret code for KEY is VALUE.` line hidden anywhere in up to
 `max(--seq-lens)` tokens of code, asked for at the end), with sequence lengths cycling through `--seq-lens`.
-Its DFlash drafter is then trained by `scripts/train_dflash.py` on the same code plus text the verifier writes,
-and its acceptance is measured by speculative decoding after prompts of held-out code.
+Its DFlash drafter is then trained by `scripts/train_dflash.py` on the verifier's own greedy continuations of
+prompts cut from the training code (on `--drafter-device`, a GPU when there is one), and its acceptance is
+measured by speculative decoding after prompts of held-out code.
 
 Everything is seeded and resumable (`--resume` continues every stage from `--work`), with progress bars. The
 result is a model directory (tokenizer with chat template and mask token, `config.json`, bf16 safetensors,
@@ -66,15 +67,22 @@ class Recipe:
     eval_every: int = 250
     eval_windows: int = 16
     eval_docs: int = 16
-    drafter_steps: int = 2000
-    drafter_layers: int = 1
+    drafter_steps: int = 6000
+    drafter_layers: int = 2
     drafter_block_size: int = 8
-    drafter_target_layers: list[int] = field(default_factory=lambda: [1, 3])
+    drafter_target_layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3])
     drafter_lr: float = 2e-3
-    drafter_self_generate: int = 400_000  # the verifier's own greedy text: the distribution the drafter meets
-    drafter_corpus_tokens: int = 20_000  # training-set source, also the prompts of the self-generated text
+    drafter_warmup: int = 200
+    drafter_batch_size: int = 64
+    drafter_anchors: int = 32
+    # The verifier's own greedy continuations of training-code prompts: what the drafter meets when serving.
+    drafter_continuations: int = 65_536
+    drafter_row_len: int = 320
+    drafter_prompt_lens: list[int] = field(default_factory=lambda: [16, 192])
+    drafter_eval_rows: int = 64
     drafter_eval_prompts: int = 12  # acceptance is measured after prompts of held-out source
     drafter_eval_prompt_len: int = 128
+    drafter_eval_tokens: int = 128
     max_files: int = 0  # 0: every corpus file
 
 
@@ -94,12 +102,19 @@ QUICK = Recipe(
     eval_windows=4,
     eval_docs=4,
     drafter_steps=20,
+    drafter_layers=1,
     drafter_block_size=4,
     drafter_target_layers=[0, 1],
-    drafter_self_generate=2000,
-    drafter_corpus_tokens=8000,
+    drafter_warmup=5,
+    drafter_batch_size=8,
+    drafter_anchors=8,
+    drafter_continuations=64,
+    drafter_row_len=96,
+    drafter_prompt_lens=[16, 48],
+    drafter_eval_rows=4,
     drafter_eval_prompts=4,
     drafter_eval_prompt_len=32,
+    drafter_eval_tokens=32,
     max_files=40,
 )
 
@@ -112,6 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="continue every stage from --work")
     p.add_argument("--steps", type=int, help="verifier steps (default: the recipe's)")
     p.add_argument("--drafter-steps", type=int, help="drafter steps (default: the recipe's)")
+    p.add_argument("--drafter-device", default="cpu", help="device the drafter trains on (cuda is minutes, cpu hours)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -285,8 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     model, log = train_verifier(args, recipe, tokenizer, train, held)
     export(model, tokenizer, args.out)
 
-    corpus_file = args.work / "drafter_corpus.npy"
-    np.save(corpus_file, train.stream[: recipe.drafter_corpus_tokens].astype(np.int64))
+    prompt_file = args.work / "drafter_prompts.npy"
+    np.save(prompt_file, train.stream.astype(np.int64))
     eval_file = args.work / "drafter_eval.npy"
     np.save(eval_file, held.stream.astype(np.int64))
     drafter_args = [
@@ -294,10 +310,14 @@ def main(argv: list[str] | None = None) -> int:
         str(args.out),
         "--out",
         str(args.work / "dflash"),
-        "--corpus",
-        str(corpus_file),
-        "--self-generate",
-        str(recipe.drafter_self_generate),
+        "--continuations",
+        str(recipe.drafter_continuations),
+        "--prompt-corpus",
+        str(prompt_file),
+        "--prompt-lens",
+        *map(str, recipe.drafter_prompt_lens),
+        "--row-len",
+        str(recipe.drafter_row_len),
         "--steps",
         str(recipe.drafter_steps),
         "--layers",
@@ -306,16 +326,26 @@ def main(argv: list[str] | None = None) -> int:
         *map(str, recipe.drafter_target_layers),
         "--lr",
         str(recipe.drafter_lr),
+        "--warmup",
+        str(recipe.drafter_warmup),
+        "--batch-size",
+        str(recipe.drafter_batch_size),
+        "--anchors",
+        str(recipe.drafter_anchors),
         "--block-size",
         str(recipe.drafter_block_size),
-        "--seq-len",
-        str(min(512, max(recipe.seq_lens))),
         "--eval-corpus",
         str(eval_file),
+        "--eval-rows",
+        str(recipe.drafter_eval_rows),
         "--eval-prompts",
         str(recipe.drafter_eval_prompts),
         "--eval-prompt-len",
         str(recipe.drafter_eval_prompt_len),
+        "--eval-tokens",
+        str(recipe.drafter_eval_tokens),
+        "--device",
+        args.drafter_device,
         "--seed",
         str(args.seed),
         "--results-dir",
@@ -349,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         },
         "verifier_eval": {k: v for k, v in final.items() if k not in ("step", "lr", "loss", "seq_len")},
         "drafter_eval": {k: v for k, v in drafter_log["summary"].items() if k != "train_seconds_this_run"},
+        "drafter_training": {
+            "command": drafter_log["config"].get("command"),
+            "machine": drafter_log["environment"],
+            "train_seconds": drafter_log["summary"].get("train_seconds_this_run"),
+        },
         "seed": args.seed,
     }
     (args.out / "kakeya_model.json").write_text(json.dumps(card, indent=2) + "\n")

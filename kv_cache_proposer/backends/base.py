@@ -11,7 +11,7 @@ from kv_cache_proposer.cache import KVSessionCache, LayerStoreFactory, SessionCa
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.restoration.cache import RestorationSetup, RestoringSessionCache
 from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
-from kv_cache_proposer.verifier import VerifyOutput
+from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +81,24 @@ class BackendModel(ABC, Generic[A]):
         """Stage the block at the cache's next positions and run the model over it (see `CausalLM.verify`)."""
         cache.begin_stage(len(token_ids), extend=extend_stage, token_ids=token_ids)
         return self.forward(cache, token_ids, logits_rows, feature_layers)
+
+    def verify_batch(
+        self, blocks: Sequence[BatchBlock[A]], *, feature_layers: Sequence[int] = ()
+    ) -> list[VerifyOutput[A]]:
+        """Stage every block in its own cache and run them all in one forward (see `Verifier.verify_batch`)."""
+        if len(blocks) == 1:
+            block = blocks[0]
+            return [self.verify(block.cache, block.token_ids, block.logits_rows, feature_layers=feature_layers)]
+        if len({id(block.cache) for block in blocks}) != len(blocks):
+            raise ValueError("a batched forward takes one block per session cache")
+        for block in blocks:
+            block.cache.begin_stage(len(block.token_ids), token_ids=block.token_ids)
+        return self.forward_batch(blocks, feature_layers)
+
+    @abstractmethod
+    def forward_batch(self, blocks: Sequence[BatchBlock[A]], feature_layers: Sequence[int]) -> list[VerifyOutput[A]]:
+        """The model over several blocks whose stages just began, in one model call: per block, what `forward`
+        returns for it alone."""
 
     @abstractmethod
     def forward(

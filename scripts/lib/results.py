@@ -35,6 +35,8 @@ def environment(**extra: Any) -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["cuda_device"] = torch.cuda.get_device_name()
     return {**info, **extra}
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StopCause
+from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState, StopCause
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
@@ -42,8 +42,10 @@ class ScriptedDraft:
         self.script = script
         self.prompt_len = prompt_len
         self.drafted = 0
+        self.requested: list[int] = []
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        self.requested.append(max_tokens)
         offset = len(history) - self.prompt_len
         draft = list(self.script[offset : offset + max_tokens])
         for i in range(len(draft)):
@@ -98,14 +100,15 @@ def test_long_pending_history_is_prefilled_in_chunks(verifiers):
 @pytest.mark.parametrize(
     "params", [SamplingParams(), SamplingParams(temperature=0.8, seed=9)], ids=["greedy", "seeded"]
 )
-def test_speculative_steps_emit_exactly_the_non_speculative_tokens(verifiers, strategy, params):
+@pytest.mark.parametrize("policy", list(DraftPolicy))
+def test_speculative_steps_emit_exactly_the_non_speculative_tokens(verifiers, strategy, params, policy):
     verifier = verifiers["llama"]
     prompt = _prompt(24)
     plain = Decoder(verifier)
     reference_seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt))
     reference, _, _ = _run(plain, reference_seq, params, GenerationBudget(30))
 
-    speculative = Decoder(verifier)
+    speculative = Decoder(verifier, draft_policy=policy)
     draft = ScriptedDraft(reference, len(prompt))
     seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=draft)
     tokens, _, steps = _run(speculative, seq, params, GenerationBudget(30))
@@ -118,6 +121,26 @@ def test_speculative_steps_emit_exactly_the_non_speculative_tokens(verifiers, st
         k2, _, p2 = reference_seq.cache.resident_kv(layer)
         assert p1.tolist() == p2.tolist()
         assert np.abs(to_numpy(k1) - to_numpy(k2)).max() < 1e-4
+
+
+def test_the_draft_policy_sets_how_many_tokens_each_proposal_may_hold(verifiers):
+    verifier = verifiers["llama"]
+    prompt = _prompt(24)
+    reference, _, _ = _run(
+        Decoder(verifier),
+        SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(prompt)),
+        SamplingParams(),
+        GenerationBudget(30),
+    )
+    requested = {}
+    for policy in DraftPolicy:
+        draft = ScriptedDraft(reference, len(prompt))
+        seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft=draft)
+        _run(Decoder(verifier, draft_policy=policy), seq, SamplingParams(), GenerationBudget(30))
+        requested[policy] = draft.requested
+    # full: the whole limit whenever the budget has room for it; adaptive: shorter after rejections.
+    assert all(n == 4 for n in requested[DraftPolicy.FULL][:-2])
+    assert min(requested[DraftPolicy.ADAPTIVE]) < 4 and requested[DraftPolicy.ADAPTIVE][0] == 4
 
 
 def test_a_cache_that_moved_backwards_is_an_inv2_violation(verifiers):

@@ -1,4 +1,5 @@
-"""scripts/train_dflash.py end to end on a tiny verifier: published format out, acceptance above 1, resumable."""
+"""scripts/train_dflash.py end to end on a tiny verifier: published format out, held-out acceptance logged,
+rows that are the verifier's own continuations, resumable."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,14 +26,15 @@ def _train(checkpoint: Path, out: Path, results: Path, steps: int, *extra: str) 
         str(out),
         "--results-dir",
         str(results),
-        "--self-generate",
-        "3000",
         "--steps",
         str(steps),
         "--batch-size",
         "4",
-        "--seq-len",
-        "96",
+        "--row-len",
+        "64",
+        "--prompt-lens",
+        "8",
+        "24",
         "--anchors",
         "8",
         "--block-size",
@@ -39,12 +43,16 @@ def _train(checkpoint: Path, out: Path, results: Path, steps: int, *extra: str) 
         "127",
         "--lr",
         "2e-3",
-        "--eval-prompts",
-        "4",
-        "--eval-prompt-len",
-        "24",
-        "--eval-tokens",
+        "--eval-rows",
+        "2",
+        "--eval-every",
         "40",
+        "--eval-prompts",
+        "3",
+        "--eval-prompt-len",
+        "16",
+        "--eval-tokens",
+        "24",
         "--save-every",
         "50",
         *extra,
@@ -52,54 +60,100 @@ def _train(checkpoint: Path, out: Path, results: Path, steps: int, *extra: str) 
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
+def _corpora(tmp_path: Path) -> tuple[Path, Path]:
+    rng = np.random.default_rng(7)
+    prompts, held = tmp_path / "prompts.npy", tmp_path / "held.npy"
+    np.save(prompts, rng.integers(0, 120, 600))
+    np.save(held, rng.integers(0, 120, 200))
+    return prompts, held
+
+
 def test_a_trained_drafter_is_accepted_by_its_verifier_and_training_resumes(checkpoints, tmp_path):
+    prompts, held = _corpora(tmp_path)
     out, results = tmp_path / "drafter", tmp_path / "results"
-    first = _train(checkpoints["llama"], out, results, 120)
+    common = ["--continuations", "24", "--prompt-corpus", str(prompts), "--eval-corpus", str(held)]
+    first = _train(checkpoints["llama"], out, results, 120, *common)
     assert first.returncode == 0, first.stderr[-3000:]
     names = set(load_file(out / "model.safetensors"))
     assert "fc.weight" in names and "hidden_norm.weight" in names and "layers.0.self_attn.q_proj.weight" in names
     log = json.loads((out / "training_log.json").read_text())
     assert log["summary"]["mean_acceptance_length"] > 1.0, log["summary"]
     assert len(log["history"]) == 120 and log["history"][-1]["loss"] < log["history"][0]["loss"]
+    curve = [h["heldout_acceptance_length"] for h in log["history"] if "heldout_acceptance_length" in h]
+    assert len(curve) == 3 and all(1.0 <= a <= 4.0 for a in curve), "held-out acceptance at steps 40, 80, 120"
+    assert log["config"]["command"].startswith("train_dflash.py --model") and "environment" in log
     (result_file,) = results.glob("train_dflash_*.json")
     assert json.loads(result_file.read_text())["summary"]["mean_acceptance_length"] > 1.0
     assert result_file.with_suffix(".png").is_file()
 
-    resumed = _train(checkpoints["llama"], out, results, 130, "--resume")
+    resumed = _train(checkpoints["llama"], out, results, 130, *common, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     history = json.loads((out / "training_log.json").read_text())["history"]
     assert [h["step"] for h in history] == list(range(1, 131)), "the resumed run continues at step 121"
     assert history[:120] == log["history"]
 
 
-def test_self_generated_rows_continue_the_prompt_corpus_and_evaluation_reads_its_own_corpus(checkpoints, tmp_path):
-    rng = np.random.default_rng(7)
-    prompt_corpus, eval_corpus = tmp_path / "prompts.npy", tmp_path / "held.npy"
-    np.save(prompt_corpus, rng.integers(0, 120, 400))
-    np.save(eval_corpus, rng.integers(0, 120, 20))
+def test_rows_are_the_verifiers_greedy_continuations_of_prompt_slices(checkpoints, tmp_path):
+    prompts, held = _corpora(tmp_path)
     out = tmp_path / "drafter"
-    common = ["--prompt-corpus", str(prompt_corpus), "--generate-prompt-len", "20", "--generate-new-tokens", "28"]
-
-    short = _train(checkpoints["llama"], out, tmp_path / "results", 2, *common, "--eval-corpus", str(eval_corpus))
-    assert short.returncode != 0
-    assert "the evaluation text holds 20 tokens, fewer than --eval-prompt-len 24" in short.stderr
-    corpus = np.load(out / "corpus.npy")
-    seeds = np.load(prompt_corpus)
-    windows = {tuple(seeds[i : i + 20]) for i in range(len(seeds) - 20)}
-    rows = corpus[: len(corpus) // 48 * 48].reshape(-1, 48)
-    assert len(corpus) == 3000 and all(tuple(row[:20]) in windows for row in rows), "each row opens with a slice"
-
-    np.save(eval_corpus, rng.integers(0, 120, 200))
-    done = _train(checkpoints["llama"], out, tmp_path / "results", 2, *common, "--eval-corpus", str(eval_corpus))
-    assert done.returncode == 0, done.stderr[-3000:]
-    log = json.loads((out / "training_log.json").read_text())
-    assert log["config"]["eval_corpus"] == str(eval_corpus) and log["summary"]["drafting_steps"] > 0
-
-
-def test_a_prompt_corpus_shorter_than_a_prompt_is_refused(checkpoints, tmp_path):
-    prompt_corpus = tmp_path / "prompts.npy"
-    np.save(prompt_corpus, np.arange(10))
     run = _train(
-        checkpoints["llama"], tmp_path / "drafter", tmp_path / "results", 2, "--prompt-corpus", str(prompt_corpus)
+        checkpoints["llama"],
+        out,
+        tmp_path / "results",
+        2,
+        "--continuations",
+        "6",
+        "--prompt-corpus",
+        str(prompts),
+        "--eval-corpus",
+        str(held),
     )
-    assert run.returncode != 0 and "--prompt-corpus holds 10 tokens" in run.stderr
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = np.load(out / "rows.npz")
+    tokens, first = rows["train"].astype(np.int64), rows["train_first"]
+    assert tokens.shape == (6, 64) and all(8 <= f <= 24 for f in first)
+    seeds = np.load(prompts)
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], local_files_only=True)
+    for row, prompt_len in zip(tokens, first, strict=True):
+        windows = {tuple(seeds[i : i + prompt_len]) for i in range(len(seeds) - prompt_len)}
+        assert tuple(row[:prompt_len]) in windows, "each row opens with a slice of the prompt corpus"
+        with torch.no_grad():
+            logits = model(torch.tensor(row[None])).logits[0]
+        # Every continuation token is the verifier's greedy choice given everything before it.
+        predicted = logits[prompt_len - 1 : -1].argmax(-1).numpy()
+        assert (predicted == row[prompt_len:]).mean() > 0.95
+    assert rows["held"].shape[1] == 16 + 24 and (rows["held_first"] == 16).all()
+
+
+def test_bad_corpora_and_lengths_are_refused(checkpoints, tmp_path):
+    prompts, held = _corpora(tmp_path)
+    short = tmp_path / "short.npy"
+    np.save(short, np.arange(10))
+    run = _train(
+        checkpoints["llama"],
+        tmp_path / "a",
+        tmp_path / "r",
+        2,
+        "--continuations",
+        "4",
+        "--prompt-corpus",
+        str(prompts),
+        "--eval-corpus",
+        str(short),
+    )
+    assert run.returncode != 0 and "the evaluation text holds 10 tokens, fewer than --eval-prompt-len 16" in run.stderr
+    run = _train(
+        checkpoints["llama"],
+        tmp_path / "b",
+        tmp_path / "r",
+        2,
+        "--continuations",
+        "4",
+        "--prompt-corpus",
+        str(short),
+        "--eval-corpus",
+        str(held),
+    )
+    assert run.returncode != 0 and "the prompt text holds 10 tokens" in run.stderr
+    run = _train(checkpoints["llama"], tmp_path / "c", tmp_path / "r", 2, "--prompt-lens", "8", "62")
+    assert run.returncode != 0 and "MAX + --block-size <= --row-len" in run.stderr

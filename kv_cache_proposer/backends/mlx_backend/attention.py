@@ -11,6 +11,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.errors import InvariantViolation
 
@@ -74,3 +75,47 @@ def attention_mask(
 def staging_layers(cache: SessionCache[mx.array], layer_windows: tuple[int | None, ...]) -> list[StagingLayer]:
     """The per-layer cache objects of one forward's model calls."""
     return [StagingLayer(cache, i, window) for i, window in enumerate(layer_windows)]
+
+
+class BatchStagingLayer:
+    """One layer's view of a padded batched forward (`BatchLayout`): per-row RoPE offsets, each row's K/V staged in
+    its own session cache, and a `[B, 1, T, K]` mask from each row's own strategy."""
+
+    def __init__(self, layout: BatchLayout[mx.array], offsets: mx.array, layer_idx: int, window: int | None) -> None:
+        self._layout = layout
+        self._offsets = offsets
+        self._layer_idx = layer_idx
+        self._window = window
+
+    @property
+    def offset(self) -> mx.array:
+        """RoPE offset of every row: the global position of its first (padded) query."""
+        return self._offsets
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        return self._layout.stage_layer(self._layer_idx, keys, values)
+
+    def make_mask(self, query_len: int, window_size: int | None = None, **_: object) -> mx.array:
+        if query_len != self._layout.width:
+            width = self._layout.width
+            raise InvariantViolation("inv1", f"a mask for {query_len} queries was asked for a call over {width}")
+        window = window_size if window_size is not None else self._window
+        return mx.array(self._layout.mask(window=window)[:, None])  # [B, 1, T, K]
+
+    @property
+    def state(self) -> tuple[()]:
+        return ()
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+
+def batch_staging_layers(
+    layout: BatchLayout[mx.array], layer_windows: tuple[int | None, ...]
+) -> list[BatchStagingLayer]:
+    """The per-layer cache objects of one padded batched model call."""
+    offsets = mx.array(layout.position_matrix()[:, 0].astype("int32"))  # [B]
+    return [BatchStagingLayer(layout, offsets, i, window) for i, window in enumerate(layer_windows)]

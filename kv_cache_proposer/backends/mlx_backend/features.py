@@ -1,8 +1,10 @@
-"""Capturing decoder-layer outputs of an mlx-lm model during the verifier's own forwards.
+"""Capturing an mlx-lm model's hidden states during the verifier's own forwards.
 
-mlx-lm models call their decoder layers in order from `model.layers`; a `LayerTap` wraps one of them and keeps its
-outputs while recording. Taps are installed only for the layers a proposer asks for, so other models and layers
-run untouched.
+The feature of layer i follows transformers' `hidden_states[i + 1]` convention, as on the PyTorch backend: the
+output of decoder layer i, except for the last layer, whose feature is the final norm's output. mlx-lm models call
+their decoder layers in order from `model.layers` and the final norm as `norm` of the inner model; a `LayerTap`
+wraps one of those modules and keeps its outputs while recording. Taps are installed only for the layers a proposer
+asks for, so other models and layers run untouched.
 """
 
 from __future__ import annotations
@@ -46,10 +48,17 @@ class LayerTap(nn.Module):
 
 
 def tap_layers(model: nn.Module, layer_ids: Sequence[int]) -> list[LayerTap]:
-    """The taps of `layer_ids`, installing the missing ones in the model's layer list."""
+    """The taps of `layer_ids`, installing the missing ones (in the layer list, or on the final norm)."""
     layers = model.layers
+    inner = getattr(model, "model", None) or getattr(model, "language_model", None)
+    norm_owner = inner if inner is not None and "norm" in inner else None
     taps = []
     for index in layer_ids:
+        if index == len(layers) - 1 and norm_owner is not None:
+            if not isinstance(norm_owner["norm"], LayerTap):
+                norm_owner.norm = LayerTap(norm_owner["norm"])
+            taps.append(norm_owner["norm"])
+            continue
         if not isinstance(layers[index], LayerTap):
             layers[index] = LayerTap(layers[index])
         taps.append(layers[index])

@@ -11,14 +11,15 @@ import numpy as np
 
 from kv_cache_proposer import sampling
 from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
-from kv_cache_proposer.backends.mlx_backend.attention import staging_layers
+from kv_cache_proposer.backends.mlx_backend.attention import batch_staging_layers, staging_layers
 from kv_cache_proposer.backends.mlx_backend.features import tap_layers
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.verifier import VerifyOutput
+from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 # Below this many K/V-only positions a second model call costs more than the rows it saves (measured on the tiny
 # test models on a CPU, where the crossover lies between 64 and 128; larger vocabularies save more per row).
@@ -87,6 +88,36 @@ class MlxVerifier(BackendModel[mx.array]):
             for tap in taps:
                 tap.recording.outputs = None
         return VerifyOutput(rows, features)
+
+    def forward_batch(
+        self, blocks: Sequence[BatchBlock[mx.array]], feature_layers: Sequence[int]
+    ) -> list[VerifyOutput[mx.array]]:
+        # Padded: mlx-lm's RoPE takes one offset per batch row, not per token, so each block gets its own row.
+        layout = BatchLayout(blocks, self.array_ops, packed=False, join_batch=lambda parts: mx.concatenate(parts, 0))
+        taps = tap_layers(self.model, feature_layers) if feature_layers else []
+        for tap in taps:
+            tap.recording.outputs = []
+        try:
+            with mx.stream(self.device):
+                input_ids = mx.array(layout.token_matrix(), dtype=mx.int32)  # [B, T]
+                logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
+                features = None
+                if taps:
+                    features = mx.concatenate([(tap.recording.outputs or [])[-1] for tap in taps], axis=-1)
+                outputs = []
+                for index, block in enumerate(blocks):
+                    row, start, end = layout.query_span(index)
+                    rows = logits[row, end - block.logits_rows : end].astype(mx.float32)  # [rows, V]
+                    outputs.append(VerifyOutput(rows, None if features is None else features[row, start:end]))
+                mx.eval(
+                    [out.logits for out in outputs],
+                    [out.features for out in outputs if out.features is not None],
+                    [array for block in blocks for array in block.cache.arrays()],
+                )
+        finally:
+            for tap in taps:
+                tap.recording.outputs = None
+        return outputs
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:
         """The model's input embeddings of token ids [B, T] -> [B, T, H] (before any model-specific scaling)."""

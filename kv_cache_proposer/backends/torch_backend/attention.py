@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.cache.protocol import SessionCache
 
 
@@ -13,7 +14,7 @@ class _StagingLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def __init__(self, cache: SessionCache[torch.Tensor], layer_idx: int) -> None:
+    def __init__(self, cache: SessionCache[torch.Tensor] | BatchLayout[torch.Tensor], layer_idx: int) -> None:
         super().__init__()
         self._cache = cache
         self._layer_idx = layer_idx
@@ -38,7 +39,8 @@ class _StagingLayer(CacheLayerMixin):
 
 
 class StagingCache(Cache):
-    """The `past_key_values` object of one forward: routes every layer's update into the session cache."""
+    """The `past_key_values` object of one forward: routes every layer's update into the session cache (or, for a
+    batched forward, into each row's session cache through the batch layout)."""
 
-    def __init__(self, cache: SessionCache[torch.Tensor]) -> None:
+    def __init__(self, cache: SessionCache[torch.Tensor] | BatchLayout[torch.Tensor]) -> None:
         super().__init__(layers=[_StagingLayer(cache, i) for i in range(cache.num_layers)])

@@ -1,7 +1,9 @@
-"""Capturing decoder-layer outputs of a transformers model during a forward, through forward hooks.
+"""Capturing a transformers model's hidden states during a forward, through forward hooks.
 
-The outputs are the residual stream after each chosen decoder layer, exactly; transformers' own
-`output_hidden_states` differs for the last layer, whose entry has the final norm applied.
+The feature of layer i is what transformers returns as `hidden_states[i + 1]` with `output_hidden_states=True`,
+the convention published DFlash drafters are trained on: the residual stream after decoder layer i, except for the
+last layer, whose entry is the final norm's output. Hooks capture exactly those tensors from the forward that runs
+anyway (for the last layer, the final norm's output), so no second pass and no full hidden-state list is made.
 """
 
 from __future__ import annotations
@@ -14,10 +16,20 @@ import torch
 from transformers import PreTrainedModel
 
 
+def feature_module(model: PreTrainedModel, index: int) -> torch.nn.Module:
+    """The module whose output is feature `index`: decoder layer `index`, or the final norm for the last layer."""
+    decoder = model.get_decoder()
+    layers = decoder.layers
+    if index == len(layers) - 1:
+        norm = getattr(decoder, "norm", None)
+        if isinstance(norm, torch.nn.Module):
+            return norm
+    return layers[index]
+
+
 @contextmanager
 def layer_outputs(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[dict[int, list[torch.Tensor]]]:
-    """Within the block, every forward appends each chosen layer's output [B, T, H] to `outputs[layer]`."""
-    layers = model.get_decoder().layers
+    """Within the block, every forward appends each chosen layer's feature [B, T, H] to `outputs[layer]`."""
     outputs: dict[int, list[torch.Tensor]] = {index: [] for index in layer_ids}
 
     def hook(index: int) -> Any:
@@ -26,7 +38,7 @@ def layer_outputs(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[
 
         return record
 
-    handles = [layers[index].register_forward_hook(hook(index)) for index in layer_ids]
+    handles = [feature_module(model, index).register_forward_hook(hook(index)) for index in layer_ids]
     try:
         yield outputs
     finally:

@@ -10,6 +10,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
@@ -17,7 +18,7 @@ from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, reso
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.verifier import VerifyOutput
+from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 
 class TorchVerifier(BackendModel[torch.Tensor]):
@@ -81,6 +82,40 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         return VerifyOutput(output.logits[0, -logits_rows:].float(), features)  # logits [rows, V]
 
     @torch.inference_mode()
+    def forward_batch(
+        self, blocks: Sequence[BatchBlock[torch.Tensor]], feature_layers: Sequence[int]
+    ) -> list[VerifyOutput[torch.Tensor]]:
+        # Packed: the blocks run as one sequence with per-token positions and a block-diagonal mask, so rows of
+        # different lengths (a prefill chunk beside decode steps) cost no padding.
+        layout = BatchLayout(blocks, self.array_ops, packed=True)
+        input_ids = torch.tensor(layout.token_matrix(), dtype=torch.long, device=self.device)  # [1, T]
+        position_ids = torch.from_numpy(layout.position_matrix()).to(self.device)  # [1, T]
+        masks = {"full_attention": self._format_batch_mask(layout.mask())}
+        if "sliding_attention" in self._layer_types:
+            masks["sliding_attention"] = self._format_batch_mask(layout.mask(window=self._sliding_window or 0))
+        wanted = torch.tensor(layout.logits_indices(), dtype=torch.long, device=self.device)
+        with layer_outputs(self.model, feature_layers) as captured:
+            output = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=masks if self._per_type_masks else masks[self._layer_types[0]],
+                past_key_values=StagingCache(layout),
+                use_cache=True,
+                logits_to_keep=wanted,
+            )
+        logits = output.logits[0].float()  # [sum of logits rows, V]
+        features = concatenated(captured, feature_layers)[0] if feature_layers else None  # [T, L*H]
+        outputs = []
+        row = 0
+        for index, block in enumerate(blocks):
+            _, start, end = layout.query_span(index)
+            outputs.append(
+                VerifyOutput(logits[row : row + block.logits_rows], None if features is None else features[start:end])
+            )
+            row += block.logits_rows
+        return outputs
+
+    @torch.inference_mode()
     def commit(self, cache: SessionCache[torch.Tensor], count: int) -> None:
         cache.commit(count)
 
@@ -104,6 +139,9 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         if self._per_type_masks:
             return formatted
         return formatted[self._layer_types[0]]
+
+    def _format_batch_mask(self, allowed: np.ndarray) -> torch.Tensor:
+        return self._format_mask(allowed[0])
 
     def _format_mask(self, allowed: np.ndarray) -> torch.Tensor:
         mask = torch.from_numpy(allowed).to(self.device)[None, None]  # [1, 1, n, K]

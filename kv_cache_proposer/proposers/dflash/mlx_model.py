@@ -41,7 +41,11 @@ class DFlashAttention(nn.Module):
         return keys, self._heads(self.v_proj(x), self.num_kv_heads)
 
     def __call__(
-        self, x: mx.array, offset: int, mask: mx.array, store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
+        self,
+        x: mx.array,
+        offset: int,
+        mask: mx.array | None,
+        store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]],
     ) -> mx.array:
         queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), offset=offset)
         keys, values = store(*self.key_value(x, offset))
@@ -70,7 +74,11 @@ class DFlashLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(hidden, eps=eps)
 
     def __call__(
-        self, x: mx.array, offset: int, mask: mx.array, store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]]
+        self,
+        x: mx.array,
+        offset: int,
+        mask: mx.array | None,
+        store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]],
     ) -> mx.array:
         x = x + self.self_attn(self.input_layernorm(x), offset, mask, store)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -99,7 +107,7 @@ class MlxDFlashDrafter(nn.Module):
         context = self.hidden_norm(self.fc(features))
         return [layer.self_attn.key_value(context, offset) for layer in self.layers]
 
-    def __call__(self, block_embeds: mx.array, offset: int, masks: list[mx.array], store: KVStore) -> mx.array:
+    def __call__(self, block_embeds: mx.array, offset: int, masks: list[mx.array | None], store: KVStore) -> mx.array:
         """Final hidden states [B, M, H] of a block of input embeddings [B, M, H] at positions from `offset`."""
         x = block_embeds
         for index, layer in enumerate(self.layers):

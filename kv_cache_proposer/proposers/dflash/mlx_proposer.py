@@ -8,10 +8,10 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
-from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
+from kv_cache_proposer.cache import KVSessionCache, SessionCache
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible, layer_windows
 from kv_cache_proposer.proposers.dflash.mlx_model import MlxDFlashDrafter, load_mlx_drafter
-from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
+from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession, block_masks
 from kv_cache_proposer.strategies import KVStrategy
 
 
@@ -69,12 +69,7 @@ class MlxDFlashProposer:
             embeds = self._verifier.embed_tokens(block) * self.spec.input_embedding_scale  # [1, M, H]
             offset = cache.next_position
             cache.begin_stage(count + 1)
-            query_pos, key_pos = cache.query_positions, cache.key_positions  # [M], [K]
-            # The context under the session's strategy, and the whole block both ways.
-            masks = [
-                mx.array(visible_keys(cache.strategy, query_pos, key_pos, causal=False, window=w))[None, None]
-                for w in self._windows
-            ]
+            masks = [None if m is None else mx.array(m)[None, None] for m in block_masks(cache, self._windows)]
             hidden = self.drafter(embeds, offset, masks, cache.stage_layer)  # [1, M, H]
             logits = self._verifier.lm_head(hidden[0, 1:]).astype(mx.float32) * self.spec.output_multiplier
             if self.spec.final_logit_softcapping:

@@ -60,7 +60,7 @@ class DFlashAttention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         queries = _rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), cos, sin)  # [B, H, M, D]
@@ -82,7 +82,7 @@ class DFlashLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        mask: torch.Tensor,
+        mask: torch.Tensor | None,
         store: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, store)
@@ -121,11 +121,12 @@ class DFlashDrafter(nn.Module):
         return [cast(DFlashLayer, layer).self_attn.key_value(context, cos, sin) for layer in self.layers]
 
     def forward(
-        self, block_embeds: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor], store: KVStore
+        self, block_embeds: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor | None], store: KVStore
     ) -> torch.Tensor:
         """Final hidden states [B, M, H] of a block of input embeddings [B, M, H] at positions [B, M].
 
-        `masks[i]` [B or 1, 1, M, K] says which of the K keys that `store` returns for layer i each query sees.
+        `masks[i]` [B or 1, 1, M, K] says which of the K keys that `store` returns for layer i each query sees
+        (None: every key).
         """
         cos, sin = self.rotary_emb(block_embeds, positions)
         x = block_embeds

@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
+from kv_cache_proposer.cache import KVSessionCache, SessionCache
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
-from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
+from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession, block_masks
 from kv_cache_proposer.strategies import KVStrategy
 
 
@@ -73,13 +73,10 @@ class DFlashProposer:
         block = torch.tensor([[last_token] + [self.spec.mask_token_id] * count], device=self._device)  # [1, M]
         embeds = F.embedding(block, self._embed) * self.spec.input_embedding_scale  # [1, M, H]
         cache.begin_stage(count + 1)
-        query_pos, key_pos = cache.query_positions, cache.key_positions  # [M], [K]
-        # The context under the session's strategy, and the whole block both ways.
+        query_pos = cache.query_positions  # [M]
         masks = [
-            torch.from_numpy(visible_keys(cache.strategy, query_pos, key_pos, causal=False, window=w)).to(self._device)[
-                None, None
-            ]
-            for w in self.drafter.layer_windows
+            None if mask is None else torch.from_numpy(mask).to(self._device)[None, None]
+            for mask in block_masks(cache, self.drafter.layer_windows)
         ]
         positions = torch.tensor(query_pos[None], device=self._device)  # [1, M]
         hidden = self.drafter(embeds, positions, masks, cache.stage_layer)  # [1, M, H]

@@ -12,10 +12,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Generic, Protocol
 
-from kv_cache_proposer.cache import SessionCache
+import numpy as np
+
+from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
+
+
+def block_masks(cache: SessionCache[Any], windows: Sequence[int | None]) -> list[np.ndarray | None]:
+    """Per drafter layer, which keys the staged block reads [M, K]: the context under the session's strategy and
+    the whole block both ways. None where a layer reads every key (attention then needs no mask); layers with the
+    same window share one array."""
+    query_pos, key_pos = cache.query_positions, cache.key_positions
+    built: dict[int | None, np.ndarray | None] = {}
+    for window in windows:
+        if window not in built:
+            allowed = visible_keys(cache.strategy, query_pos, key_pos, causal=False, window=window)
+            built[window] = None if allowed.all() else allowed
+    return [built[window] for window in windows]
 
 
 class DraftEngine(Protocol[A]):

@@ -10,6 +10,7 @@ was committed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +32,25 @@ def default_target_layers(num_verifier_layers: int, count: int) -> list[int]:
     return sorted({round(first + i * (last - first) / (count - 1)) for i in range(count)}) if count > 1 else [first]
 
 
-def sample_anchors(length: int, block_size: int, count: int, generator: torch.Generator) -> torch.Tensor:
-    """`count` distinct anchors in [1, length - block_size], sorted [count]."""
-    choices = length - block_size
+def sample_anchors(
+    length: int, block_size: int, count: int, generator: torch.Generator, *, first: int = 1
+) -> torch.Tensor:
+    """`count` distinct anchors in [first, length - block_size], sorted [count]."""
+    choices = length - block_size - first + 1
     if choices < count:
-        raise ValueError(f"a sequence of {length} tokens holds fewer than {count} blocks of {block_size}")
-    return torch.randperm(choices, generator=generator)[:count].sort().values + 1
+        raise ValueError(
+            f"a sequence of {length} tokens holds fewer than {count} blocks of {block_size} from position {first}"
+        )
+    return torch.randperm(choices, generator=generator)[:count].sort().values + first
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStats:
+    """What one pass over a batch of blocks measured."""
+
+    loss: torch.Tensor  # the weighted cross-entropy, with grad
+    slot_accuracy: torch.Tensor  # [B-1] fraction of blocks whose slot k is the target
+    acceptance_length: float  # mean over blocks of 1 + the leading correct slots: tokens per greedy verify step
 
 
 def block_loss(
@@ -51,40 +65,51 @@ def block_loss(
     mask_token_id: int,
     gamma: float,
     embedding_scale: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted cross-entropy of every block, and the per-slot accuracy [B-1].
+) -> BlockStats:
+    """Weighted cross-entropy of every block, per-slot accuracy and the greedy acceptance length of the blocks.
 
-    tokens [N, L]; features [N, L, F] (the verifier's, without grad); anchors [A] shared by the batch.
-    Slot k of a block (k = 1..B-1) is weighted exp(-(k-1)/gamma).
+    tokens [N, L]; features [N, L, F] (the verifier's, without grad); anchors [A] shared by the batch or [N, A] per
+    row. Slot k of a block (k = 1..B-1) is weighted exp(-(k-1)/gamma). When `tokens` after each anchor are the
+    verifier's own greedy continuation, the acceptance length is exactly what speculative greedy decoding accepts
+    at those positions.
     """
     n, length = tokens.shape
     device = tokens.device
+    anchors = anchors.to(device)
+    if anchors.dim() == 1:
+        anchors = anchors[None].expand(n, -1)
+    count = anchors.shape[1]
     offsets = torch.arange(block_size, device=device)
-    block_pos = (anchors[:, None].to(device) + offsets[None, :]).reshape(-1)  # [A*B]
-    block_ids = tokens[:, block_pos].view(n, -1, block_size).clone()  # [N, A, B]
+    block_pos = (anchors[:, :, None] + offsets).reshape(n, -1)  # [N, A*B]
+    block_ids = tokens.gather(1, block_pos).view(n, count, block_size).clone()  # [N, A, B]
     targets = block_ids[:, :, 1:].clone()  # [N, A, B-1]
     block_ids[:, :, 1:] = mask_token_id
     embeds = F.embedding(block_ids.view(n, -1), embed) * embedding_scale  # [N, A*B, H]
 
     ctx_pos = torch.arange(length, device=device)
     context = drafter.context_kv(features, ctx_pos[None].expand(n, -1))
-    block_of_query = torch.arange(anchors.numel(), device=device).repeat_interleave(block_size)  # [A*B]
-    anchor_of_query = anchors.to(device)[block_of_query]
-    sees_context = ctx_pos[None, :] < anchor_of_query[:, None]  # [A*B, L]
-    sees_block = block_of_query[:, None] == block_of_query[None, :]  # [A*B, A*B]
-    allowed = torch.cat([sees_context, sees_block], dim=1)  # [A*B, L + A*B]
-    key_pos = torch.cat([ctx_pos, block_pos])
-    masks = [mask[None, None] for mask in drafter.layer_masks(allowed, block_pos[:, None], key_pos[None, :])]
+    block_of_query = torch.arange(count, device=device).repeat_interleave(block_size)  # [A*B]
+    anchor_of_query = anchors[:, block_of_query]  # [N, A*B]
+    sees_context = ctx_pos[None, None, :] < anchor_of_query[:, :, None]  # [N, A*B, L]
+    sees_block = (block_of_query[:, None] == block_of_query[None, :]).expand(n, -1, -1)  # [N, A*B, A*B]
+    allowed = torch.cat([sees_context, sees_block], dim=2)  # [N, A*B, L + A*B]
+    key_pos = torch.cat([ctx_pos[None].expand(n, -1), block_pos], dim=1)  # [N, L + A*B]
+    masks = [m[:, None] for m in drafter.layer_masks(allowed, block_pos[:, :, None], key_pos[:, None, :])]
 
     def store(index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx_keys, ctx_values = context[index]
         return torch.cat([ctx_keys, keys], dim=2), torch.cat([ctx_values, values], dim=2)
 
-    hidden = drafter(embeds, block_pos[None].expand(n, -1), masks, store)  # [N, A*B, H]
-    hidden = hidden.view(n, -1, block_size, hidden.shape[-1])[:, :, 1:]  # [N, A, B-1, H]
+    hidden = drafter(embeds, block_pos, masks, store)  # [N, A*B, H]
+    hidden = hidden.view(n, count, block_size, hidden.shape[-1])[:, :, 1:]  # [N, A, B-1, H]
     logits = head(hidden).float()  # [N, A, B-1, V]
     losses = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
     weights = torch.tensor([math.exp(-k / gamma) for k in range(block_size - 1)], device=device)
     loss = (losses * weights).sum(-1).mean() / weights.sum()
-    accuracy = (logits.argmax(-1) == targets).float().mean(dim=(0, 1))  # [B-1]
-    return loss, accuracy
+    correct = logits.argmax(-1) == targets  # [N, A, B-1]
+    leading = correct.int().cumprod(dim=-1).sum(dim=-1)  # [N, A]
+    return BlockStats(
+        loss=loss,
+        slot_accuracy=correct.float().mean(dim=(0, 1)).detach(),
+        acceptance_length=1.0 + float(leading.float().mean()),
+    )

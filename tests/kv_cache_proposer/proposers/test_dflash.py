@@ -128,3 +128,48 @@ def test_default_target_layers_and_anchor_sampling():
     assert default_target_layers(3, 2) == [0, 1]
     anchors = sample_anchors(64, 8, 10, torch.Generator().manual_seed(0))
     assert anchors.tolist() == sorted(set(anchors.tolist())) and anchors.min() >= 1 and anchors.max() <= 56
+
+
+def test_per_row_anchors_score_each_row_as_alone_and_acceptance_counts_leading_hits(drafter_dir, verifiers):
+    verifier = verifiers["qwen3"]
+    proposer = DFlashProposer.load(drafter_dir, verifier)
+    rng = random.Random(4)
+    tokens = torch.tensor([[rng.randrange(VOCAB_SIZE - 1) for _ in range(24)] for _ in range(2)])
+    layers = proposer.spec.target_layer_ids
+    features = torch.stack(
+        [
+            verifier.verify(verifier.new_cache(FullStrategy()), row.tolist(), 1, feature_layers=layers).features
+            for row in tokens
+        ]
+    )
+    embed = verifier.model.get_input_embeddings().weight
+    head = verifier.model.get_output_embeddings()
+    anchors = torch.tensor([[3, 9], [12, 17]])
+    kwargs = {"block_size": 4, "mask_token_id": proposer.spec.mask_token_id, "gamma": 4.0}
+    with torch.no_grad():
+        both = block_loss(proposer.drafter, embed, head, tokens, features, anchors, **kwargs)
+        alone = [
+            block_loss(proposer.drafter, embed, head, tokens[i : i + 1], features[i : i + 1], anchors[i], **kwargs)
+            for i in range(2)
+        ]
+    torch.testing.assert_close(both.loss, (alone[0].loss + alone[1].loss) / 2)
+    torch.testing.assert_close(both.slot_accuracy, (alone[0].slot_accuracy + alone[1].slot_accuracy) / 2)
+    assert both.acceptance_length == pytest.approx((alone[0].acceptance_length + alone[1].acceptance_length) / 2)
+
+    # A drafter that always drafts the block's own targets is accepted in full: 1 + (block_size - 1) tokens.
+    original = head.forward
+    targets = {}
+
+    def perfect(hidden: torch.Tensor) -> torch.Tensor:
+        logits = torch.full((*hidden.shape[:-1], VOCAB_SIZE), -1e4)
+        return logits.scatter(-1, targets["ids"][..., None], 1e4)
+
+    block_pos = anchors[:, :, None] + torch.arange(1, 4)
+    targets["ids"] = tokens.gather(1, block_pos.view(2, -1)).view(2, 2, 3)
+    head.forward = perfect
+    try:
+        with torch.no_grad():
+            stats = block_loss(proposer.drafter, embed, head, tokens, features, anchors, **kwargs)
+    finally:
+        head.forward = original
+    assert stats.acceptance_length == 4.0 and stats.slot_accuracy.tolist() == [1.0, 1.0, 1.0]

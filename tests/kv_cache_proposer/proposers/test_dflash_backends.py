@@ -6,6 +6,7 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
@@ -42,3 +43,25 @@ def test_both_backends_capture_the_same_features_and_draft_the_same_tokens(verif
     assert features["torch"].shape == (40, 2 * verifiers["torch"].hidden_size)
     np.testing.assert_allclose(features["mlx"], features["torch"], atol=1e-4, rtol=1e-4)
     assert drafts["mlx"] == drafts["torch"] and all(len(d) == 5 for d in drafts["torch"])
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_features_follow_the_output_hidden_states_convention_including_the_last_layer(verifier_pool, backend):
+    # Feature i is transformers' hidden_states[i + 1]: layer i's output, but the final norm's for the last layer.
+    reference = verifier_pool.get("torch", "qwen3").model
+    verifier = verifier_pool.get(backend, "qwen3")
+    last = reference.config.num_hidden_layers - 1
+    layers = (0, last)
+    rng = random.Random(5)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(30)]
+    with torch.no_grad():
+        hidden = reference(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i + 1][0] for i in layers], dim=-1).numpy()
+    cache = verifier.new_cache(FullStrategy())
+    out = verifier.verify(cache, tokens[:20], 1, feature_layers=layers)  # a prefill, then a block after it
+    verifier.commit(cache, 20)
+    more = verifier.verify(cache, tokens[20:], 1, feature_layers=layers)
+    got = np.concatenate([to_numpy(out.features), to_numpy(more.features)])
+    raw_last = hidden[last][0].numpy()  # the last layer's input: differs from its output and from the normed output
+    assert not np.allclose(expected[:, -raw_last.shape[1] :], raw_last, atol=1e-3)
+    np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,47 @@
+"""scripts/bench_concurrency.py drives a batched and an unbatched daemon side by side and writes the common results
+format."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_path):
+    command = [
+        sys.executable,
+        "scripts/bench_concurrency.py",
+        "--sessions",
+        "1",
+        "3",
+        "--max-tokens",
+        "6",
+        "--prompt-tokens",
+        "8",
+        "--rounds",
+        "1",
+        "--batch-size",
+        "4",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    (path,) = tmp_path.glob("bench_concurrency_*.json")
+    assert path.with_suffix(".png").is_file()
+    body = json.loads(path.read_text())
+    summary = body["summary"]
+    assert summary["session_token_mismatches"] == 0, "greedy tokens must not depend on batching"
+    for mode in ("batched", "unbatched"):
+        configurations = summary[mode]["configurations"]
+        assert [c["sessions"] for c in configurations] == [1, 3]
+        assert [c["tokens"] for c in configurations] == [6, 18]
+        assert all(c["aggregate_tokens_per_s"] > 0 for c in configurations)
+        assert all(c["inter_token_p99_s"] >= c["inter_token_p50_s"] > 0 for c in configurations)
+        assert set(summary[mode]["scaling_vs_first"]) == {"1", "3"}
+    assert set(summary["batched_over_unbatched"]) == {"1", "3"}
+    assert set(body["samples"]) == {"batched", "unbatched"}
