@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup
 from kv_cache_proposer.verifier import SessionCache
+
+log = logging.getLogger(__name__)
 
 
 def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | None) -> RestorationSetup:
@@ -20,7 +23,12 @@ def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | Non
         setup = RestorationSetup(plan, rebuild=config.restore_rebuild)  # type: ignore[arg-type]
         setup.plan_for(num_layers)
     except ValueError as exc:
-        raise ConfigError(f"restore_plan: {exc}") from None
+        if config.restore_plan or config.kv_strategy == "dlm_restore":
+            raise ConfigError(f"restore_plan: {exc}") from None
+        # A plan shipped for another model is not this server's concern unless it serves dlm_restore by default;
+        # sessions that ask for dlm_restore then recompute every layer (exact), and the log says why.
+        log.warning("ignoring the model directory's restoration plan", extra={"reason": str(exc)})
+        return RestorationSetup(rebuild=config.restore_rebuild)  # type: ignore[arg-type]
     return setup
 
 
