@@ -18,6 +18,7 @@ from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.decoding import DraftPolicy
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
 
 ENV_PREFIX = "KAKEYA_"
@@ -56,8 +57,20 @@ class ServerConfig:
         choices=DTYPES,
     )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=STRATEGIES)
-    sink: int = _opt(4, "sink_window: number of leading positions that stay resident")
-    window: int = _opt(1024, "sink_window: number of most recent positions that stay resident")
+    sink: int = _opt(4, "sink_window, dlm_restore: number of leading positions that stay resident")
+    window: int = _opt(1024, "sink_window, dlm_restore: number of most recent positions that stay resident")
+    restore_plan: str = _opt(
+        "",
+        "dlm_restore: restoration plan manifest (JSON, f_θ weights in the safetensors file it names), or recompute "
+        "(every layer rebuilt by a forward of the model: exact, slowest); empty uses the model directory's "
+        "restore_plan.json when it has one, else recompute",
+    )
+    restore_rebuild: str = _opt(
+        "generation",
+        "dlm_restore: when restored K/V are rebuilt: generation (once when a generation starts, then extended as "
+        "positions leave the window; dropped when it ends) or step (before every forward, dropped after it)",
+        choices=REBUILD_MODES,
+    )
     kv_compressor: str = _opt(
         "none",
         "default KV compressor of new sessions: none keeps K/V dense; kakeya_d4 / kakeya_e8 hold committed K/V as "

@@ -103,6 +103,11 @@ class SessionInfo:
     kv_q_range: int = 0  # 0: no lattice
     kv_dense_equivalent_bytes: int = 0
     kv_escaped_blocks: int = 0
+    restored_token_count: int = 0  # dlm_restore: evicted positions restored now (transient)
+    kv_resident_bytes: int = 0
+    kv_restored_bytes: int = 0
+    kv_restoration_state_bytes: int = 0
+    kv_peak_restored_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,26 @@ class Metrics:
             "Lattice blocks held by escape (off the lattice after clamping) across sessions",
             registry=r,
         )
+        self.kv_resident_bytes = Gauge(
+            "kakeya_kv_resident_bytes", "Bytes of resident K/V (and slot tables) the sessions hold", registry=r
+        )
+        self.kv_restored_bytes = Gauge(
+            "kakeya_kv_restored_bytes",
+            "Bytes of restored K/V of evicted positions held now by dlm_restore sessions (transient: while they "
+            "generate)",
+            registry=r,
+        )
+        self.kv_restored_peak_bytes = Gauge(
+            "kakeya_kv_restored_peak_bytes",
+            "The most bytes of restored K/V one held dlm_restore session has held at once (its per-step peak)",
+            registry=r,
+        )
+        self.kv_restoration_state_bytes = Gauge(
+            "kakeya_kv_restoration_state_bytes",
+            "Bytes of per-position state dlm_restore sessions keep to restore evicted positions (kept layers' K/V, "
+            "token ids)",
+            registry=r,
+        )
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations.labels(kind=kind)
         for reason in ("ttl", "lru", "budget"):

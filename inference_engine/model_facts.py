@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kv_cache_proposer.restoration import find_plan
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
@@ -18,6 +20,7 @@ class ModelFacts:
     eos_token_ids: tuple[int, ...] = ()
     trained_context_tokens: int = 0
     chat_template: str | None = None
+    restore_plan: Path | None = None  # the restoration plan manifest the directory ships, if any
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelFacts:
@@ -38,6 +41,7 @@ class ModelFacts:
             eos_token_ids=eos,
             trained_context_tokens=int(context) if isinstance(context, int) else 0,
             chat_template=_chat_template(model_dir),
+            restore_plan=find_plan(model_dir),
         )
 
 

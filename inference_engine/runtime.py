@@ -55,6 +55,7 @@ from inference_engine.journal import (
 )
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
+from inference_engine.restoration import restoration_info, restoration_setup
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
@@ -179,6 +180,7 @@ class Runtime:
         self.cluster_metrics = ClusterMetrics(metrics.registry)
         self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
+        self.restoration = restoration_setup(config, verifier.num_layers, self.model_facts.restore_plan)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -384,6 +386,7 @@ class Runtime:
             kv_q_range=session.compressor.q_range if session.compressor.lattice else 0,
             kv_dense_equivalent_bytes=int(cache.dense_equivalent_bytes),
             kv_escaped_blocks=int(cache.escaped_vectors),
+            **restoration_info(cache),
         )
 
     def model_info(self) -> ModelInfo:
@@ -519,7 +522,7 @@ class Runtime:
     ) -> Session:
         layer_store = compressor_layer_store(self.config.backend, compressor)
         seq = SequenceState(
-            cache=self.verifier.new_cache(strategy, layer_store=layer_store),
+            cache=self.verifier.new_cache(strategy, layer_store=layer_store, restoration=self.restoration),
             tokens=list(tokens),
             draft=self.proposer.open(strategy),
         )
@@ -563,8 +566,8 @@ class Runtime:
                 if step.tokens and tally.first_token_at is None:
                     tally.first_token_at = clock()
                     self._record_prefill(tally)
-                    if seq.cache.evicted_count:
-                        yield TruncatedEvent(int(seq.cache.evicted_count))
+                    if seq.cache.lost_count:
+                        yield TruncatedEvent(int(seq.cache.lost_count))
                 # Every token of the step is in the history now, even if the consumer stops reading midway; it is
                 # journaled before any of it reaches the client.
                 if step.tokens and self.journal is not None:

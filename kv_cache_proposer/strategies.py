@@ -122,23 +122,74 @@ class SinkWindowStrategy:
         return (key_pos < self.sink) | (query_pos - key_pos <= self.window)
 
 
-STRATEGIES = ("full", "sink_window")
+@dataclass(frozen=True, slots=True)
+class DlmRestoreStrategy:
+    """The sink and window of `sink_window` stay resident; every evicted position is restored for each forward.
+
+    Residency (slots, eviction) is exactly `sink_window`'s. Visibility is not: a query reads every earlier key,
+    because the session cache puts restored K/V of the evicted positions in front of the resident ones (see
+    `kv_cache_proposer.restoration`), so nothing leaves the attention span.
+    """
+
+    sink: int
+    window: int
+
+    def __post_init__(self) -> None:
+        SinkWindowStrategy(sink=self.sink, window=self.window)  # raises on a bad sink or window
+
+    @property
+    def resident(self) -> SinkWindowStrategy:
+        """The resident-set policy (sink + window ring)."""
+        return SinkWindowStrategy(sink=self.sink, window=self.window)
+
+    @property
+    def name(self) -> str:
+        return "dlm_restore"
+
+    @property
+    def bounded_slots(self) -> int | None:
+        return self.sink + self.window
+
+    def slot_of(self, position: int) -> int:
+        return self.resident.slot_of(position)
+
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        return self.resident.slots_of(positions)
+
+    def resident_count(self, committed: int) -> int:
+        return self.resident.resident_count(committed)
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        return self.resident.resident_positions(committed)
+
+    def evicted_positions(self, committed: int) -> np.ndarray:
+        """The positions restored once `committed` positions have been committed, ascending."""
+        return np.arange(self.sink, max(self.sink, committed - self.window), dtype=np.int64)
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        return key_pos >= 0
+
+
+STRATEGIES = ("full", "sink_window", "dlm_restore")
 
 
 def make_strategy(name: str, *, sink: int | None = None, window: int | None = None) -> KVStrategy:
     """Build a strategy from its name and options (options a strategy does not take are ignored).
 
-    `sink_window` takes `sink` (default 4) and `window` (default 1024). Raises `ValueError` naming what is wrong.
+    `sink_window` and `dlm_restore` take `sink` (default 4) and `window` (default 1024). Raises `ValueError`
+    naming what is wrong.
     """
     if name == "full":
         return FullStrategy()
     if name == "sink_window":
         return SinkWindowStrategy(sink=4 if sink is None else sink, window=1024 if window is None else window)
+    if name == "dlm_restore":
+        return DlmRestoreStrategy(sink=4 if sink is None else sink, window=1024 if window is None else window)
     raise ValueError(f"unknown KV strategy {name!r}; expected one of {', '.join(STRATEGIES)}")
 
 
 def strategy_options(strategy: KVStrategy) -> dict[str, int]:
     """The options `make_strategy` needs to rebuild `strategy` (empty for `full`)."""
-    if isinstance(strategy, SinkWindowStrategy):
+    if isinstance(strategy, SinkWindowStrategy | DlmRestoreStrategy):
         return {"sink": strategy.sink, "window": strategy.window}
     return {}

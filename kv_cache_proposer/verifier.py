@@ -12,6 +12,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.cache.layer_store import LayerStoreFactory
 from kv_cache_proposer.cache.protocol import SessionCache
+from kv_cache_proposer.restoration.cache import RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 
@@ -42,8 +43,15 @@ class CausalLM(Protocol[A]):
     @property
     def vocab_size(self) -> int: ...
 
-    def new_cache(self, strategy: KVStrategy, *, layer_store: LayerStoreFactory[A] | None = None) -> SessionCache[A]:
-        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default)."""
+    def new_cache(
+        self,
+        strategy: KVStrategy,
+        *,
+        layer_store: LayerStoreFactory[A] | None = None,
+        restoration: RestorationSetup | None = None,
+    ) -> SessionCache[A]:
+        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default) and
+        `restoration` how a `dlm_restore` cache restores evicted positions (default: `recompute` every layer)."""
         ...
 
     def verify(

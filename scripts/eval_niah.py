@@ -9,12 +9,20 @@ daemon generates `--max-tokens` greedy tokens, and the sample recalls the needle
 decoded text. `--samples` documents per rung (context length) are spread evenly over the depths; the same
 documents are used for every strategy.
 
-Writes `results/eval_niah_<stamp>.json` (per-sample outcomes, recall per strategy x length x depth, recall per
-strategy x length averaged over depths in `summary`) and a heat-map PNG with one panel per strategy.
+An arm of `--kv-strategies` is a strategy name, optionally with a restoration plan and a KV compressor:
+`dlm_restore:recompute` (every evicted layer recomputed: the exact reference), `dlm_restore:model` (the plan the
+model directory ships), `dlm_restore:PATH` (a plan manifest), each optionally followed by `@kakeya_e8` or
+`@kakeya_d4` (the session's compressor, which also packs a plan's kept layers). The restoration plan is a server
+setting, so each plan gets its own started daemon (`--restore-plan`); with `--address` only arms without a plan run.
+
+Writes `results/eval_niah_<stamp>.json` (per-sample outcomes, recall per arm x length x depth, and per arm x length
+in `summary`: recall averaged over depths, sustained bytes per parked session, per-step peak bytes, restoration
+state bytes per evicted position and generated tokens/s) and a heat-map PNG with one panel per arm.
 
 Usage:
     python scripts/eval_niah.py [--address HOST:PORT | --model DIR] [--lengths 512,1024,2048] [--depths 5]
-        [--samples 20] [--kv-strategies full,sink_window] [--sink 4] [--window 512]
+        [--samples 20] [--kv-strategies full,sink_window,dlm_restore:recompute,dlm_restore:model] [--sink 4]
+        [--window 512]
 """
 
 from __future__ import annotations
@@ -53,7 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="512,1024,2048", help="comma-separated context lengths (tokens)")
     p.add_argument("--depths", type=int, default=5, help="needle depths from 0 (start) to 1 (end)")
     p.add_argument("--samples", type=int, default=20, help="documents per context length")
-    p.add_argument("--kv-strategies", default="full,sink_window")
+    p.add_argument(
+        "--kv-strategies",
+        default="full,sink_window",
+        help="comma-separated arms: strategy[:plan][@compressor] (default full,sink_window)",
+    )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--max-tokens", type=int, default=10)
@@ -74,7 +86,20 @@ def heldout_lines(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:
     return [ids for ids in tokenizer(lines, add_special_tokens=False)["input_ids"] if ids]
 
 
-def run(args: argparse.Namespace, client: kakeya.Client, tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:
+def arm_settings(arm: str, sink: int, window: int) -> tuple[str | None, dict[str, Any]]:
+    """An arm's restoration plan (the daemon's `--restore-plan`; None: the daemon's default) and session options."""
+    rest, _, compressor = arm.partition("@")
+    strategy, _, plan = rest.partition(":")
+    create: dict[str, Any] = {"kv_strategy": strategy}
+    if strategy in ("sink_window", "dlm_restore"):
+        create |= {"sink_tokens": sink, "window_tokens": window}
+    if compressor:
+        create["kv_compressor"] = compressor
+    return (None if plan in ("", "model") else plan), create
+
+
+def documents_for(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, float, Any]]:
+    """The needle documents of every rung, the same for every arm."""
     lines = heldout_lines(tokenizer)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rng = random.Random(args.seed)
@@ -84,31 +109,44 @@ def run(args: argparse.Namespace, client: kakeya.Client, tokenizer: PreTrainedTo
         for length in args.lengths
         for i in range(args.samples)
     ]
+    return documents
+
+
+def run_arm(
+    args: argparse.Namespace,
+    arm: str,
+    client: kakeya.Client,
+    tokenizer: PreTrainedTokenizerBase,
+    documents: list[tuple[int, float, Any]],
+) -> list[dict[str, Any]]:
+    _, create = arm_settings(arm, args.sink, args.window)
     samples = []
-    for strategy in args.kv_strategies:
-        create: dict[str, Any] = {"kv_strategy": strategy}
-        if strategy == "sink_window":
-            create |= {"sink_tokens": args.sink, "window_tokens": args.window}
-        for length, depth, doc in tqdm(documents, desc=f"niah {strategy}", unit="doc", file=sys.stderr):
-            started = time.perf_counter()
-            with client.create_session(initial_tokens=doc.prompt, label="eval-niah", **create) as session:
-                tokens = list(session.generate(args.max_tokens))
-                info = session.info()
-            text = tokenizer.decode(tokens)
-            samples.append(
-                {
-                    "kv_strategy": strategy,
-                    "length": length,
-                    "prompt_tokens": len(doc.prompt),
-                    "depth": depth,
-                    "key": doc.needles[0].key,
-                    "value": doc.needles[0].value,
-                    "output": text,
-                    "recalled": doc.needles[0].value in text,
-                    "seconds": time.perf_counter() - started,
-                    "kv_live_bytes": info.kv_live_bytes,
-                }
-            )
+    for length, depth, doc in tqdm(documents, desc=f"niah {arm}", unit="doc", file=sys.stderr):
+        started = time.perf_counter()
+        with client.create_session(initial_tokens=doc.prompt, label="eval-niah", **create) as session:
+            generation = session.generate(args.max_tokens)
+            tokens = list(generation)
+            generate_s = time.perf_counter() - started
+            info = session.info()
+        text = tokenizer.decode(tokens)
+        samples.append(
+            {
+                "kv_strategy": arm,
+                "length": length,
+                "prompt_tokens": len(doc.prompt),
+                "depth": depth,
+                "key": doc.needles[0].key,
+                "value": doc.needles[0].value,
+                "output": text,
+                "recalled": doc.needles[0].value in text,
+                "seconds": time.perf_counter() - started,
+                "tokens_per_s": len(tokens) / generate_s,
+                "kv_live_bytes": info.kv_live_bytes,  # parked: what the session holds between generations
+                "peak_bytes": info.kv_live_bytes + info.kv_peak_restored_bytes,
+                "restoration_state_bytes": info.kv_restoration_state_bytes,
+                "evicted_tokens": info.evicted_token_count,
+            }
+        )
     return samples
 
 
@@ -125,9 +163,22 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
     for (strategy, length, depth), hits in sorted(cells.items()):
         by_depth[strategy][str(length)][f"{depth:.2f}"] = sum(hits) / len(hits)
     counts = {f"{strategy}/{length}": len(hits) for (strategy, length), hits in rungs.items()}
+    costs: dict[str, dict[str, dict[str, float]]] = defaultdict(dict)
+    for strategy, length in sorted(rungs):
+        rung = [s for s in samples if s["kv_strategy"] == strategy and s["length"] == length]
+        evicted = sum(s.get("evicted_tokens", 0) for s in rung)
+        costs[strategy][str(length)] = {
+            "sustained_bytes": sum(s["kv_live_bytes"] for s in rung) / len(rung),
+            "peak_bytes": sum(s.get("peak_bytes", s["kv_live_bytes"]) for s in rung) / len(rung),
+            "restoration_state_bytes_per_evicted_token": (
+                sum(s.get("restoration_state_bytes", 0) for s in rung) / evicted if evicted else 0.0
+            ),
+            "tokens_per_s": sum(s.get("tokens_per_s", 0.0) for s in rung) / len(rung),
+        }
     return {
         "recall": dict(recall),
         "recall_by_depth": {k: dict(v) for k, v in by_depth.items()},
+        "cost": dict(costs),
         "samples_per_rung": counts,
     }
 
@@ -162,17 +213,29 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    daemon = None
-    if args.address is None:
-        daemon = Daemon(["--model", str(args.model), *args.serve_flag])
-        args.address = daemon.wait_listening()
-    try:
-        with kakeya.Client(args.address, timeout_s=600.0) as client:
-            client.wait_until_ready(60.0)
-            samples = run(args, client, tokenizer)
-    finally:
-        if daemon is not None:
-            daemon.stop()
+    documents = documents_for(args, tokenizer)
+    by_plan: dict[str | None, list[str]] = defaultdict(list)
+    for arm in args.kv_strategies:
+        by_plan[arm_settings(arm, args.sink, args.window)[0]].append(arm)
+    if args.address is not None and set(by_plan) != {None}:
+        raise SystemExit("arms with a restoration plan start their own daemons: leave out --address")
+    samples: list[dict[str, Any]] = []
+    commands = []
+    for plan, arms in by_plan.items():
+        daemon, address = None, args.address
+        if address is None:
+            plan_flags = [] if plan is None else ["--restore-plan", plan]
+            daemon = Daemon(["--model", str(args.model), *plan_flags, *args.serve_flag])
+            address = daemon.wait_listening()
+            commands.append(daemon.command)
+        try:
+            with kakeya.Client(address, timeout_s=600.0) as client:
+                client.wait_until_ready(60.0)
+                for arm in arms:
+                    samples += run_arm(args, arm, client, tokenizer, documents)
+        finally:
+            if daemon is not None:
+                daemon.stop()
     summary = summarize(samples)
     path = write_results(
         "eval_niah",
@@ -181,10 +244,12 @@ def main(argv: list[str] | None = None) -> int:
         summary=summary,
         plot=lambda png: plot(summary, png),
         out_dir=args.results_dir,
-        environment_extra={"daemon_command": daemon.command if daemon else None},
+        environment_extra={"daemon_commands": commands},
     )
     for strategy, rungs in summary["recall"].items():
         print(strategy, " ".join(f"{length}:{value:.2f}" for length, value in rungs.items()))
+        cost = summary["cost"][strategy]
+        print("  sustained bytes", " ".join(f"{length}:{c['sustained_bytes']:.0f}" for length, c in cost.items()))
     print(f"wrote {path}")
     return 0
 

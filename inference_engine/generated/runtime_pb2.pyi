@@ -20,6 +20,7 @@ class KvStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_STRATEGY_UNSPECIFIED: _ClassVar[KvStrategy]
     KV_STRATEGY_FULL: _ClassVar[KvStrategy]
     KV_STRATEGY_SINK_WINDOW: _ClassVar[KvStrategy]
+    KV_STRATEGY_DLM_RESTORE: _ClassVar[KvStrategy]
 
 class StopReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ KV_COMPRESSOR_KAKEYA_E8: KvCompressor
 KV_STRATEGY_UNSPECIFIED: KvStrategy
 KV_STRATEGY_FULL: KvStrategy
 KV_STRATEGY_SINK_WINDOW: KvStrategy
+KV_STRATEGY_DLM_RESTORE: KvStrategy
 STOP_REASON_UNSPECIFIED: StopReason
 STOP_REASON_MAX_TOKENS: StopReason
 STOP_REASON_EOS: StopReason
@@ -224,7 +226,7 @@ class GetSessionInfoRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history_tail_tokens: _Optional[int] = ...) -> None: ...
 
 class GetSessionInfoResponse(_message.Message):
-    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks")
+    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks", "restored_token_count", "kv_resident_bytes", "kv_restored_bytes", "kv_restoration_state_bytes", "kv_peak_restored_bytes")
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_INVARIANT_INV1_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +246,11 @@ class GetSessionInfoResponse(_message.Message):
     KV_Q_RANGE_FIELD_NUMBER: _ClassVar[int]
     KV_DENSE_EQUIVALENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_ESCAPED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+    KV_RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_RESTORATION_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PEAK_RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     kv_live_bytes: int
     cache_invariant_inv1_violations: int
@@ -263,7 +270,12 @@ class GetSessionInfoResponse(_message.Message):
     kv_q_range: int
     kv_dense_equivalent_bytes: int
     kv_escaped_blocks: int
-    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ...) -> None: ...
+    restored_token_count: int
+    kv_resident_bytes: int
+    kv_restored_bytes: int
+    kv_restoration_state_bytes: int
+    kv_peak_restored_bytes: int
+    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ..., restored_token_count: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ..., kv_restored_bytes: _Optional[int] = ..., kv_restoration_state_bytes: _Optional[int] = ..., kv_peak_restored_bytes: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("command_id", "bind", "append", "generate", "cancel")

@@ -27,6 +27,7 @@ _STRATEGY_NAMES = {
     pb.KV_STRATEGY_UNSPECIFIED: None,
     pb.KV_STRATEGY_FULL: "full",
     pb.KV_STRATEGY_SINK_WINDOW: "sink_window",
+    pb.KV_STRATEGY_DLM_RESTORE: "dlm_restore",
 }
 _STRATEGY_ENUMS = {name: value for value, name in _STRATEGY_NAMES.items() if name}
 
@@ -159,6 +160,11 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         kv_q_range=info.kv_q_range,
         kv_dense_equivalent_bytes=info.kv_dense_equivalent_bytes,
         kv_escaped_blocks=info.kv_escaped_blocks,
+        restored_token_count=info.restored_token_count,
+        kv_resident_bytes=info.kv_resident_bytes,
+        kv_restored_bytes=info.kv_restored_bytes,
+        kv_restoration_state_bytes=info.kv_restoration_state_bytes,
+        kv_peak_restored_bytes=info.kv_peak_restored_bytes,
     )
 
 

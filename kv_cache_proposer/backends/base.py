@@ -9,7 +9,8 @@ from typing import Generic
 
 from kv_cache_proposer.cache import KVSessionCache, LayerStoreFactory, SessionCache
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.strategies import KVStrategy
+from kv_cache_proposer.restoration.cache import RestorationSetup, RestoringSessionCache
+from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 
@@ -51,8 +52,21 @@ class BackendModel(ABC, Generic[A]):
         f = self.facts
         return f"{f.backend} {f.model_type} ({f.num_layers} layers) on {f.device} {f.dtype}"
 
-    def new_cache(self, strategy: KVStrategy, *, layer_store: LayerStoreFactory[A] | None = None) -> SessionCache[A]:
-        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default)."""
+    def new_cache(
+        self,
+        strategy: KVStrategy,
+        *,
+        layer_store: LayerStoreFactory[A] | None = None,
+        restoration: RestorationSetup | None = None,
+    ) -> SessionCache[A]:
+        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default) and
+        `restoration` how a `dlm_restore` cache restores evicted positions (default: `recompute` every layer)."""
+        if isinstance(strategy, DlmRestoreStrategy):
+            setup = restoration or RestorationSetup()
+            ops, layers = self.array_ops, self.num_layers
+            return RestoringSessionCache(
+                strategy, num_layers=layers, ops=ops, model=self, setup=setup, layer_store=layer_store
+            )
         return KVSessionCache(strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store)
 
     def verify(
@@ -65,7 +79,7 @@ class BackendModel(ABC, Generic[A]):
         extend_stage: bool = False,
     ) -> VerifyOutput[A]:
         """Stage the block at the cache's next positions and run the model over it (see `CausalLM.verify`)."""
-        cache.begin_stage(len(token_ids), extend=extend_stage)
+        cache.begin_stage(len(token_ids), extend=extend_stage, token_ids=token_ids)
         return self.forward(cache, token_ids, logits_rows, feature_layers)
 
     def verify_batch(
@@ -78,7 +92,7 @@ class BackendModel(ABC, Generic[A]):
         if len({id(block.cache) for block in blocks}) != len(blocks):
             raise ValueError("a batched forward takes one block per session cache")
         for block in blocks:
-            block.cache.begin_stage(len(block.token_ids))
+            block.cache.begin_stage(len(block.token_ids), token_ids=block.token_ids)
         return self.forward_batch(blocks, feature_layers)
 
     @abstractmethod

@@ -66,6 +66,14 @@ class ArrayOps(Protocol[A]):
         """Finish any pending computation of `arrays`, so no lazy graph outlives the call that made it."""
         ...
 
+    def to_host(self, array: A) -> np.ndarray:
+        """A float32 host copy of `array`."""
+        ...
+
+    def from_host(self, array: np.ndarray, like: A) -> A:
+        """`array` as a backend array with the dtype and device of `like`."""
+        ...
+
 
 class IndexedArrayOps(Generic[A]):
     """The part of `ArrayOps` every backend writes alike, for arrays that index and slice like numpy's."""

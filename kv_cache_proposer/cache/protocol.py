@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -54,8 +55,33 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
+    def lost_count(self) -> int:
+        """Committed positions whose K/V no forward reads any more (evicted and not restored)."""
+        ...
+
+    @property
+    def restored_count(self) -> int:
+        """Evicted positions whose restored K/V are held now."""
+        ...
+
+    @property
     def nbytes(self) -> int:
-        """Bytes the cache holds now."""
+        """Bytes the cache holds now (resident K/V, restoration state and restored K/V together)."""
+        ...
+
+    @property
+    def restored_bytes(self) -> int:
+        """Bytes of restored K/V of evicted positions held now (transient)."""
+        ...
+
+    @property
+    def peak_restored_bytes(self) -> int:
+        """The most bytes of restored K/V held at once so far."""
+        ...
+
+    @property
+    def restoration_state_bytes(self) -> int:
+        """Bytes of the per-position state kept to restore evicted positions."""
         ...
 
     @property
@@ -106,11 +132,11 @@ class SessionCache(Protocol[A]):
         """Read `prefix` ahead of the cache's own slots in every forward from now on (None: stop)."""
         ...
 
-    def begin_stage(self, block_len: int, *, extend: bool = False) -> None:
+    def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
         """Reserve the stage for a block at the next positions and select all of it for the next model call.
 
         With `extend` the block goes after what the previous forward staged (and sees it); otherwise the previous
-        stage is dropped.
+        stage is dropped. `token_ids` are the block's tokens, for a cache that rebuilds K/V from them.
         """
         ...
 

@@ -80,8 +80,33 @@ class KVSessionCache(Generic[A]):
         return self._next_position - self.resident_count
 
     @property
+    def lost_count(self) -> int:
+        """Committed positions whose K/V no forward reads any more (evicted and not restored)."""
+        return self.evicted_count
+
+    @property
+    def restored_count(self) -> int:
+        """Evicted positions whose restored K/V are held now (0 for a cache that restores nothing)."""
+        return 0
+
+    @property
     def nbytes(self) -> int:
         return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
+
+    @property
+    def restored_bytes(self) -> int:
+        """Bytes of restored K/V of evicted positions held now (transient; 0 for a cache that restores nothing)."""
+        return 0
+
+    @property
+    def peak_restored_bytes(self) -> int:
+        """The most bytes of restored K/V held at once so far."""
+        return 0
+
+    @property
+    def restoration_state_bytes(self) -> int:
+        """Bytes of the per-position state kept to restore evicted positions (0 for a cache that restores nothing)."""
+        return 0
 
     @property
     def compressed_bytes(self) -> int:
@@ -141,7 +166,7 @@ class KVSessionCache(Generic[A]):
         """Read `prefix` ahead of the cache's own slots in every forward from now on (None: stop)."""
         self._prefix = prefix
 
-    def begin_stage(self, block_len: int, *, extend: bool = False) -> None:
+    def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
         if self._released:
             raise RuntimeError("the cache was released")
         if block_len < 1:

@@ -13,7 +13,11 @@ from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate, info
 
-STRATEGIES = {"full": {"kv_strategy": "full"}, "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9}}
+STRATEGIES = {
+    "full": {"kv_strategy": "full"},
+    "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9},
+    "dlm_restore": {"kv_strategy": "dlm_restore", "sink": 2, "window": 9},
+}
 CASES = [(b, s) for b in BACKENDS for s in STRATEGIES]
 
 

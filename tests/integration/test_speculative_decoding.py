@@ -12,7 +12,11 @@ from inference_engine.generated import runtime_pb2 as pb
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate
 
-STRATEGIES = {"full": {"kv_strategy": "full"}, "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9}}
+STRATEGIES = {
+    "full": {"kv_strategy": "full"},
+    "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9},
+    "dlm_restore": {"kv_strategy": "dlm_restore", "sink": 2, "window": 9},
+}
 
 
 def _prompts() -> list[list[int]]:

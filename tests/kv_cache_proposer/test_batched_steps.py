@@ -13,7 +13,7 @@ from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoDraftSession
 from kv_cache_proposer.proposers.ngram import NgramProposer
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import FullStrategy, KVStrategy, SinkWindowStrategy
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, KVStrategy, SinkWindowStrategy
 from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 
@@ -28,14 +28,15 @@ def _prompt(seed: int, n: int) -> list[int]:
     return (base * 3 + base)[:n]  # repeats, so the ngram proposer finds drafts
 
 
-# (strategy, prompt length, sampling): greedy and seeded sampling, full and sink_window, a prompt longer than a
-# prefill chunk beside short ones.
+# (strategy, prompt length, sampling): greedy and seeded sampling, full, sink_window and dlm_restore, a prompt
+# longer than a prefill chunk beside short ones.
 SPECS: list[tuple[KVStrategy, int, SamplingParams]] = [
     (FullStrategy(), 5, SamplingParams()),
     (SinkWindowStrategy(sink=2, window=10), 17, SamplingParams()),
     (FullStrategy(), 40, SamplingParams(temperature=0.9, seed=7)),
     (SinkWindowStrategy(sink=1, window=8), 9, SamplingParams(temperature=1.1, top_k=20, seed=3)),
     (FullStrategy(), 1, SamplingParams(temperature=0.7, top_p=0.9, seed=11)),
+    (DlmRestoreStrategy(sink=2, window=9), 26, SamplingParams()),
 ]
 
 

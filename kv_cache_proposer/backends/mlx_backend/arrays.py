@@ -38,3 +38,9 @@ class MlxArrayOps(IndexedArrayOps[mx.array]):
 
     def settle(self, arrays: Sequence[mx.array]) -> None:
         mx.eval(list(arrays))
+
+    def to_host(self, array: mx.array) -> np.ndarray:
+        return np.asarray(array.astype(mx.float32))
+
+    def from_host(self, array: np.ndarray, like: mx.array) -> mx.array:
+        return mx.array(array).astype(like.dtype)

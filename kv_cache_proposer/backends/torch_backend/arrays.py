@@ -53,3 +53,9 @@ class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
 
     def settle(self, arrays: Sequence[torch.Tensor]) -> None:
         return None
+
+    def to_host(self, array: torch.Tensor) -> np.ndarray:
+        return array.detach().float().cpu().numpy()
+
+    def from_host(self, array: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(array)).to(device=like.device, dtype=like.dtype)

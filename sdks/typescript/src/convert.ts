@@ -70,6 +70,7 @@ export function milliseconds(value: number | undefined, what: string): number | 
 const STRATEGIES: Record<KvStrategy, WireKvStrategy> = {
   full: WireKvStrategy.KV_STRATEGY_FULL,
   sink_window: WireKvStrategy.KV_STRATEGY_SINK_WINDOW,
+  dlm_restore: WireKvStrategy.KV_STRATEGY_DLM_RESTORE,
 };
 
 const COMPRESSORS: Record<KvCompressor, WireKvCompressor> = {
@@ -219,6 +220,7 @@ export function generationStats(done: GenerateDone, droppedTokenCount: number): 
 const STRATEGY_NAMES = new Map<WireKvStrategy, KvStrategy>([
   [WireKvStrategy.KV_STRATEGY_FULL, "full"],
   [WireKvStrategy.KV_STRATEGY_SINK_WINDOW, "sink_window"],
+  [WireKvStrategy.KV_STRATEGY_DLM_RESTORE, "dlm_restore"],
 ]);
 
 export function modelInfo(response: GetModelInfoResponse): ModelInfo {
@@ -269,5 +271,10 @@ export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
     kvQRange: response.kvQRange,
     kvDenseEquivalentBytes: count(response.kvDenseEquivalentBytes),
     kvEscapedBlocks: count(response.kvEscapedBlocks),
+    restoredTokenCount: count(response.restoredTokenCount),
+    kvResidentBytes: count(response.kvResidentBytes),
+    kvRestoredBytes: count(response.kvRestoredBytes),
+    kvRestorationStateBytes: count(response.kvRestorationStateBytes),
+    kvPeakRestoredBytes: count(response.kvPeakRestoredBytes),
   };
 }

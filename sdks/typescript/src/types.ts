@@ -7,7 +7,7 @@ export interface CallOptions {
 }
 
 /** How a session's KV cache is held on the server; unset uses the server's default. */
-export type KvStrategy = "full" | "sink_window";
+export type KvStrategy = "full" | "sink_window" | "dlm_restore";
 
 export interface ForkOptions extends CallOptions {
   /** Length of the parent's history the fork keeps; unset keeps all of it. */
@@ -27,9 +27,9 @@ export interface CreateSessionOptions extends CallOptions {
   /** History the session starts with (prefilled by its first generation). */
   initialTokens?: Iterable<number>;
   kvStrategy?: KvStrategy;
-  /** Leading positions that stay resident under `sink_window`. */
+  /** Leading positions that stay resident under `sink_window` and `dlm_restore`. */
   sinkTokens?: number;
-  /** Most recent positions that stay resident under `sink_window`. */
+  /** Most recent positions that stay resident under `sink_window` and `dlm_restore`. */
   windowTokens?: number;
   kvCompressor?: KvCompressor;
   /** Lattice range Q of a KakeyaLattice compressor (larger: more bits, less error). */
@@ -190,4 +190,14 @@ export interface SessionInfo {
   kvDenseEquivalentBytes: number;
   /** Lattice blocks held by escape (off the lattice after clamping). */
   kvEscapedBlocks: number;
+  /** `dlm_restore`: evicted positions whose restored K/V the server holds now (0 while the session is parked). */
+  restoredTokenCount: number;
+  /** Bytes of resident K/V (part of `kvLiveBytes`). */
+  kvResidentBytes: number;
+  /** `dlm_restore`: bytes of restored K/V held now, transient (part of `kvLiveBytes`). */
+  kvRestoredBytes: number;
+  /** `dlm_restore`: bytes of the per-position state kept to restore evicted positions (part of `kvLiveBytes`). */
+  kvRestorationStateBytes: number;
+  /** `dlm_restore`: the most bytes of restored K/V the session has held at once. */
+  kvPeakRestoredBytes: number;
 }

@@ -139,4 +139,20 @@ describe("Session", () => {
     expect(stream.stats?.droppedTokenCount).toBeGreaterThanOrEqual(evicted);
     await session.close();
   });
+
+  it("restores evicted positions under dlm_restore: no truncation, restoration bytes reported", async () => {
+    const session = await client.createSession({ kvStrategy: "dlm_restore", sinkTokens: 2, windowTokens: 8 });
+    await session.append(PROMPT);
+    await session.generate({ maxTokens: 2 }).toArray();
+    const info = await session.info();
+    expect(info).toMatchObject({ kvStrategy: "dlm_restore", restoredTokenCount: 0, kvRestoredBytes: 0 });
+    expect(info.evictedTokenCount).toBeGreaterThan(0);
+    expect(info.kvRestorationStateBytes).toBeGreaterThan(0);
+    expect(info.kvPeakRestoredBytes).toBeGreaterThan(0);
+    expect(info.kvLiveBytes).toBe(info.kvResidentBytes + info.kvRestorationStateBytes);
+    const stream = session.generate({ maxTokens: 1 });
+    await stream.toArray();
+    expect(stream.stats?.droppedTokenCount).toBe(0);
+    await session.close();
+  });
 });

@@ -24,7 +24,11 @@ from kakeya.types import (
 _UINT32 = 1 << 32
 _UINT64 = 1 << 64
 
-_STRATEGY_ENUMS = {KvStrategy.FULL: pb.KV_STRATEGY_FULL, KvStrategy.SINK_WINDOW: pb.KV_STRATEGY_SINK_WINDOW}
+_STRATEGY_ENUMS = {
+    KvStrategy.FULL: pb.KV_STRATEGY_FULL,
+    KvStrategy.SINK_WINDOW: pb.KV_STRATEGY_SINK_WINDOW,
+    KvStrategy.DLM_RESTORE: pb.KV_STRATEGY_DLM_RESTORE,
+}
 _STRATEGIES = {value: strategy for strategy, value in _STRATEGY_ENUMS.items()}
 _COMPRESSOR_ENUMS = {
     KvCompressor.NONE: pb.KV_COMPRESSOR_NONE,
@@ -296,4 +300,9 @@ def session_info(reply: pb.GetSessionInfoResponse) -> SessionInfo:
         kv_q_range=reply.kv_q_range,
         kv_dense_equivalent_bytes=reply.kv_dense_equivalent_bytes,
         kv_escaped_blocks=reply.kv_escaped_blocks,
+        restored_token_count=reply.restored_token_count,
+        kv_resident_bytes=reply.kv_resident_bytes,
+        kv_restored_bytes=reply.kv_restored_bytes,
+        kv_restoration_state_bytes=reply.kv_restoration_state_bytes,
+        kv_peak_restored_bytes=reply.kv_peak_restored_bytes,
     )

@@ -36,6 +36,9 @@ class KvStrategy(Enum):
     """Every position stays resident; memory grows with the history."""
     SINK_WINDOW = "sink_window"
     """The first `sink_tokens` and the last `window_tokens` positions stay resident."""
+    DLM_RESTORE = "dlm_restore"
+    """Resident like SINK_WINDOW; every evicted position is restored for each forward by the server's restoration
+    plan, so nothing leaves the model's attention."""
 
 
 class KvCompressor(Enum):
@@ -78,6 +81,14 @@ class GenerationStats:
 
 # Compression details the repr leaves out for a session that is not compressed.
 _SHOWN_WHEN_COMPRESSED = ("kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks")
+# Restoration details the repr leaves out for a session that restores nothing.
+_SHOWN_WHEN_RESTORING = (
+    "restored_token_count",
+    "kv_resident_bytes",
+    "kv_restored_bytes",
+    "kv_restoration_state_bytes",
+    "kv_peak_restored_bytes",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,12 +118,24 @@ class SessionInfo:
     """Bytes the resident K/V would take dense in the model's dtype."""
     kv_escaped_blocks: int = 0
     """Lattice blocks held by escape (off the lattice after clamping)."""
+    restored_token_count: int = 0
+    """DLM_RESTORE: evicted positions whose restored K/V the server holds now (0 while the session is parked)."""
+    kv_resident_bytes: int = 0
+    """Bytes of resident K/V (part of `kv_live_bytes`)."""
+    kv_restored_bytes: int = 0
+    """DLM_RESTORE: bytes of restored K/V held now, transient (part of `kv_live_bytes`)."""
+    kv_restoration_state_bytes: int = 0
+    """DLM_RESTORE: bytes of the per-position state kept to restore evicted positions (part of `kv_live_bytes`)."""
+    kv_peak_restored_bytes: int = 0
+    """DLM_RESTORE: the most bytes of restored K/V the session has held at once."""
 
     def __repr__(self) -> str:
         parts = []
         for name in self.__dataclass_fields__:
             value = getattr(self, name)
             if name == "history_tail" or (name in _SHOWN_WHEN_COMPRESSED and not self.kv_q_range):
+                continue
+            if name in _SHOWN_WHEN_RESTORING and self.kv_strategy is not KvStrategy.DLM_RESTORE:
                 continue
             if isinstance(value, Enum):
                 value = value.value

@@ -50,6 +50,11 @@ export enum KvStrategy {
   KV_STRATEGY_FULL = 1,
   /** KV_STRATEGY_SINK_WINDOW - The first `sink` and the last `window` positions stay resident; older ones are dropped. */
   KV_STRATEGY_SINK_WINDOW = 2,
+  /**
+   * KV_STRATEGY_DLM_RESTORE - The first `sink` and the last `window` positions stay resident; older ones are restored for every forward
+   * by the server's restoration plan, so nothing is dropped (docs/restoration.md).
+   */
+  KV_STRATEGY_DLM_RESTORE = 3,
   UNRECOGNIZED = -1,
 }
 
@@ -79,11 +84,11 @@ export interface CreateSessionRequest {
   initialTokenIds: number[];
   /** Per-session KV strategy; unspecified uses the server default. */
   kvStrategy: KvStrategy;
-  /** Sink size for KV_STRATEGY_SINK_WINDOW; unset uses the server default. */
+  /** Sink size for KV_STRATEGY_SINK_WINDOW and KV_STRATEGY_DLM_RESTORE; unset uses the server default. */
   sinkTokens?:
     | number
     | undefined;
-  /** Window size for KV_STRATEGY_SINK_WINDOW; unset uses the server default. */
+  /** Window size for KV_STRATEGY_SINK_WINDOW and KV_STRATEGY_DLM_RESTORE; unset uses the server default. */
   windowTokens?:
     | number
     | undefined;
@@ -311,6 +316,19 @@ export interface GetSessionInfoResponse {
   kvDenseEquivalentBytes: bigint;
   /** Lattice blocks held by escape: off the lattice after clamping, stored as raw coordinates. */
   kvEscapedBlocks: bigint;
+  /** KV_STRATEGY_DLM_RESTORE: evicted positions whose restored K/V are held now (0 while the session is parked). */
+  restoredTokenCount: bigint;
+  /** Bytes of the resident K/V (included in kv_live_bytes). */
+  kvResidentBytes: bigint;
+  /** KV_STRATEGY_DLM_RESTORE: bytes of restored K/V held now, transient (included in kv_live_bytes). */
+  kvRestoredBytes: bigint;
+  /**
+   * KV_STRATEGY_DLM_RESTORE: bytes of the per-position state kept to restore evicted positions (kept layers'
+   * K/V, token ids; included in kv_live_bytes).
+   */
+  kvRestorationStateBytes: bigint;
+  /** KV_STRATEGY_DLM_RESTORE: the most bytes of restored K/V the session has held at once. */
+  kvPeakRestoredBytes: bigint;
 }
 
 /** ConverseRequest is one command on a Converse stream. The first command must be `bind`. */
@@ -2045,6 +2063,11 @@ function createBaseGetSessionInfoResponse(): GetSessionInfoResponse {
     kvQRange: 0,
     kvDenseEquivalentBytes: 0n,
     kvEscapedBlocks: 0n,
+    restoredTokenCount: 0n,
+    kvResidentBytes: 0n,
+    kvRestoredBytes: 0n,
+    kvRestorationStateBytes: 0n,
+    kvPeakRestoredBytes: 0n,
   };
 }
 
@@ -2144,6 +2167,36 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         throw new globalThis.Error("value provided for field message.kvEscapedBlocks of type uint64 too large");
       }
       writer.uint32(152).uint64(message.kvEscapedBlocks);
+    }
+    if (message.restoredTokenCount !== 0n) {
+      if (BigInt.asUintN(64, message.restoredTokenCount) !== message.restoredTokenCount) {
+        throw new globalThis.Error("value provided for field message.restoredTokenCount of type uint64 too large");
+      }
+      writer.uint32(160).uint64(message.restoredTokenCount);
+    }
+    if (message.kvResidentBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvResidentBytes) !== message.kvResidentBytes) {
+        throw new globalThis.Error("value provided for field message.kvResidentBytes of type uint64 too large");
+      }
+      writer.uint32(168).uint64(message.kvResidentBytes);
+    }
+    if (message.kvRestoredBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvRestoredBytes) !== message.kvRestoredBytes) {
+        throw new globalThis.Error("value provided for field message.kvRestoredBytes of type uint64 too large");
+      }
+      writer.uint32(176).uint64(message.kvRestoredBytes);
+    }
+    if (message.kvRestorationStateBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvRestorationStateBytes) !== message.kvRestorationStateBytes) {
+        throw new globalThis.Error("value provided for field message.kvRestorationStateBytes of type uint64 too large");
+      }
+      writer.uint32(184).uint64(message.kvRestorationStateBytes);
+    }
+    if (message.kvPeakRestoredBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvPeakRestoredBytes) !== message.kvPeakRestoredBytes) {
+        throw new globalThis.Error("value provided for field message.kvPeakRestoredBytes of type uint64 too large");
+      }
+      writer.uint32(192).uint64(message.kvPeakRestoredBytes);
     }
     return writer;
   },
@@ -2323,6 +2376,46 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
             message.kvEscapedBlocks = reader.uint64() as bigint;
             continue;
           }
+          case 20: {
+            if (tag !== 160) {
+              break;
+            }
+
+            message.restoredTokenCount = reader.uint64() as bigint;
+            continue;
+          }
+          case 21: {
+            if (tag !== 168) {
+              break;
+            }
+
+            message.kvResidentBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 22: {
+            if (tag !== 176) {
+              break;
+            }
+
+            message.kvRestoredBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 23: {
+            if (tag !== 184) {
+              break;
+            }
+
+            message.kvRestorationStateBytes = reader.uint64() as bigint;
+            continue;
+          }
+          case 24: {
+            if (tag !== 192) {
+              break;
+            }
+
+            message.kvPeakRestoredBytes = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2381,6 +2474,22 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         : 0n;
     message.kvEscapedBlocks = (object.kvEscapedBlocks !== undefined && object.kvEscapedBlocks !== null)
       ? BigInt(object.kvEscapedBlocks)
+      : 0n;
+    message.restoredTokenCount = (object.restoredTokenCount !== undefined && object.restoredTokenCount !== null)
+      ? BigInt(object.restoredTokenCount)
+      : 0n;
+    message.kvResidentBytes = (object.kvResidentBytes !== undefined && object.kvResidentBytes !== null)
+      ? BigInt(object.kvResidentBytes)
+      : 0n;
+    message.kvRestoredBytes = (object.kvRestoredBytes !== undefined && object.kvRestoredBytes !== null)
+      ? BigInt(object.kvRestoredBytes)
+      : 0n;
+    message.kvRestorationStateBytes =
+      (object.kvRestorationStateBytes !== undefined && object.kvRestorationStateBytes !== null)
+        ? BigInt(object.kvRestorationStateBytes)
+        : 0n;
+    message.kvPeakRestoredBytes = (object.kvPeakRestoredBytes !== undefined && object.kvPeakRestoredBytes !== null)
+      ? BigInt(object.kvPeakRestoredBytes)
       : 0n;
     return message;
   },

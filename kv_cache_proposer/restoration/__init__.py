@@ -1,0 +1,17 @@
+"""Restoring the K/V of evicted positions: restoration plans, f_θ projections and the `dlm_restore` session cache."""
+
+from kv_cache_proposer.restoration.cache import REBUILD_MODES, RestorationSetup, RestoringSessionCache
+from kv_cache_proposer.restoration.plan import PLAN_FILE, SOURCES, LayerSource, RestorationPlan, find_plan
+from kv_cache_proposer.restoration.projection import LinearProjection
+
+__all__ = [
+    "PLAN_FILE",
+    "REBUILD_MODES",
+    "SOURCES",
+    "LayerSource",
+    "LinearProjection",
+    "RestorationPlan",
+    "RestorationSetup",
+    "RestoringSessionCache",
+    "find_plan",
+]

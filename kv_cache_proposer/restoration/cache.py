@@ -1,0 +1,311 @@
+"""The `dlm_restore` session cache: sink + window resident, every evicted position restored for each forward.
+
+Between generations the cache holds its resident K/V plus the plan's per-position state of the evicted positions
+(the K/V of `kept` layers, through the session's layer store and so its compressor, and the token ids when a layer
+is rebuilt by a forward). Before a forward it makes sure a `RestoredPrefix` covers every evicted position and reads
+it ahead of the resident slots at the positions' true global positions:
+
+- rebuild `generation`: the prefix is rebuilt from the state when a generation starts and then extended at each
+  commit with the positions that leave the window; `park()` drops it.
+- rebuild `step`: the prefix is rebuilt from the state before every forward and dropped after its commit.
+
+Positions leaving the window are captured at commit, before their slots are overwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.session import KVSessionCache
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.restoration.plan import RestorationPlan
+from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, project
+from kv_cache_proposer.strategies import DlmRestoreStrategy
+
+RebuildMode = Literal["generation", "step"]
+REBUILD_MODES: tuple[RebuildMode, ...] = ("generation", "step")
+
+
+@dataclass(frozen=True, slots=True)
+class RestorationSetup:
+    """How `dlm_restore` sessions restore evicted K/V: the plan (None: `recompute` for every layer, the exact
+    reference) and when restored K/V are rebuilt."""
+
+    plan: RestorationPlan | None = None
+    rebuild: RebuildMode = "generation"
+
+    def __post_init__(self) -> None:
+        if self.rebuild not in REBUILD_MODES:
+            raise ValueError(f"rebuild must be one of {', '.join(REBUILD_MODES)}, got {self.rebuild!r}")
+
+    def plan_for(self, num_layers: int) -> RestorationPlan:
+        """The plan for a model of `num_layers` layers; raises `ValueError` when the plan does not fit it."""
+        if self.plan is None:
+            return RestorationPlan.uniform(num_layers, "recompute")
+        self.plan.check_model(num_layers)
+        return self.plan
+
+
+class RestoringSessionCache(KVSessionCache[A]):
+    """`KVSessionCache` under `dlm_restore`: resident sink + window, restored K/V of every evicted position."""
+
+    def __init__(
+        self,
+        strategy: DlmRestoreStrategy,
+        *,
+        num_layers: int,
+        ops: ArrayOps[A],
+        model: Any,
+        setup: RestorationSetup,
+        layer_store: LayerStoreFactory[A] | None = None,
+    ) -> None:
+        super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store)
+        self._restoring = strategy
+        self._model = model  # a CausalLM: runs the forwards of `tokens` and `recompute` layers
+        self._setup = setup
+        self._plan = setup.plan_for(num_layers)
+        factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
+        self._kept: dict[int, LayerStore[A]] = {layer: factory(ops) for layer in self._plan.kept_layers}
+        self._kept_capacity = 0
+        self._tokens = np.zeros(0, dtype=np.int32)  # committed token ids, when a layer is rebuilt from them
+        self._stage_tokens: list[int] = []
+        self._restored: RestoredPrefix[A] | None = None
+        self._peak_restored_bytes = 0
+
+    # -- byte accounting ---------------------------------------------------------------------------------------
+    @property
+    def plan(self) -> RestorationPlan:
+        return self._plan
+
+    @property
+    def lost_count(self) -> int:
+        return 0
+
+    @property
+    def restored_count(self) -> int:
+        """Evicted positions whose restored K/V are held now (transient)."""
+        return 0 if self._restored is None else self._restored.count
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of the resident K/V and the slot table."""
+        return super().nbytes
+
+    @property
+    def restored_bytes(self) -> int:
+        return 0 if self._restored is None else self._restored.nbytes
+
+    @property
+    def peak_restored_bytes(self) -> int:
+        return self._peak_restored_bytes
+
+    @property
+    def restoration_state_bytes(self) -> int:
+        return int(self._tokens.nbytes) + sum(store.nbytes for store in self._kept.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident_bytes + self.restoration_state_bytes + self.restored_bytes
+
+    def arrays(self) -> list[A]:
+        held = super().arrays() + [array for store in self._kept.values() for array in store.arrays()]
+        return held if self._restored is None else held + self._restored.arrays()
+
+    def park(self) -> None:
+        """Drop the restored K/V: a parked session holds resident K/V and the plan's state only."""
+        self._drop_restored()
+        for store in self._kept.values():
+            store.park()
+        super().park()
+
+    def release(self) -> None:
+        self._drop_restored()
+        for store in self._kept.values():
+            store.release()
+        self._tokens = np.zeros(0, dtype=np.int32)
+        super().release()
+
+    # -- forwards ----------------------------------------------------------------------------------------------
+    def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
+        if self._plan.needs_tokens and len(token_ids) != block_len:
+            raise ValueError(f"dlm_restore rebuilds K/V from token ids: {len(token_ids)} for a block of {block_len}")
+        self._stage_tokens = [*self._stage_tokens, *token_ids] if extend else list(token_ids)
+        evicted = self.evicted_count
+        if evicted and (self._restored is None or self._restored.count != evicted):
+            self._restored = self._rebuild(evicted)
+            self._note_peak()
+        self.attach_prefix(self._restored)
+        super().begin_stage(block_len, extend=extend)
+
+    def commit(self, count: int) -> None:
+        if not 0 <= count <= self._staged:
+            raise ValueError(f"cannot commit {count} of {self._staged} staged positions")
+        before = self.next_position
+        leaving = self._leaving(before, count)  # [m] positions this commit evicts, ascending
+        captured = self._capture(leaving, before) if leaving.size else {}
+        if count and self._plan.needs_tokens:
+            self._tokens = np.concatenate([self._tokens, np.asarray(self._stage_tokens[:count], dtype=np.int32)])
+        self._stage_tokens = []
+        for layer, store in self._kept.items():
+            if leaving.size:
+                self._reserve_kept(store.held + leaving.size)
+                slots = np.arange(store.held, store.held + leaving.size, dtype=np.int64)
+                store.load(slots, *captured[layer])
+                store.held += int(leaving.size)
+        if self._setup.rebuild == "step":
+            self._drop_restored()
+        elif leaving.size:
+            self._extend_restored(captured, int(leaving.size))
+        super().commit(count)
+        self._check_restoration()
+
+    # -- internals ---------------------------------------------------------------------------------------------
+    def _leaving(self, before: int, count: int) -> np.ndarray:
+        start = self._restoring.evicted_positions(before).size + self._restoring.sink
+        end = self._restoring.evicted_positions(before + count).size + self._restoring.sink
+        return np.arange(start, end, dtype=np.int64)
+
+    def _capture(self, leaving: np.ndarray, before: int) -> dict[int, tuple[A, A]]:
+        """K/V of the positions leaving residency, read before the commit overwrites their slots."""
+        offset = self.stage_offset
+        resident = leaving < before
+        slots = np.where(resident, self._restoring.slots_of(leaving), offset + leaving - before)
+        wanted = set(self._kept)
+        if self._setup.rebuild == "generation":  # recompute layers extend the restored K/V with these
+            wanted |= {i for i, source in enumerate(self._plan.layers) if source.kind == "recompute"}
+        captured = {}
+        for layer in wanted:
+            keys, values = self._layers[layer].read(offset, offset + self._staged)
+            captured[layer] = (self._ops.take(keys, slots), self._ops.take(values, slots))
+        return captured
+
+    def _reserve_kept(self, needed: int) -> None:
+        if needed <= self._kept_capacity:
+            return
+        self._kept_capacity = max(needed, self._kept_capacity + max(self._kept_capacity // 2, 256))
+        for store in self._kept.values():
+            store.reserve(self._kept_capacity)
+
+    def _extend_restored(self, captured: dict[int, tuple[A, A]], added: int) -> None:
+        """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""
+        if self._restored is None:
+            if self.evicted_count:  # the prefix of earlier evictions was dropped: rebuilt at the next forward
+                return
+            self._restored = RestoredPrefix(self._ops, self.num_layers, self._restoring.sink)
+        kept_new = {layer: self._kept_tail(layer, added) for layer in self._kept}
+        first = self._restoring.sink + self._restored.count
+        token_layers = [i for i, source in enumerate(self._plan.layers) if source.kind == "tokens"]
+        rebuilt = {}
+        if token_layers:
+            tokens = self._tokens[first : first + added].tolist()
+            rebuilt = forward_kv(
+                self._model, self._ops, self.num_layers, tokens, start=first, last_layer=max(token_layers)
+            )
+        per_layer = []
+        for layer, source in enumerate(self._plan.layers):
+            if source.kind == "kept":
+                per_layer.append(kept_new[layer])
+            elif source.kind == "projected" and source.from_layer is not None:
+                per_layer.append(project(self._ops, source, *kept_new[source.from_layer]))
+            elif source.kind == "tokens":
+                per_layer.append(rebuilt[layer])
+            else:
+                # recompute: the verifier's own K/V of these positions, computed over the restored history (exact
+                # when every layer is recomputed), spare a forward over the whole prefix at every commit
+                per_layer.append(captured[layer])
+        self._restored.extend(per_layer)
+        self._note_peak()
+
+    def _kept_tail(self, layer: int, count: int) -> tuple[A, A]:
+        """The last `count` kept entries of a layer, as the store gives them back (decoded if compressed)."""
+        store = self._kept[layer]
+        return store.gather(np.arange(store.held - count, store.held, dtype=np.int64))
+
+    def _rebuild(self, evicted: int) -> RestoredPrefix[A]:
+        """Restored K/V of every evicted position, from the plan's state alone."""
+        sink = self._restoring.sink
+        end = sink + evicted
+        forward: dict[int, tuple[A, A]] = {}
+        layers = self._plan.forward_layers
+        if layers:
+            if self._plan.needs_prefix_forward:
+                prefix = self._tokens[:end].tolist()
+                full = forward_kv(self._model, self._ops, self.num_layers, prefix, start=0, last_layer=max(layers))
+                evicted_slots = np.arange(sink, end, dtype=np.int64)
+                forward = {
+                    layer: (self._ops.take(k, evicted_slots), self._ops.take(v, evicted_slots))
+                    for layer, (k, v) in full.items()
+                }
+            else:
+                forward = forward_kv(
+                    self._model,
+                    self._ops,
+                    self.num_layers,
+                    self._tokens[sink:end].tolist(),
+                    start=sink,
+                    last_layer=max(layers),
+                )
+        kept = {layer: gather_all(store, evicted) for layer, store in self._kept.items()}
+        per_layer = []
+        for layer, source in enumerate(self._plan.layers):
+            if source.kind == "kept":
+                per_layer.append(kept[layer])
+            elif source.kind == "projected" and source.from_layer is not None:
+                per_layer.append(project(self._ops, source, *kept[source.from_layer]))
+            else:
+                per_layer.append(forward[layer])
+        restored: RestoredPrefix[A] = RestoredPrefix(self._ops, self.num_layers, sink)
+        restored.extend(per_layer)
+        self._ops.settle(restored.arrays())
+        return restored
+
+    def _drop_restored(self) -> None:
+        self._restored = None
+        self.attach_prefix(None)
+
+    def _note_peak(self) -> None:
+        self._peak_restored_bytes = max(self._peak_restored_bytes, self.restored_bytes)
+
+    def _check_restoration(self) -> None:
+        """INV-1 for the restoration state: every kept layer (and the restored K/V, when held) covers exactly the
+        evicted positions; the token ids cover the committed ones."""
+        evicted = self.evicted_count
+        for layer, store in self._kept.items():
+            if store.held != evicted:
+                raise InvariantViolation("inv1", f"kept layer {layer} holds {store.held} K/V, {evicted} are evicted")
+        if self._restored is not None and self._restored.count != evicted:
+            raise InvariantViolation("inv1", f"{self._restored.count} positions restored, {evicted} are evicted")
+        if self._plan.needs_tokens and self._tokens.size != self.next_position:
+            raise InvariantViolation("inv1", f"{self._tokens.size} token ids kept for {self.next_position} positions")
+
+    def clone(self, length: int) -> RestoringSessionCache[A]:
+        """An independent copy holding what this cache would hold after `length` committed positions (the
+        restoration state of positions evicted by then included)."""
+        resident = super().clone(length)
+        meta = resident.meta_state
+        twin = RestoringSessionCache(
+            self._restoring,
+            num_layers=self.num_layers,
+            ops=self._ops,
+            model=self._model,
+            setup=self._setup,
+            layer_store=self._layer_store,
+        )
+        twin._restore(resident.state, np.asarray(meta["positions"], dtype=np.int64), length)
+        resident.release()
+        evicted = self._restoring.evicted_positions(length).size
+        twin._reserve_kept(evicted)
+        for layer, store in self._kept.items():
+            if evicted:
+                twin._kept[layer].load(np.arange(evicted, dtype=np.int64), *gather_all(store, evicted))
+            twin._kept[layer].held = evicted
+        if self._plan.needs_tokens:
+            twin._tokens = self._tokens[:length].copy()
+        twin._check_restoration()
+        return twin

@@ -1,0 +1,228 @@
+"""Restoration plans: for each verifier layer, where the K/V of evicted positions come from, and the manifest
+(JSON + safetensors) that carries a plan in a model directory.
+
+Sources of a layer:
+
+- `tokens`: rebuilt exactly from the token ids by the layers' own projections (only valid for a layer whose K/V
+  depend on nothing but the token and its position, such as the first layer of a standard decoder).
+- `kept`: the layer's own K/V of every evicted position are kept (through the session's layer store, so a KV
+  compressor applies to them).
+- `projected`: a linear map f_θ from the kept K/V of another layer (`from_layer`).
+- `recompute`: a cache-less forward of the verifier checkpoint over the token prefix: the exact reference.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from kv_cache_proposer.restoration.projection import LinearProjection
+
+SourceKind = Literal["tokens", "kept", "projected", "recompute"]
+SOURCES: tuple[SourceKind, ...] = ("tokens", "kept", "projected", "recompute")
+PLAN_FILE = "restore_plan.json"
+FORMAT = "kakeya-restoration-plan/1"
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSource:
+    """Where one layer's evicted K/V come from."""
+
+    kind: SourceKind
+    from_layer: int | None = None  # `projected`: the kept layer whose K/V f_θ reads
+    projection: LinearProjection | None = None  # `projected`: f_θ (None: identity)
+
+    def __post_init__(self) -> None:
+        if self.kind not in SOURCES:
+            raise ValueError(f"unknown restoration source {self.kind!r}; expected one of {', '.join(SOURCES)}")
+        if (self.kind == "projected") != (self.from_layer is not None):
+            raise ValueError("a `projected` source names the layer it projects from (`from_layer`); no other does")
+
+    def describe(self) -> str:
+        """`tokens`, `kept`, `recompute` or `projected<-L3`."""
+        return self.kind if self.from_layer is None else f"projected<-L{self.from_layer}"
+
+
+@dataclass(frozen=True, slots=True)
+class RestorationPlan:
+    """One source per verifier layer, plus what the plan was made for."""
+
+    layers: tuple[LayerSource, ...]
+    verifier: str = ""  # the model the plan was measured on (informational)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for index, source in enumerate(self.layers):
+            if source.from_layer is None:
+                continue
+            if not 0 <= source.from_layer < len(self.layers):
+                raise ValueError(f"layer {index} projects from layer {source.from_layer}, which the model lacks")
+            if self.layers[source.from_layer].kind != "kept":
+                raise ValueError(f"layer {index} projects from layer {source.from_layer}, whose K/V are not kept")
+
+    @classmethod
+    def uniform(cls, num_layers: int, kind: SourceKind) -> RestorationPlan:
+        """Every layer from the same source (`recompute`: the exact reference; `kept`: keep everything)."""
+        return cls(tuple(LayerSource(kind) for _ in range(num_layers)))
+
+    @property
+    def kept_layers(self) -> tuple[int, ...]:
+        """Layers whose K/V of evicted positions the session keeps."""
+        return tuple(i for i, source in enumerate(self.layers) if source.kind == "kept")
+
+    @property
+    def forward_layers(self) -> tuple[int, ...]:
+        """Layers rebuilt by a forward of the model over tokens (`tokens` and `recompute`)."""
+        return tuple(i for i, source in enumerate(self.layers) if source.kind in ("tokens", "recompute"))
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the session keeps the token ids of evicted positions."""
+        return bool(self.forward_layers)
+
+    @property
+    def needs_prefix_forward(self) -> bool:
+        """Whether rebuilding reads the whole token prefix (a `recompute` layer) rather than each evicted token."""
+        return any(source.kind == "recompute" for source in self.layers)
+
+    @property
+    def kept_fraction(self) -> float:
+        """Bytes kept per evicted position, as a fraction of the full K/V of that position (before compression)."""
+        return len(self.kept_layers) / len(self.layers) if self.layers else 0.0
+
+    def with_projections(self, projections: dict[int, LinearProjection]) -> RestorationPlan:
+        """The same plan with the f_θ of the given `projected` layers replaced."""
+        layers = tuple(
+            LayerSource(source.kind, source.from_layer, projections[index]) if index in projections else source
+            for index, source in enumerate(self.layers)
+        )
+        return RestorationPlan(layers, verifier=self.verifier, notes=dict(self.notes))
+
+    def describe(self) -> str:
+        """One line: the source of every layer."""
+        return ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
+
+    def check_model(self, num_layers: int) -> None:
+        """Raises `ValueError` when the plan does not fit a model of `num_layers` layers."""
+        if len(self.layers) != num_layers:
+            raise ValueError(f"the restoration plan has {len(self.layers)} layers, the model {num_layers}")
+
+    # -- manifest ------------------------------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Write the manifest to `path` (a directory gets `restore_plan.json`) and the f_θ weights next to it."""
+        from safetensors.numpy import save_file
+
+        manifest_path = _manifest_path(Path(path))
+        manifest_path.parent.mkdir(parents=True, exist_ok=True)
+        weights_name = manifest_path.with_suffix(".safetensors").name
+        tensors: dict[str, np.ndarray] = {}
+        layers: list[dict[str, Any]] = []
+        for index, source in enumerate(self.layers):
+            entry: dict[str, Any] = {"source": source.kind}
+            if source.from_layer is not None:
+                entry["from"] = {"kind": "kept_layer", "layer": source.from_layer}
+                if source.projection is None:
+                    entry["projection"] = {"kind": "identity"}
+                else:
+                    entry["projection"] = {"kind": "linear", "tensors": f"layers.{index}"}
+                    tensors[f"layers.{index}.weight"] = source.projection.weight
+                    tensors[f"layers.{index}.bias"] = source.projection.bias
+            layers.append(entry)
+        manifest: dict[str, Any] = {"format": FORMAT, "verifier": self.verifier, "proposer": "verifier"}
+        manifest["layers"] = layers
+        if tensors:
+            manifest["weights"] = weights_name
+            save_file(tensors, str(manifest_path.with_suffix(".safetensors")))
+        if self.notes:
+            manifest["notes"] = self.notes
+        manifest_path.write_text(json.dumps(manifest, indent=2) + "\n")
+        return manifest_path
+
+    @classmethod
+    def load(cls, path: str | Path) -> RestorationPlan:
+        """Read a manifest (a file, or a model directory holding `restore_plan.json`); raises `ValueError`
+        naming what is wrong."""
+        manifest_path = _manifest_path(Path(path))
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read restoration plan {manifest_path}: {exc}") from exc
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"{manifest_path} is not a {FORMAT} manifest")
+        if manifest.get("proposer", "verifier") != "verifier":
+            raise ValueError(f"{manifest_path}: only the verifier checkpoint itself can run `recompute` forwards")
+        tensors = _load_weights(manifest_path, manifest.get("weights"))
+        layers = tuple(_layer_source(entry, index, tensors) for index, entry in enumerate(manifest["layers"]))
+        return cls(layers, verifier=str(manifest.get("verifier", "")), notes=dict(manifest.get("notes", {})))
+
+
+def find_plan(model_dir: str | Path) -> Path | None:
+    """The manifest a model directory ships, if any."""
+    candidate = Path(model_dir) / PLAN_FILE
+    return candidate if candidate.is_file() else None
+
+
+def _manifest_path(path: Path) -> Path:
+    return path / PLAN_FILE if path.is_dir() or not path.suffix else path
+
+
+def _load_weights(manifest_path: Path, name: str | None) -> dict[str, np.ndarray]:
+    if name is None:
+        return {}
+    from safetensors.numpy import load_file
+
+    weights_path = manifest_path.parent / name
+    try:
+        return load_file(str(weights_path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read restoration weights {weights_path}: {exc}") from exc
+
+
+def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarray]) -> LayerSource:
+    kind = entry.get("source")
+    if kind not in SOURCES:
+        raise ValueError(f"layer {index}: unknown restoration source {kind!r}; expected one of {', '.join(SOURCES)}")
+    if kind != "projected":
+        return LayerSource(kind)
+    origin = entry.get("from", {})
+    if origin.get("kind") != "kept_layer":
+        raise ValueError(
+            f"layer {index}: projected source {origin.get('kind')!r} is not supported; "
+            "f_θ reads the kept K/V of another layer (`kept_layer`)"
+        )
+    projection = entry.get("projection", {"kind": "identity"})
+    if projection.get("kind") == "identity":
+        return LayerSource("projected", from_layer=int(origin["layer"]))
+    if projection.get("kind") != "linear":
+        raise ValueError(f"layer {index}: unknown projection {projection.get('kind')!r}")
+    prefix = str(projection["tensors"])
+    try:
+        weight, bias = tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"]
+    except KeyError as exc:
+        raise ValueError(f"layer {index}: the weights file lacks {exc.args[0]}") from None
+    return LayerSource("projected", from_layer=int(origin["layer"]), projection=LinearProjection(weight, bias))
+
+
+def plan_from_spec(spec: str, num_layers: int) -> RestorationPlan:
+    """A plan from a compact spec: one source per layer, comma-separated (`tokens,projected<-3,projected<-3,kept`),
+    or one source for every layer (`recompute`). `projected<-J` projects from kept layer J through an identity f_θ
+    (`scripts/train_f_theta.py` fits a linear one). Raises `ValueError` naming what is wrong."""
+    parts = [part.strip() for part in spec.split(",")]
+    if len(parts) == 1:
+        parts = parts * num_layers
+    if len(parts) != num_layers:
+        raise ValueError(f"restoration spec {spec!r} names {len(parts)} layers, the model has {num_layers}")
+    layers = []
+    for part in parts:
+        kind, _, origin = part.partition("<-")
+        if kind == "projected" and origin.isdigit():
+            layers.append(LayerSource("projected", from_layer=int(origin)))
+        elif kind in ("tokens", "kept", "recompute") and not origin:
+            layers.append(LayerSource(kind))  # type: ignore[arg-type]
+        else:
+            raise ValueError(f"restoration spec {spec!r}: {part!r} is not tokens, kept, recompute or projected<-J")
+    return RestorationPlan(tuple(layers))

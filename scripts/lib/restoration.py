@@ -1,0 +1,190 @@
+"""In-process measurements of restoration plans on one verifier: needle recall, logit divergence from `full`, and
+the per-position K/V rows f_θ is fitted on. Shared by `plan_restore.py` and `train_f_theta.py`."""
+
+from __future__ import annotations
+
+import random
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.restoration import LinearProjection, RestorationPlan, RestorationSetup
+from kv_cache_proposer.restoration.projection import kv_rows
+from kv_cache_proposer.restoration.rebuild import forward_kv
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
+from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.niah import Document, build_document
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What a plan is measured on: needle documents and held-out text, under one sink + window."""
+
+    documents: list[Document]
+    texts: list[list[int]]  # held-out token sequences longer than the window, for logit divergence
+    sink: int
+    window: int
+    max_tokens: int
+    decode: Callable[[list[int]], str]
+
+
+def corpus_lines(tokenizer: Any) -> list[list[int]]:
+    """Token ids of every line of the held-out corpus files (the needle documents' filler)."""
+    _, held = split_sources(stdlib_sources())
+    lines = [line for path in held for line in read_text(path).splitlines(True)]
+    return [ids for ids in tokenizer(lines, add_special_tokens=False)["input_ids"] if ids]
+
+
+def token_stream(tokenizer: Any, count: int, length: int, rng: random.Random, *, held_out: bool) -> list[list[int]]:
+    """`count` sequences of `length` tokens: consecutive corpus files (training or held-out) from random starts."""
+    train, held = split_sources(stdlib_sources())
+    paths = held if held_out else train
+    out = []
+    for _ in range(count):
+        index = rng.randrange(len(paths))
+        tokens: list[int] = []
+        while len(tokens) < length:
+            tokens += tokenizer.encode(read_text(paths[index % len(paths)]), add_special_tokens=False)
+            index += 1
+        out.append(tokens[:length])
+    return out
+
+
+def make_probe(
+    tokenizer: Any, *, lengths: Sequence[int], samples: int, texts: int, sink: int, window: int, seed: int
+) -> Probe:
+    """Needle documents at every length (depths spread evenly) and held-out texts of the longest length."""
+    lines = corpus_lines(tokenizer)
+    rng = random.Random(seed)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    depths = [i / max(1, samples - 1) for i in range(samples)]
+    documents = [build_document(lines, encode, length, [depth], rng) for length in lengths for depth in depths]
+    return Probe(
+        documents=documents,
+        texts=token_stream(tokenizer, texts, max(lengths), rng, held_out=True),
+        sink=sink,
+        window=window,
+        max_tokens=10,
+        decode=tokenizer.decode,
+    )
+
+
+def _cache(verifier: Any, plan: RestorationPlan | None, probe: Probe) -> Any:
+    if plan is None:
+        return verifier.new_cache(FullStrategy())
+    strategy = DlmRestoreStrategy(sink=probe.sink, window=probe.window)
+    return verifier.new_cache(strategy, restoration=RestorationSetup(plan))
+
+
+def recall(verifier: Any, plan: RestorationPlan | None, probe: Probe, desc: str = "recall") -> float:
+    """Fraction of the probe's needles recalled by greedy decoding under `plan` (None: `full`)."""
+    decoder = Decoder(verifier, prefill_chunk_tokens=512)
+    hits = 0
+    for doc in tqdm(probe.documents, desc=desc, unit="doc", file=sys.stderr, leave=False):
+        seq = SequenceState(cache=_cache(verifier, plan, probe), tokens=list(doc.prompt))
+        budget = GenerationBudget(max_new_tokens=probe.max_tokens)
+        generated: list[int] = []
+        while len(generated) < probe.max_tokens:
+            generated += decoder.step(seq, SamplingParams(), budget, len(generated)).tokens
+        seq.cache.release()
+        hits += doc.needles[0].value in probe.decode(generated)
+    return hits / len(probe.documents)
+
+
+def logit_divergence(verifier: Any, plan: RestorationPlan, probe: Probe, chunk: int = 64) -> float:
+    """Mean KL(full || plan) of the next-token distributions at the positions past sink + window."""
+    divergences = []
+    for tokens in probe.texts:
+        rows = {}
+        for name, chosen in (("full", None), ("plan", plan)):
+            cache = _cache(verifier, chosen, probe)
+            parts = []
+            for start in range(0, len(tokens), chunk):
+                block = tokens[start : start + chunk]
+                parts.append(verifier.host_logits(verifier.verify(cache, block, len(block)).logits))
+                verifier.commit(cache, len(block))
+            cache.release()
+            rows[name] = np.concatenate(parts)[probe.sink + probe.window :]
+        divergences.append(_kl(rows["full"], rows["plan"]))
+    return float(np.mean(divergences))
+
+
+def _kl(reference: np.ndarray, other: np.ndarray) -> float:
+    def log_softmax(x: np.ndarray) -> np.ndarray:
+        shifted = x - x.max(axis=-1, keepdims=True)
+        return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+    p_log, q_log = log_softmax(reference), log_softmax(other)
+    return float(np.mean(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)))
+
+
+def kv_rows_by_layer(verifier: Any, texts: Sequence[list[int]], layers: Sequence[int]) -> dict[int, np.ndarray]:
+    """Full-attention K/V of every position of `texts` as feature rows `[N, 2 * H * D]`, per layer."""
+    collected: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
+    ops = verifier.array_ops
+    for tokens in tqdm(texts, desc="collect K/V", unit="text", file=sys.stderr, leave=False):
+        cache = verifier.new_cache(FullStrategy())
+        verifier.verify(cache, tokens, 1)
+        verifier.commit(cache, len(tokens))
+        for layer in layers:
+            keys, values, _ = cache.resident_kv(layer)
+            collected[layer].append(kv_rows(ops.to_host(keys), ops.to_host(values)))
+        cache.release()
+    return {layer: np.concatenate(rows) for layer, rows in collected.items()}
+
+
+def position_bytes(verifier: Any, dtype_bytes: int = 2) -> int:
+    """Bytes of one position's K/V in one layer at `dtype_bytes` per value (bf16: 2), from a probe forward."""
+    cache = verifier.new_cache(FullStrategy())
+    verifier.verify(cache, [0], 1)
+    verifier.commit(cache, 1)
+    keys, _, _ = cache.resident_kv(0)
+    shape = keys.shape  # [1, H, 1, D]
+    cache.release()
+    return 2 * int(shape[1]) * int(shape[3]) * dtype_bytes
+
+
+def fit_projections(
+    plan: RestorationPlan, rows: dict[int, np.ndarray], *, ridge: float, holdout: float = 0.1
+) -> tuple[RestorationPlan, dict[str, float]]:
+    """Fit a linear f_θ (closed-form ridge least squares) for every `projected` layer of `plan` from K/V rows of
+    every layer; returns the plan with them and each map's relative error on the held-out tail of the rows."""
+    projections, errors = {}, {}
+    for index, source in enumerate(plan.layers):
+        if source.from_layer is None:
+            continue
+        x, y = rows[source.from_layer], rows[index]
+        cut = int(len(x) * (1 - holdout))
+        trial = LinearProjection.fit(x[:cut], y[:cut], ridge=ridge)
+        residual = trial.apply(x[cut:]) - y[cut:]
+        spread = y[cut:] - y[cut:].mean(axis=0)
+        errors[f"L{source.from_layer}->L{index}"] = float(np.sum(residual**2) / max(np.sum(spread**2), 1e-12))
+        projections[index] = LinearProjection.fit(x, y, ridge=ridge)
+    return plan.with_projections(projections), errors
+
+
+def token_only_layers(verifier: Any, tokens: Sequence[int], *, start: int, tolerance: float = 1e-4) -> list[int]:
+    """Layers whose K/V of `tokens[start:]` are the same when computed from those tokens alone (at their positions)
+    as with the whole sequence before them: the layers a `tokens` source rebuilds exactly."""
+    ops = verifier.array_ops
+    full = verifier.new_cache(FullStrategy())
+    verifier.verify(full, list(tokens), 1)
+    verifier.commit(full, len(tokens))
+    alone = forward_kv(
+        verifier, ops, verifier.num_layers, list(tokens[start:]), start=start, last_layer=verifier.num_layers - 1
+    )
+    found = []
+    for layer in range(verifier.num_layers):
+        keys, values, _ = full.resident_kv(layer)
+        reference = kv_rows(ops.to_host(keys), ops.to_host(values))[start:]
+        rebuilt = kv_rows(ops.to_host(alone[layer][0]), ops.to_host(alone[layer][1]))
+        if np.abs(rebuilt - reference).max() <= tolerance * max(np.abs(reference).max(), 1e-6):
+            found.append(layer)
+    full.release()
+    return found

@@ -1,0 +1,238 @@
+"""Find a restoration plan for a model: per-layer sensitivity, then the cheapest plan under a byte budget.
+
+First, which layers a `tokens` source rebuilds exactly: a layer qualifies when its K/V of a stretch of held-out
+text computed from that stretch alone equal (to 1e-4 relative) those computed after the whole text before it.
+
+Sensitivity: starting from the exact plan that keeps every layer's K/V, each layer in turn is restored from one
+candidate source while every other layer stays exact, and the script measures needle recall (greedy decoding of
+needle documents under `dlm_restore` with `--sink` + `--window`) and the mean KL divergence of the next-token
+distributions from `full` on held-out text. Candidate sources: `projected<-J` for every other layer J (a linear f_θ
+fitted by closed-form least squares on training text, as `train_f_theta.py` does); `tokens` is exact where it
+applies and not tried elsewhere.
+
+Proposal: a layer tolerates a source when its recall is within `--recall-tolerance` of `full` and its KL is at
+most `--max-kl`. Over sets of kept layers, cheapest first, every other layer takes a tolerated source (`tokens`
+first, else the projection from a kept layer with the lowest KL); the first combination whose own measured recall
+is within the tolerance at every length and whose kept bytes fit `--budget` (a fraction of the full K/V bytes of
+an evicted position) is written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. The log
+(`results/plan_restore_<stamp>.json`, with a heat map of the sensitivities) holds every measurement.
+
+Usage:
+    python scripts/plan_restore.py [--model DIR] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
+        [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.restoration import (
+    fit_projections,
+    kv_rows_by_layer,
+    logit_divergence,
+    make_probe,
+    recall,
+    token_only_layers,
+    token_stream,
+)
+from lib.results import RESULTS_DIR, write_results
+
+from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, RestorationPlan
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier model directory (default: bundled)")
+    p.add_argument("--budget", type=float, default=0.25, help="kept bytes per evicted position / full (default 0.25)")
+    p.add_argument("--lengths", default="1024,2048", help="needle context lengths (default 1024,2048)")
+    p.add_argument("--samples", type=int, default=5, help="needle documents per length (default 5)")
+    p.add_argument("--texts", type=int, default=2, help="held-out texts for the KL measurement (default 2)")
+    p.add_argument("--train-texts", type=int, default=16, help="training texts for f_θ (default 16)")
+    p.add_argument("--train-length", type=int, default=1024, help="tokens per training text (default 1024)")
+    p.add_argument("--ridge", type=float, default=1e-3, help="f_θ ridge strength (default 1e-3)")
+    p.add_argument("--sink", type=int, default=4, help="resident sink positions (default 4)")
+    p.add_argument("--window", type=int, default=256, help="resident window positions (default 256)")
+    p.add_argument("--recall-tolerance", type=float, default=0.05, help="allowed recall drop (default 0.05)")
+    p.add_argument("--max-kl", type=float, default=0.05, help="allowed mean KL from full, nats (default 0.05)")
+    p.add_argument("--seed", type=int, default=7, help="seed of the probe documents (default 7)")
+    p.add_argument("--out", type=Path, help="where to write the plan (default: <model>/restore_plan.json)")
+    p.add_argument("--dry-run", action="store_true", help="measure and log, but write no plan")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
+    args = p.parse_args(argv)
+    args.lengths = [int(x) for x in args.lengths.split(",")]
+    if args.samples < 1 or args.texts < 1 or not 0 < args.budget <= 1:
+        p.error("--samples and --texts must be >= 1, --budget in (0, 1]")
+    return args
+
+
+def measure(verifier: Any, plan: RestorationPlan, probe: Any, desc: str) -> dict[str, Any]:
+    return {
+        "plan": plan.describe(),
+        "recall": recall(verifier, plan, probe, desc=desc),
+        "kl": logit_divergence(verifier, plan, probe),
+        "kept_fraction": plan.kept_fraction,
+    }
+
+
+def candidate_plans(num_layers: int, kept: tuple[int, ...], tolerated: dict[int, list[str]]) -> RestorationPlan | None:
+    """The plan keeping exactly `kept`, every other layer from its best tolerated source reachable from them."""
+    layers = []
+    for layer in range(num_layers):
+        if layer in kept:
+            layers.append(LayerSource("kept"))
+            continue
+        choice = next(
+            (s for s in tolerated[layer] if s == "tokens" or int(s.partition("<-")[2]) in kept),
+            None,
+        )
+        if choice is None:
+            return None
+        if choice == "tokens":
+            layers.append(LayerSource("tokens"))
+        else:
+            layers.append(LayerSource("projected", from_layer=int(choice.partition("<-")[2])))
+    return RestorationPlan(tuple(layers))
+
+
+def plot(sensitivity: list[dict[str, Any]], num_layers: int, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sources = sorted({row["source"] for row in sensitivity})
+    grid = np.full((len(sources), num_layers), np.nan)
+    for row in sensitivity:
+        grid[sources.index(row["source"]), row["layer"]] = row["recall"]
+    fig, ax = plt.subplots(figsize=(1.4 * num_layers + 2, 0.5 * len(sources) + 2))
+    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+    ax.set_xticks(range(num_layers), [f"L{i}" for i in range(num_layers)])
+    ax.set_yticks(range(len(sources)), sources)
+    ax.set(xlabel="layer restored from the source (others exact)", title="needle recall per layer and source")
+    for y, x in itertools.product(range(len(sources)), range(num_layers)):
+        if not np.isnan(grid[y, x]):
+            ax.text(x, y, f"{grid[y, x]:.2f}", ha="center", va="center", color="white" if grid[y, x] < 0.6 else "k")
+    fig.colorbar(image, ax=ax)
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    verifier = load_verifier("torch", args.model, device="cpu", dtype="float32")
+    layers = verifier.num_layers
+    probe = make_probe(
+        tokenizer,
+        lengths=args.lengths,
+        samples=args.samples,
+        texts=args.texts,
+        sink=args.sink,
+        window=args.window,
+        seed=args.seed,
+    )
+    train = token_stream(tokenizer, args.train_texts, args.train_length, random.Random(args.seed), held_out=False)
+    rows = kv_rows_by_layer(verifier, train, range(layers))
+    token_layers = token_only_layers(verifier, probe.texts[0][: 2 * args.window], start=args.window)
+    print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
+    full_recall = recall(verifier, None, probe, desc="full")
+    exact = RestorationPlan.uniform(layers, "kept")
+
+    sensitivity: list[dict[str, Any]] = []
+    tolerated: dict[int, list[tuple[float, str]]] = {layer: [] for layer in range(layers)}
+    fit_errors: dict[str, float] = {}
+    for layer in range(layers):
+        if layer in token_layers:
+            tolerated[layer].append((-1.0, "tokens"))  # exact and free: nothing to measure
+            continue
+        for source in (f"projected<-{j}" for j in range(layers) if j != layer):
+            replaced = LayerSource("projected", from_layer=int(source.partition("<-")[2]))
+            plan = RestorationPlan(tuple(replaced if i == layer else s for i, s in enumerate(exact.layers)))
+            plan, errors = fit_projections(plan, rows, ridge=args.ridge)
+            fit_errors.update(errors)
+            row = {"layer": layer, "source": source, **measure(verifier, plan, probe, f"L{layer} {source}")}
+            sensitivity.append(row)
+            print(f"L{layer} <- {source}: recall {row['recall']:.2f}, KL {row['kl']:.4f}", file=sys.stderr)
+            if full_recall - row["recall"] <= args.recall_tolerance and row["kl"] <= args.max_kl:
+                tolerated[layer].append((row["kl"], source))
+    ranked = {layer: [s for _, s in sorted(options)] for layer, options in tolerated.items()}
+
+    proposal: dict[str, Any] | None = None
+    tried: list[dict[str, Any]] = []
+    for size in range(0, layers + 1):
+        if size / layers > args.budget + 1e-9:
+            break
+        # A layer rebuilt exactly from tokens is never worth keeping.
+        for kept in itertools.combinations([i for i in range(layers) if i not in token_layers], size):
+            candidate = candidate_plans(layers, kept, ranked)
+            if candidate is None:
+                continue
+            candidate, _ = fit_projections(candidate, rows, ridge=args.ridge)
+            result = measure(verifier, candidate, probe, f"plan {candidate.describe()}")
+            tried.append(result)
+            if full_recall - result["recall"] <= args.recall_tolerance:
+                proposal = {**result, "plan": candidate, "describe": candidate.describe()}
+                break
+        if proposal is not None:
+            break
+
+    written = None
+    if proposal is not None and not args.dry_run:
+        plan = proposal["plan"]
+        _, errors = fit_projections(plan, rows, ridge=args.ridge)
+        plan = RestorationPlan(
+            plan.layers,
+            verifier=args.model.name,
+            notes={
+                "found_by": "scripts/plan_restore.py",
+                "sink": args.sink,
+                "window": args.window,
+                "recall": proposal["recall"],
+                "full_recall": full_recall,
+                "kl": proposal["kl"],
+                "f_theta": f"closed-form ridge least squares, ridge {args.ridge}",
+                "fit_error": errors,
+            },
+        )
+        written = str(plan.save(args.out or args.model / PLAN_FILE))
+    summary = {
+        "full_recall": full_recall,
+        "token_only_layers": token_layers,
+        "proposal": None if proposal is None else {k: v for k, v in proposal.items() if k != "plan"},
+        "budget": args.budget,
+        "tolerated": ranked,
+        "fit_relative_error": fit_errors,
+        "manifest": written,
+        "seconds": time.perf_counter() - started,
+    }
+    path = write_results(
+        "plan_restore",
+        config=vars(args),
+        samples={"sensitivity": sensitivity, "combined": tried},
+        summary=summary,
+        plot=lambda png: plot(sensitivity, layers, png),
+        out_dir=args.results_dir,
+    )
+    if proposal is None:
+        print(f"no plan within a budget of {args.budget:.2f} keeps recall within the tolerance; see {path}")
+        return 1
+    print(f"proposed {proposal['plan'].describe()}: recall {proposal['recall']:.2f} (full {full_recall:.2f})")
+    print(f"wrote {written or '(dry run: no plan)'} and {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

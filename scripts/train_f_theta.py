@@ -1,0 +1,135 @@
+"""Fit the f_θ maps of a restoration plan: a linear map per `projected` layer from the kept layer it reads.
+
+The plan comes from `--plan`: a manifest (JSON, e.g. one `plan_restore.py` wrote) or a compact spec such as
+`tokens,projected<-3,projected<-3,kept` (see `kv_cache_proposer.restoration.plan.plan_from_spec`). The script runs
+the verifier with full attention over `--texts` sequences of `--length` tokens of the training corpus (the standard
+library's source, held-out files excluded), collects every layer's K/V per position and fits each map by
+closed-form ridge least squares (`--ridge`), reporting its relative error on the last 10 % of the rows. The rows
+are saved to `--rows-cache` when given and read back from it on a later run (a rerun with another `--ridge` skips
+the forwards). The fitted plan is written to `--out` (default: the model directory's `restore_plan.json`, with its
+safetensors next to it), and a log to `results/train_f_theta_<stamp>.json` with a bar plot of the fit errors.
+
+Only closed-form least squares on K/V is implemented: no attention-output or logit distillation.
+
+Usage:
+    python scripts/train_f_theta.py [--model DIR] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
+        [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.restoration import fit_projections, kv_rows_by_layer, token_stream
+from lib.results import RESULTS_DIR, write_results
+
+from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.restoration import PLAN_FILE, RestorationPlan
+from kv_cache_proposer.restoration.plan import plan_from_spec
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier model directory (default: bundled)")
+    p.add_argument("--plan", required=True, help="restoration plan: a manifest path or a per-layer spec")
+    p.add_argument("--texts", type=int, default=24, help="training sequences (default 24)")
+    p.add_argument("--length", type=int, default=1024, help="tokens per training sequence (default 1024)")
+    p.add_argument("--ridge", type=float, default=1e-3, help="ridge strength, relative to the feature variance")
+    p.add_argument("--out", type=Path, help="where to write the fitted plan (default: <model>/restore_plan.json)")
+    p.add_argument("--rows-cache", type=Path, help="npz of collected K/V rows: read when present, else written")
+    p.add_argument("--seed", type=int, default=0, help="seed of the training-text sampling (default 0)")
+    p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
+    args = p.parse_args(argv)
+    if args.texts < 1 or args.length < 2 or args.ridge < 0:
+        p.error("--texts must be >= 1, --length >= 2 and --ridge >= 0")
+    return args
+
+
+def load_plan(spec: str, num_layers: int) -> RestorationPlan:
+    """A manifest path, or a compact spec."""
+    if spec.endswith(".json") or Path(spec).is_dir():
+        return RestorationPlan.load(spec)
+    return plan_from_spec(spec, num_layers)
+
+
+def collect_rows(args: argparse.Namespace, verifier: Any, layers: list[int]) -> dict[int, np.ndarray]:
+    if args.rows_cache is not None and args.rows_cache.exists():
+        stored = np.load(args.rows_cache)
+        if all(f"layer{layer}" in stored for layer in layers):
+            print(f"read K/V rows from {args.rows_cache}", file=sys.stderr)
+            return {layer: stored[f"layer{layer}"] for layer in layers}
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    texts = token_stream(tokenizer, args.texts, args.length, random.Random(args.seed), held_out=False)
+    rows = kv_rows_by_layer(verifier, texts, layers)
+    if args.rows_cache is not None:
+        args.rows_cache.parent.mkdir(parents=True, exist_ok=True)
+        np.savez(args.rows_cache, **{f"layer{layer}": r for layer, r in rows.items()})  # type: ignore[arg-type]
+    return rows
+
+
+def plot(errors: dict[str, float], png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(errors)), 3.5))
+    names = list(errors)
+    ax.bar(names, [errors[n] for n in names], color="tab:blue")
+    ax.set(ylabel="held-out relative error", title="f_θ fit (closed-form least squares)")
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    verifier = load_verifier("torch", args.model, device="cpu", dtype="float32")
+    plan = load_plan(args.plan, verifier.num_layers)
+    plan.check_model(verifier.num_layers)
+    pairs = [(source.from_layer, index) for index, source in enumerate(plan.layers) if source.from_layer is not None]
+    if not pairs:
+        print("the plan has no projected layer: nothing to fit", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    rows = collect_rows(args, verifier, sorted({layer for pair in pairs for layer in pair}))
+    fitted, errors = fit_projections(plan, rows, ridge=args.ridge)
+    fitted = RestorationPlan(
+        fitted.layers,
+        verifier=args.model.name,
+        notes={**fitted.notes, "f_theta": f"closed-form ridge least squares, ridge {args.ridge}", "fit_error": errors},
+    )
+    out = fitted.save(args.out or args.model / PLAN_FILE)
+    summary = {
+        "plan": fitted.describe(),
+        "kept_fraction": fitted.kept_fraction,
+        "fit_relative_error": errors,
+        "rows": int(next(iter(rows.values())).shape[0]),
+        "seconds": time.perf_counter() - started,
+        "manifest": str(out),
+    }
+    path = write_results(
+        "train_f_theta",
+        config=vars(args),
+        samples=[{"map": name, "relative_error": value} for name, value in errors.items()],
+        summary=summary,
+        plot=lambda png: plot(errors, png),
+        out_dir=args.results_dir,
+    )
+    for name, value in errors.items():
+        print(f"{name}: held-out relative error {value:.4f}")
+    print(f"wrote {out} and {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""`dlm_restore` through the daemon: the tokens of `full` over evicting turns with no HistoryTruncated event,
+restoration bytes in GetSessionInfo, the SDK and /metrics, and the restoration plan a server loads."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import kakeya
+import numpy as np
+import pytest
+
+from inference_engine.config import ConfigError
+from inference_engine.generated import runtime_pb2 as pb
+from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan
+from tests.support.backends import BACKENDS
+from tests.support.checkpoints import VOCAB_SIZE
+from tests.support.server import create, generate, info
+
+RESTORE = {"kv_strategy": "dlm_restore", "sink": 2, "window": 9}
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE - 1) for _ in range(n)]
+
+
+def _conversation(server, prompt: list[int]) -> tuple[str, list[int], list[int]]:
+    """Three evicting turns on one session: returns its id, the tokens and every HistoryTruncated count."""
+    sid = create(server.stub, initial=prompt)
+    tokens, truncated = [], []
+    for turn in range(3):
+        if turn:
+            server.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, token_ids=_prompt(turn, 6)))
+        result = generate(server.stub, sid, max_tokens=10)
+        tokens += result.tokens
+        truncated += result.truncated
+    return sid, tokens, truncated
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dlm_restore_streams_the_tokens_of_full_and_never_reports_truncation(serve, backend):
+    full, restoring, bounded = (
+        serve("qwen3"),
+        serve("qwen3", **RESTORE),
+        serve("qwen3", **{**RESTORE, "kv_strategy": "sink_window"}),
+    )
+    prompt = _prompt(11, 40)
+    _, expected, _ = _conversation(full, prompt)
+    sid, tokens, truncated = _conversation(restoring, prompt)
+    assert tokens == expected and truncated == []
+    described = info(restoring.stub, sid)
+    assert described.kv_strategy == pb.KV_STRATEGY_DLM_RESTORE
+    assert described.evicted_token_count == described.history_length - 1 - 11 > 0
+    # Parked: resident K/V plus the token ids a `recompute` plan rebuilds from, no restored K/V.
+    assert described.restored_token_count == 0 and described.kv_restored_bytes == 0
+    assert described.kv_restoration_state_bytes == 4 * (described.history_length - 1)
+    assert described.kv_live_bytes == described.kv_resident_bytes + described.kv_restoration_state_bytes
+    assert described.kv_peak_restored_bytes > 0
+    bounded_sid = create(bounded.stub, initial=prompt)
+    assert generate(bounded.stub, bounded_sid, max_tokens=2).truncated  # the same eviction is reported there
+
+
+def test_restoration_bytes_reach_the_python_sdk_and_metrics(serve):
+    server = serve("qwen3", **RESTORE)
+    with kakeya.Client(server.address) as client:
+        session = client.create_session(initial_tokens=_prompt(3, 30))
+        assert len(list(session.generate(max_tokens=5))) == 5
+        described = session.info()
+    assert described.kv_strategy is kakeya.KvStrategy.DLM_RESTORE
+    assert described.kv_restoration_state_bytes > 0 and described.kv_restored_bytes == 0
+    assert "kv_restoration_state_bytes" in repr(described)
+    text = server.metrics_text()
+    state = re.search(r"^kakeya_kv_restoration_state_bytes (\S+)$", text, re.MULTILINE)
+    peak = re.search(r"^kakeya_kv_restored_peak_bytes (\S+)$", text, re.MULTILINE)
+    assert state and float(state.group(1)) == described.kv_restoration_state_bytes
+    assert peak and float(peak.group(1)) == described.kv_peak_restored_bytes > 0
+
+
+def test_a_server_loads_the_restoration_plan_it_is_given(serve, tmp_path):
+    heads_dim = 2 * 2 * 16  # K and V rows of the tiny qwen3: 2 KV heads x 16
+    identity = LinearProjection(np.eye(heads_dim, dtype=np.float32), np.zeros(heads_dim, dtype=np.float32))
+    plan = RestorationPlan(
+        (LayerSource("tokens"), LayerSource("kept"), LayerSource("projected", from_layer=1, projection=identity))
+    )
+    manifest = plan.save(tmp_path / "plan.json")
+    server = serve("qwen3", **RESTORE, restore_plan=str(manifest))
+    sid, tokens, truncated = _conversation(server, _prompt(5, 40))
+    described = info(server.stub, sid)
+    evicted = described.evicted_token_count
+    # One kept layer: K and V of 2 heads x 16 fp32 values per evicted position, plus 4-byte token ids.
+    assert described.kv_restoration_state_bytes >= evicted * 2 * 2 * 16 * 4 + 4 * evicted
+    assert len(tokens) == 30 and truncated == []
+
+
+def test_a_plan_that_does_not_fit_the_model_stops_the_server(serve, tmp_path):
+    manifest = RestorationPlan.uniform(5, "kept").save(tmp_path / "plan.json")
+    with pytest.raises(ConfigError, match="restore_plan"):
+        serve("qwen3", **RESTORE, restore_plan=str(manifest))
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="restore_plan"):
+        serve("qwen3", **RESTORE, restore_plan=str(tmp_path / "broken.json"))

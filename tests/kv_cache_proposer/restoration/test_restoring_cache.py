@@ -1,0 +1,187 @@
+"""The `dlm_restore` session cache on every backend: restored K/V give full attention, the plan's state is what a
+parked session holds, invariants are checked, speculation changes nothing."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.proposers.ngram import NgramProposer
+from kv_cache_proposer.restoration import LayerSource, RestorationPlan, RestorationSetup
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
+from tests.support.backends import BACKENDS, to_numpy
+from tests.support.checkpoints import VOCAB_SIZE
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+
+RESTORE = DlmRestoreStrategy(sink=2, window=9)
+# Turns of (appended tokens, generated tokens): every turn evicts, and prefill chunks of 7 cross the window.
+TURNS = [(30, 6), (5, 5), (17, 4), (1, 6)]
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+def _converse(verifier: Any, cache: Any, *, proposer: Any = None, seed: int = 0) -> tuple[list[int], SequenceState]:
+    """Greedy multi-turn session over `TURNS`; each turn parks the cache as the daemon does between generations."""
+    draft = proposer.open(cache.strategy) if proposer is not None else None
+    seq = SequenceState(cache=cache, tokens=[], **({"draft": draft} if draft is not None else {}))
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    generated_all: list[int] = []
+    for turn, (appended, new_tokens) in enumerate(TURNS):
+        seq.tokens.extend(_tokens(seed * 100 + turn, appended))
+        budget = GenerationBudget(max_new_tokens=new_tokens)
+        generated: list[int] = []
+        while len(generated) < new_tokens:
+            generated += decoder.step(seq, SamplingParams(), budget, len(generated)).tokens
+        generated_all += generated
+        cache.park()
+    return generated_all, seq
+
+
+def _plan(*kinds: str, from_layer: int | None = None) -> RestorationPlan:
+    return RestorationPlan(
+        tuple(LayerSource(kind, from_layer=from_layer if kind == "projected" else None) for kind in kinds)  # type: ignore[arg-type]
+    )
+
+
+@pytest.mark.parametrize("rebuild", ["generation", "step"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_recompute_gives_the_greedy_tokens_of_full_across_evicting_turns(verifiers, arch, rebuild):
+    verifier = verifiers[arch]
+    full_tokens, _ = _converse(verifier, verifier.new_cache(FullStrategy()))
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(rebuild=rebuild))
+    restored_tokens, _ = _converse(verifier, cache)
+    assert restored_tokens == full_tokens
+    assert cache.evicted_count > 0 and cache.lost_count == 0
+    assert cache.resident_count == RESTORE.sink + RESTORE.window
+
+
+@pytest.mark.parametrize("plan_kinds", [("recompute",) * 3, ("tokens", "recompute", "recompute"), ("kept",) * 3])
+def test_exact_plans_give_the_logits_of_full_attention(verifiers, plan_kinds):
+    verifier = verifiers["qwen3"]
+    tokens = _tokens(7, 64)
+    reference = verifier.new_cache(FullStrategy())
+    full_logits = to_numpy(verifier.verify(reference, tokens, len(tokens)).logits)
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan(*plan_kinds)))
+    rows, start = [], 0
+    for size in [12, 1, 1, 20, 5, 25]:
+        rows.append(to_numpy(verifier.verify(cache, tokens[start : start + size], size).logits))
+        verifier.commit(cache, size)
+        start += size
+        if size == 20:
+            cache.park()  # the next forward rebuilds every restored position from the plan's state
+    assert cache.evicted_count == 64 - RESTORE.sink - RESTORE.window
+    np.testing.assert_allclose(np.concatenate(rows), full_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_an_approximate_plan_gives_the_same_logits_whether_rebuilt_per_step_or_per_generation(verifiers):
+    verifier = verifiers["llama"]
+    tokens = _tokens(9, 60)
+    plan = RestorationPlan((LayerSource("tokens"), LayerSource("kept"), LayerSource("projected", from_layer=1)))
+    reference = verifier.new_cache(FullStrategy())
+    full_logits = to_numpy(verifier.verify(reference, tokens, len(tokens)).logits)
+    logits = {}
+    for rebuild in ("generation", "step"):
+        cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(plan, rebuild=rebuild))
+        rows, start = [], 0
+        for size in [15, 1, 9, 1, 20, 14]:
+            rows.append(to_numpy(verifier.verify(cache, tokens[start : start + size], size).logits))
+            verifier.commit(cache, size)
+            start += size
+        logits[rebuild] = np.concatenate(rows)
+    np.testing.assert_allclose(logits["generation"], logits["step"], atol=1e-5, rtol=1e-5)
+    # Layer 2 read through layer 1's K/V is an approximation: the logits after the first eviction move.
+    assert np.abs(logits["step"][12:] - full_logits[12:]).max() > 1e-3
+
+
+def test_a_tokens_sourced_first_layer_is_bit_identical_to_full(verifiers):
+    verifier = verifiers["qwen3"]
+    tokens = _tokens(3, 50)
+    reference = verifier.new_cache(FullStrategy())
+    verifier.verify(reference, tokens, 1)
+    verifier.commit(reference, len(tokens))
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan("tokens", "kept", "kept"), rebuild="step"))
+    verifier.verify(cache, tokens[:-1], 1)
+    verifier.commit(cache, len(tokens) - 1)
+    verifier.verify(cache, tokens[-1:], 1)  # rebuilt from the token ids alone before this forward
+    prefix = cache.prefix
+    assert prefix is not None
+    keys, values = prefix.layer(0)
+    full_keys, full_values, _ = reference.resident_kv(0)
+    np.testing.assert_array_equal(to_numpy(keys), to_numpy(full_keys)[:, :, prefix.positions])
+    np.testing.assert_array_equal(to_numpy(values), to_numpy(full_values)[:, :, prefix.positions])
+
+
+@pytest.mark.parametrize("plan_kinds", [("recompute",) * 3, ("tokens", "kept", "kept")])
+def test_speculative_decoding_gives_the_tokens_of_plain_decoding(verifiers, plan_kinds):
+    verifier = verifiers["qwen3"]
+    setup = RestorationSetup(_plan(*plan_kinds))
+    plain, _ = _converse(verifier, verifier.new_cache(RESTORE, restoration=setup), seed=4)
+    speculative, _ = _converse(
+        verifier, verifier.new_cache(RESTORE, restoration=setup), proposer=NgramProposer(lookahead=4), seed=4
+    )
+    assert speculative == plain
+
+
+def test_a_parked_session_holds_resident_kv_and_the_plan_state_only(verifiers):
+    verifier = verifiers["qwen3"]
+    plan = _plan("tokens", "kept", "projected", from_layer=1)
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(plan))
+    _, seq = _converse(verifier, cache)
+    evicted = cache.evicted_count
+    keys, values, _ = cache.resident_kv(1)
+    per_position = (to_numpy(keys).nbytes + to_numpy(values).nbytes) // 2 // cache.resident_count  # fp32 model
+    assert cache.restored_bytes == 0 and cache.restored_count == 0
+    assert cache.peak_restored_bytes >= 3 * evicted * per_position
+    state = cache.restoration_state_bytes
+    assert state >= evicted * per_position + 4 * seq.committed  # one kept layer plus the token ids
+    assert state < 2 * evicted * per_position + 4 * seq.committed + 256 * per_position  # growth slack only
+    assert cache.nbytes == cache.resident_bytes + state
+
+
+def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(verifiers):
+    verifier = verifiers["llama"]
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan("kept", "kept", "recompute")))
+    tokens = _tokens(5, 80)
+    last = 0
+    for start in range(0, 80, 9):
+        verifier.verify(cache, tokens[start : start + 9], 1)
+        verifier.commit(cache, min(9, 80 - start))
+        assert cache.next_position > last  # INV-2
+        last = cache.next_position
+        assert cache.restored_count == cache.evicted_count  # INV-1 of the restored K/V
+    assert cache.evicted_count == 80 - 11
+
+
+def test_kept_state_that_disagrees_with_the_evictions_fails_the_commit(verifiers):
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan("kept", "kept", "kept")))
+    tokens = _tokens(6, 30)
+    verifier.verify(cache, tokens[:20], 1)
+    verifier.commit(cache, 20)
+    cache._kept[1].held += 1  # a lost write: layer 1 claims one more evicted position than it holds
+    verifier.verify(cache, tokens[20:21], 1)
+    with pytest.raises(InvariantViolation):
+        verifier.commit(cache, 1)
+
+
+def test_a_clone_restores_like_the_original(verifiers):
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan("tokens", "kept", "kept")))
+    tokens = _tokens(8, 40)
+    verifier.verify(cache, tokens[:39], 1)
+    verifier.commit(cache, 39)
+    twin = cache.clone(39)
+    original = to_numpy(verifier.verify(cache, tokens[39:], 1).logits)
+    copied = to_numpy(verifier.verify(twin, tokens[39:], 1).logits)
+    np.testing.assert_array_equal(copied, original)
+    assert twin.restoration_state_bytes > 0 and twin.evicted_count == cache.evicted_count

@@ -1,0 +1,101 @@
+"""Smoke runs of the restoration scripts on the bundled model: `train_f_theta.py` fits and writes a loadable plan,
+`plan_restore.py` measures every layer and source and proposes a plan, `eval_niah.py` runs `dlm_restore` arms."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from kv_cache_proposer.restoration import RestorationPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def test_train_f_theta_fits_every_projected_layer_and_resumes_from_its_rows(tmp_path):
+    out, rows = tmp_path / "plan" / "restore_plan.json", tmp_path / "rows.npz"
+    common = ["--texts", "2", "--length", "96", "--out", str(out), "--rows-cache", str(rows)]
+    _run(
+        "scripts/train_f_theta.py",
+        "--plan",
+        "tokens,projected<-3,projected<-3,kept",
+        *common,
+        "--results-dir",
+        str(tmp_path),
+    )
+    plan = RestorationPlan.load(out)
+    assert plan.describe() == "L0:tokens, L1:projected<-L3, L2:projected<-L3, L3:kept"
+    assert all(plan.layers[i].projection is not None for i in (1, 2))
+    (log,) = tmp_path.glob("train_f_theta_*.json")
+    summary = json.loads(log.read_text())["summary"]
+    assert set(summary["fit_relative_error"]) == {"L3->L1", "L3->L2"} and summary["rows"] == 2 * 96
+    assert log.with_suffix(".png").is_file()
+    again = _run(
+        "scripts/train_f_theta.py", "--plan", str(out), *common, "--ridge", "0.1", "--results-dir", str(tmp_path)
+    )
+    assert "read K/V rows from" in again.stderr
+
+
+def test_plan_restore_measures_each_layer_and_writes_a_plan_within_the_budget(tmp_path):
+    out = tmp_path / "restore_plan.json"
+    _run(
+        "scripts/plan_restore.py",
+        *("--lengths", "160", "--samples", "1", "--texts", "1", "--train-texts", "1", "--train-length", "96"),
+        *("--window", "48", "--budget", "1.0", "--recall-tolerance", "1.0", "--max-kl", "100"),
+        *("--out", str(out), "--results-dir", str(tmp_path)),
+    )
+    (log,) = tmp_path.glob("plan_restore_*.json")
+    payload = json.loads(log.read_text())
+    sensitivity = payload["samples"]["sensitivity"]
+    # The first layer's K/V depend on the token alone: it is rebuilt from tokens, never measured.
+    assert payload["summary"]["token_only_layers"] == [0]
+    assert len(sensitivity) == 3 * 3  # every other layer from each of the 3 other layers
+    assert payload["summary"]["proposal"] is not None
+    # Everything is tolerated here, so the cheapest plan keeps one layer and projects the others from it.
+    plan = RestorationPlan.load(out)
+    assert len(plan.kept_layers) == 1 and plan.layers[0].kind == "tokens"
+    assert log.with_suffix(".png").is_file()
+
+
+def test_eval_niah_runs_dlm_restore_arms_with_their_own_plans(tmp_path):
+    plan = RestorationPlan.uniform(4, "kept").save(tmp_path / "kept.json")
+    _run(
+        "scripts/eval_niah.py",
+        *("--lengths", "128", "--depths", "2", "--samples", "2", "--window", "48", "--max-tokens", "4"),
+        *("--kv-strategies", f"full,dlm_restore:recompute,dlm_restore:{plan}@kakeya_e8"),
+        *("--results-dir", str(tmp_path)),
+    )
+    (path,) = tmp_path.glob("eval_niah_*.json")
+    summary = json.loads(path.read_text())["summary"]
+    arms = ["full", "dlm_restore:recompute", f"dlm_restore:{plan}@kakeya_e8"]
+    assert set(summary["recall"]) == set(arms)
+    cost = {arm: summary["cost"][arm]["128"] for arm in arms}
+    assert cost["full"]["restoration_state_bytes_per_evicted_token"] == 0
+    assert cost["dlm_restore:recompute"]["peak_bytes"] > cost["dlm_restore:recompute"]["sustained_bytes"]
+    # The kept layers are packed by the session's compressor: below their dense fp32 size (4 layers x K,V x 64 x 4).
+    assert 0 < cost[arms[2]]["restoration_state_bytes_per_evicted_token"] < 4 * 2 * 64 * 4
+    assert all(c["tokens_per_s"] > 0 for c in cost.values())
+
+
+def test_bench_restore_rebuild_measures_both_modes_against_full(tmp_path):
+    plan = RestorationPlan.uniform(4, "kept").save(tmp_path / "kept.json")
+    _run(
+        "scripts/bench_restore_rebuild.py",
+        *("--plans", f"recompute,{plan}", "--prompt", "200", "--new-tokens", "4", "--window", "48"),
+        *("--results-dir", str(tmp_path)),
+    )
+    (path,) = tmp_path.glob("bench_restore_rebuild_*.json")
+    summary = json.loads(path.read_text())["summary"]
+    assert set(summary["runs"]) == {"full", "recompute/generation", "recompute/step", "kept/generation", "kept/step"}
+    assert summary["modes_agree"] and all(summary["matches_full"].values())
+    runs = summary["runs"]
+    assert runs["recompute/generation"]["peak_bytes"] > runs["recompute/generation"]["sustained_bytes"]
+    assert runs["kept/step"]["sustained_bytes"] > runs["recompute/step"]["sustained_bytes"]  # kept K/V vs token ids
+    assert path.with_suffix(".png").is_file()
