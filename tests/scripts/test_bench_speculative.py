@@ -44,8 +44,11 @@ def test_the_benchmark_compares_every_proposer_on_the_same_prompts(checkpoints, 
     (path,) = (tmp_path / "results").glob("bench_speculative_*.json")
     payload = json.loads(path.read_text())
     proposers = payload["summary"]["proposers"]
-    assert set(proposers) == {"none", "ngram", "draft_model", "dflash"}
+    speculative = ("ngram", "draft_model", "dflash")
+    assert set(proposers) == {"none", *speculative, *(f"{name}/adaptive" for name in speculative)}
     assert all(arm["identical_to_none"] for arm in proposers.values())
+    assert all(proposers[name]["propose_ms"] > 0 and proposers[name]["verify_ms"] > 0 for name in speculative)
+    assert payload["config"]["prompt_files"] == [str(corpus)]
     assert set(payload["summary"]["speedup_vs_none"]) == set(proposers)
     assert proposers["ngram"]["verifier_forwards_per_token"] < 1.0, "the prompt repeats: lookup drafts get accepted"
     assert path.with_suffix(".png").is_file()
@@ -59,6 +62,7 @@ def test_draft_layers_cuts_the_verifier_into_a_draft_model(checkpoints, tmp_path
     np.save(corpus, np.arange(100) % 60)
     common = [sys.executable, "scripts/bench_speculative.py", "--model", str(checkpoints["qwen3"])]
     small = ["--corpus", str(corpus), "--prompts", "1", "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1"]
+    small += ["--draft-policies", "full", "adaptive"]
     result = subprocess.run(
         [*common, *small, "--draft-layers", "1", "--results-dir", str(tmp_path / "results")],
         cwd=ROOT,
@@ -69,7 +73,7 @@ def test_draft_layers_cuts_the_verifier_into_a_draft_model(checkpoints, tmp_path
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("bench_speculative_*.json")
     proposers = json.loads(path.read_text())["summary"]["proposers"]
-    assert set(proposers) == {"none", "ngram", "draft_model"}
+    assert set(proposers) == {"none", "ngram", "draft_model", "ngram/adaptive", "draft_model/adaptive"}
     assert proposers["draft_model"]["identical_to_none"] and proposers["draft_model"]["draft_acceptance_rate"] > 0
     too_deep = subprocess.run([*common, *small, "--draft-layers", "9"], cwd=ROOT, capture_output=True, text=True)
     assert too_deep.returncode != 0 and "--draft-layers must be in" in too_deep.stderr
