@@ -16,8 +16,8 @@ from typing import Any
 
 from kv_cache_proposer.backends import BACKENDS
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
-from kv_cache_proposer.decoding import DraftPolicy
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
 
@@ -28,7 +28,7 @@ LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 JOURNAL_SYNC_POLICIES = ("normal", "full")
 JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
-DRAFT_POLICIES = tuple(policy.value for policy in DraftPolicy)
+DRAFT_POLICIES = ("auto", *(policy.value for policy in DraftPolicy))
 
 
 class ConfigError(ValueError):
@@ -98,9 +98,10 @@ class ServerConfig:
     )
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
     draft_policy: str = _opt(
-        "full",
-        "draft length per step: full (every proposal may hold the whole --num-draft-tokens; the faster measured, "
-        "docs/speculative-decoding.md) or adaptive (shrinks after a rejection, grows after a full acceptance)",
+        "auto",
+        "draft length per step: full (every proposal may hold the whole --num-draft-tokens), adaptive (shrinks "
+        "after a rejection, grows after a full acceptance) or auto: the one measured faster for the proposer "
+        "(full for ngram and dflash, adaptive for draft_model; docs/speculative-decoding.md)",
         choices=DRAFT_POLICIES,
     )
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")

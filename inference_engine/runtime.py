@@ -157,7 +157,9 @@ class Runtime:
         self.decoder = Decoder(
             verifier,
             prefill_chunk_tokens=config.prefill_chunk_tokens,
-            draft_policy=DraftPolicy(config.draft_policy),
+            draft_policy=(
+                self.proposer.draft_policy if config.draft_policy == "auto" else DraftPolicy(config.draft_policy)
+            ),
         )
         self.batcher = StepBatcher(
             self.worker,

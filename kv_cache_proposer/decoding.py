@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import Any
 
 from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_sequence, pick_controlled
 from kv_cache_proposer.errors import InvariantViolation
-from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
+from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession, NoDraftSession
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
 
@@ -32,18 +32,6 @@ class StopCause(Enum):
     HISTORY_LIMIT = "history_limit"
     STOP_SEQUENCE = "stop_sequence"
     GRAMMAR_DEAD_END = "grammar_dead_end"
-
-
-class DraftPolicy(StrEnum):
-    """How many tokens a proposal may hold.
-
-    `full`: every proposal may hold the proposer's whole limit (a DFlash block drafts all of it in one forward, so a
-    shorter draft saves nothing but accepted tokens). `adaptive`: the limit shrinks by one after a partly rejected
-    draft and grows by two after a fully accepted one (`DraftLength`).
-    """
-
-    FULL = "full"
-    ADAPTIVE = "adaptive"
 
 
 @dataclass(slots=True)

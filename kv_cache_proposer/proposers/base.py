@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any, Protocol
 
 from kv_cache_proposer.strategies import KVStrategy
+
+
+class DraftPolicy(StrEnum):
+    """How many tokens a proposal may hold.
+
+    `full`: every proposal may hold the proposer's whole limit (a DFlash block drafts all of it in one forward, a
+    lookup costs nothing per token, so a shorter draft saves nothing but accepted tokens). `adaptive`: the limit
+    shrinks by one after a partly rejected draft and grows by two after a fully accepted one, which pays where each
+    drafted token costs a forward of its own (a draft model).
+    """
+
+    FULL = "full"
+    ADAPTIVE = "adaptive"
 
 
 class DraftSession(Protocol):
@@ -52,6 +66,11 @@ class Proposer(Protocol):
     @property
     def name(self) -> str: ...
 
+    @property
+    def draft_policy(self) -> DraftPolicy:
+        """The draft-length policy measured faster for this proposer (the default of `serve --draft-policy`)."""
+        ...
+
     def open(self, strategy: KVStrategy) -> DraftSession:
         """Start drafting for a session whose verifier cache follows `strategy`."""
         ...
@@ -79,6 +98,8 @@ class NoDraftSession:
 
 class NoProposer:
     """The empty proposer: plain autoregressive decoding through the same step."""
+
+    draft_policy = DraftPolicy.FULL
 
     @property
     def name(self) -> str:

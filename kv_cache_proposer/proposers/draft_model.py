@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import CausalLM, SessionCache, Verifier
@@ -112,6 +113,8 @@ class DraftModelProposer:
         self._model = model
         self._max_draft_tokens = max_draft_tokens
         self._prefill_chunk = prefill_chunk
+
+    draft_policy = DraftPolicy.ADAPTIVE
 
     @property
     def name(self) -> str:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.strategies import KVStrategy
 
 
@@ -80,6 +81,8 @@ class NgramProposer:
     max_n: int = 4
     min_n: int = 1
     lookahead: int = 8
+
+    draft_policy = DraftPolicy.FULL
 
     @property
     def name(self) -> str:

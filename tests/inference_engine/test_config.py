@@ -92,3 +92,23 @@ def test_a_shared_journal_is_a_postgresql_url_given_instead_of_a_state_dir_and_m
         ServerConfig(journal_url="postgresql://db/kakeya", state_dir="/tmp/state")
     with pytest.raises(ConfigError, match="postgresql://"):
         ServerConfig(journal_url="mysql://db/kakeya")
+
+
+@pytest.mark.parametrize(
+    ("proposer", "setting", "expected"),
+    [("ngram", "auto", "full"), ("draft_model", "auto", "adaptive"), ("ngram", "adaptive", "adaptive")],
+)
+def test_the_draft_policy_defaults_to_the_one_measured_faster_for_the_proposer(
+    verifier_pool, tmp_path, proposer, setting, expected
+):
+    from kv_cache_proposer.proposers.base import DraftPolicy
+    from tests.support.checkpoints import save_draft_model
+    from tests.support.server import start_server
+
+    assert ServerConfig().draft_policy == "auto"
+    draft = {"draft_model": str(save_draft_model(tmp_path / "draft"))} if proposer == "draft_model" else {}
+    server = start_server(verifier_pool.get("torch", "qwen3"), proposer=proposer, draft_policy=setting, **draft)
+    try:
+        assert server.server.runtime.decoder.draft_policy is DraftPolicy(expected)
+    finally:
+        server.stop()

@@ -9,6 +9,7 @@ import numpy as np
 
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 from kv_cache_proposer.cache import KVSessionCache, SessionCache
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible, layer_windows
 from kv_cache_proposer.proposers.dflash.mlx_model import MlxDFlashDrafter, load_mlx_drafter
 from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession, block_masks
@@ -45,6 +46,8 @@ class MlxDFlashProposer:
     def load(cls, directory: str | Path, verifier: MlxVerifier, *, max_draft_tokens: int = 0) -> MlxDFlashProposer:
         drafter, spec, raw = load_mlx_drafter(directory, verifier.dtype)
         return cls(drafter, spec, layer_windows(raw), verifier, max_draft_tokens=max_draft_tokens)
+
+    draft_policy = DraftPolicy.FULL
 
     @property
     def name(self) -> str:

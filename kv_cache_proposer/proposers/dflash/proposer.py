@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.cache import KVSessionCache, SessionCache
 from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
@@ -47,6 +48,8 @@ class DFlashProposer:
     def load(cls, directory: str | Path, verifier: TorchVerifier, *, max_draft_tokens: int = 0) -> DFlashProposer:
         drafter, spec = load_drafter(directory, device=verifier.device, dtype=verifier.dtype)
         return cls(drafter, spec, verifier, max_draft_tokens=max_draft_tokens)
+
+    draft_policy = DraftPolicy.FULL
 
     @property
     def name(self) -> str:
