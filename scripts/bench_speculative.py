@@ -42,9 +42,9 @@ from lib.tokens import read_tokens, spread_windows
 
 from inference_engine.config import BUNDLED_MODEL_DIR, model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
-from kv_cache_proposer.proposers.base import Proposer
+from kv_cache_proposer.proposers.base import DraftPolicy, Proposer
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy
 

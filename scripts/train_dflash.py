@@ -44,7 +44,8 @@ from transformers import Qwen3Config
 
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter

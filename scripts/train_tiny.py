@@ -305,51 +305,27 @@ def main(argv: list[str] | None = None) -> int:
     np.save(prompt_file, train.stream.astype(np.int64))
     eval_file = args.work / "drafter_eval.npy"
     np.save(eval_file, held.stream.astype(np.int64))
+    # Every drafter_* field of the recipe is the train_dflash flag of the same name.
+    options: dict[str, Any] = {
+        "--" + name.removeprefix("drafter_").replace("_", "-"): value
+        for name, value in asdict(recipe).items()
+        if name.startswith("drafter_")
+    }
+    options.update(
+        {
+            "--model": args.out,
+            "--out": args.work / "dflash",
+            "--prompt-corpus": prompt_file,
+            "--eval-corpus": eval_file,
+            "--device": args.drafter_device,
+            "--seed": args.seed,
+            "--results-dir": args.results_dir,
+        }
+    )
     drafter_args = [
-        "--model",
-        str(args.out),
-        "--out",
-        str(args.work / "dflash"),
-        "--continuations",
-        str(recipe.drafter_continuations),
-        "--prompt-corpus",
-        str(prompt_file),
-        "--prompt-lens",
-        *map(str, recipe.drafter_prompt_lens),
-        "--row-len",
-        str(recipe.drafter_row_len),
-        "--steps",
-        str(recipe.drafter_steps),
-        "--layers",
-        str(recipe.drafter_layers),
-        "--target-layers",
-        *map(str, recipe.drafter_target_layers),
-        "--lr",
-        str(recipe.drafter_lr),
-        "--warmup",
-        str(recipe.drafter_warmup),
-        "--batch-size",
-        str(recipe.drafter_batch_size),
-        "--anchors",
-        str(recipe.drafter_anchors),
-        "--block-size",
-        str(recipe.drafter_block_size),
-        "--eval-corpus",
-        str(eval_file),
-        "--eval-rows",
-        str(recipe.drafter_eval_rows),
-        "--eval-prompts",
-        str(recipe.drafter_eval_prompts),
-        "--eval-prompt-len",
-        str(recipe.drafter_eval_prompt_len),
-        "--eval-tokens",
-        str(recipe.drafter_eval_tokens),
-        "--device",
-        args.drafter_device,
-        "--seed",
-        str(args.seed),
-        "--results-dir",
-        str(args.results_dir),
+        item
+        for flag, value in options.items()
+        for item in (flag, *map(str, value if isinstance(value, list) else [value]))
     ]
     train_dflash.main(drafter_args + (["--resume"] if args.resume else []))
     drafter_dir = args.out / "dflash"

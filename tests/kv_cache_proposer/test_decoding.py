@@ -8,8 +8,9 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState, StopCause
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StopCause
 from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.backends import BACKENDS, to_numpy
