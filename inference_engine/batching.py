@@ -107,6 +107,16 @@ class StepBatcher:
                     queued.future.exception()  # retrieved: the caller is gone
             raise
 
+    def withdraw(self, request: StepRequest) -> bool:
+        """Take `request`'s step out of the queue if it has not reached a forward (its `step` call then raises
+        `CancelledError`); False when it is in a forward or done."""
+        for queued in self._queue:
+            if queued.request is request:
+                self._queue.remove(queued)
+                queued.future.cancel()
+                return True
+        return False
+
     def close(self) -> None:
         """Stop the dispatcher (the batch in flight completes on the worker) and cancel the steps still queued."""
         if self._dispatcher is not None:
