@@ -90,8 +90,8 @@ class _Successor:
 
     def __init__(self, batcher: StepBatcher, request: StepRequest, cancel: asyncio.Event) -> None:
         self._batcher = batcher
-        self.request = request
-        self.task = asyncio.ensure_future(batcher.step(request, cancel))
+        self._ticket = batcher.submit(request)
+        self.task = asyncio.ensure_future(batcher.result(self._ticket, cancel))
 
     async def result(self) -> StepResult:
         """The step's result; raises what the step raised."""
@@ -100,7 +100,7 @@ class _Successor:
     async def withdraw(self) -> StepResult | None:
         """Drop the step if it has not reached a forward (None); else wait for it and return its result, so the
         caller accounts for the tokens it added to the history. Raises what the step raised."""
-        withdrawn = self._batcher.withdraw(self.request)
+        withdrawn = self._batcher.withdraw(self._ticket)
         await asyncio.wait([self.task])
         if withdrawn or self.task.cancelled():
             return None

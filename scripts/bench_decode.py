@@ -3,10 +3,12 @@
 For every history length the same text (held-out standard-library source tokenized with the model's tokenizer) is
 prefilled, then `--new-tokens` greedy tokens are decoded, by each arm:
 
-- torch: `daemon:<proposer>` (`kakeya-runtime serve` through the Python SDK, one daemon per `--daemon-proposers`
-  entry), `engine` (`Decoder.step` in-process, no proposer, no gRPC), `bare_loop` (the model called token by token
-  with transformers' `DynamicCache`) and `generate` (`model.generate` with a streamer timing each token);
-- mlx: `daemon:none`, `engine`, and `mlx_lm` (mlx-lm's own `generate_step`).
+- both backends: `daemon:<proposer>` (`kakeya-runtime serve` through the Python SDK, one daemon per
+  `--daemon-proposers` entry; `none` is plain decoding, `dflash` the bundled drafter) and `engine` (`Decoder.step`
+  in-process, no proposer, no gRPC);
+- torch: `bare_loop` (the model called token by token with transformers' `DynamicCache`) and `generate`
+  (`model.generate` with a streamer timing each token);
+- mlx: `mlx_lm` (mlx-lm's own `generate_step`).
 
 Decode rate is (tokens - 1) / (time of the last token - time of the first), so the prefill is not in it. Arms
 alternate within each repeat, so machine noise hits them alike; the summary holds medians and every arm's ratio to
@@ -57,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the timed append (default: 8192)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every arm per history (default: 3)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
-    p.add_argument("--daemon-proposers", default="none,dflash", help="one torch daemon arm per proposer")
+    p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint directory (both backends)")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results/)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
@@ -74,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.backends) - set(BARE)
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}")
+    if "none" not in args.daemon_proposers:
+        p.error("--daemon-proposers must hold none (the prefill arm and the token check use it)")
     if args.new_tokens < 2 or args.repeats < 1 or args.prefill_tokens < 1:
         p.error("--new-tokens >= 2, --repeats >= 1 and --prefill-tokens >= 1 are required")
     return args
@@ -268,8 +272,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     text = history_tokens(args.model, longest)
     for backend in args.backends:
         arms, bare_prefill = torch_arms(args) if backend == "torch" else mlx_arms(args)
-        proposers = args.daemon_proposers if backend == "torch" else ["none"]
-        daemons = {f"daemon:{p}": DaemonArm(backend, p, args) for p in proposers}
+        daemons = {f"daemon:{p}": DaemonArm(backend, p, args) for p in args.daemon_proposers}
         try:
             every: dict[str, Arm] = {**daemons, **arms}
             histories = args.histories if backend == "torch" else args.mlx_histories
