@@ -14,7 +14,8 @@ Decode rate is (tokens - 1) / (time of the last token - time of the first), so t
 alternate within each repeat, so machine noise hits them alike; the summary holds medians and every arm's ratio to
 the bare loop of its backend (`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the
 longest history over the shortest. The prefill part appends `--prefill-tokens` to a fresh session and times it to the
-first token: the daemon (its own prefill seconds), the engine with its chosen chunk, and one bare forward. Greedy
+first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each of
+`--prefill-chunks` (`engine:N`), and one bare forward. Greedy
 tokens of daemon:none, engine and bare_loop must agree (float32).
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
@@ -47,6 +48,7 @@ from lib.results import RESULTS_DIR, write_results
 from inference_engine.config import BUNDLED_MODEL_DIR
 
 Arm = Callable[[list[int], int], dict[str, Any]]
+Prefill = Callable[[list[int]], dict[str, float]]
 BARE = {"torch": "bare_loop", "mlx": "mlx_lm"}
 
 
@@ -58,6 +60,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per run (default: 128)")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the timed append (default: 8192)")
     p.add_argument("--repeats", type=int, default=3, help="runs of every arm per history (default: 3)")
+    p.add_argument(
+        "--prefill-chunks",
+        default="2048,8192",
+        help="more engine prefill arms, one per chunk size, beside the default chunk (default: 2048,8192)",
+    )
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
     p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint directory (both backends)")
@@ -67,10 +74,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.histories = args.mlx_histories = "48,96"
         args.new_tokens, args.prefill_tokens, args.repeats, args.daemon_proposers = 6, 64, 1, "none"
+        args.prefill_chunks = "16"
     args.backends = [b for b in args.backends.split(",") if b]
     args.histories = [int(h) for h in args.histories.split(",") if h]
     args.mlx_histories = [int(h) for h in args.mlx_histories.split(",") if h]
     args.daemon_proposers = [d for d in args.daemon_proposers.split(",") if d]
+    args.prefill_chunks = [int(c) for c in args.prefill_chunks.split(",") if c]
     if args.threads == 0:
         args.threads = len(os.sched_getaffinity(0))
     unknown = set(args.backends) - set(BARE)
@@ -113,7 +122,7 @@ def timed_tokens(stream: Iterator[int], started: float) -> dict[str, Any]:
 
 
 # -- torch arms ----------------------------------------------------------------------------------------------------
-def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Callable[[list[int]], dict[str, float]]]:
+def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     import torch
     from transformers import DynamicCache
     from transformers.generation.streamers import BaseStreamer
@@ -177,11 +186,11 @@ def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Callable[[list
         model(input_ids=torch.tensor([history]), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
         return {"prefill_s": time.perf_counter() - started}
 
-    return {"engine": engine_arm(verifier, args), "bare_loop": bare_loop, "generate": generate}, bare_prefill
+    return {"engine": engine_arm(verifier), "bare_loop": bare_loop, "generate": generate}, bare_prefill, verifier
 
 
 # -- mlx arms ------------------------------------------------------------------------------------------------------
-def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Callable[[list[int]], dict[str, float]]]:
+def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
@@ -206,17 +215,18 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Callable[[list[i
         mx.eval(logits)
         return {"prefill_s": time.perf_counter() - started}
 
-    return {"engine": engine_arm(verifier, args), "mlx_lm": mlx_lm}, bare_prefill
+    return {"engine": engine_arm(verifier), "mlx_lm": mlx_lm}, bare_prefill, verifier
 
 
-def engine_arm(verifier: Any, args: argparse.Namespace) -> Arm:
-    """`Decoder.step` in-process with the daemon's default prefill chunk for this verifier."""
+def engine_arm(verifier: Any, chunk: int | None = None) -> Arm:
+    """`Decoder.step` in-process, prefilling in chunks of `chunk` tokens (None: the daemon's default for this
+    verifier)."""
     from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
     from kv_cache_proposer.sampling import SamplingParams
     from kv_cache_proposer.strategies import FullStrategy
 
     def engine(history: list[int], new_tokens: int) -> dict[str, Any]:
-        decoder = Decoder(verifier)
+        decoder = Decoder(verifier, prefill_chunk_tokens=chunk)
         seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(history))
         budget, params = GenerationBudget(max_new_tokens=new_tokens), SamplingParams()
 
@@ -271,7 +281,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     longest = max([*args.histories, *args.mlx_histories, args.prefill_tokens])
     text = history_tokens(args.model, longest)
     for backend in args.backends:
-        arms, bare_prefill = torch_arms(args) if backend == "torch" else mlx_arms(args)
+        arms, bare_prefill, verifier = torch_arms(args) if backend == "torch" else mlx_arms(args)
         daemons = {f"daemon:{p}": DaemonArm(backend, p, args) for p in args.daemon_proposers}
         try:
             every: dict[str, Arm] = {**daemons, **arms}
@@ -289,14 +299,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             flush=True,
                         )
             appended = text[: args.prefill_tokens]
+            chunked = {f"engine:{chunk}": engine_arm(verifier, chunk) for chunk in args.prefill_chunks}
             for _ in range(args.repeats):
-                for name in ("daemon:none", "engine", "one_forward"):
+                for name in ("daemon:none", "engine", *chunked, "one_forward"):
                     if name == "daemon:none":
                         result = daemon_prefill(daemons[name], appended)
-                    elif name == "engine":
-                        result = {"prefill_s": arms["engine"](appended, 1)["ttft_s"]}
-                    else:
+                    elif name == "one_forward":
                         result = bare_prefill(appended)
+                    else:
+                        result = {"prefill_s": {**arms, **chunked}[name](appended, 1)["ttft_s"]}
                     samples["prefill"].append({"backend": backend, "arm": name, "tokens": len(appended), **result})
                     print(f"{backend} prefill {name:>12}: {result['prefill_s']:.3f} s", flush=True)
         finally:

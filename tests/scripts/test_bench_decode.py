@@ -44,5 +44,5 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         assert part["decode_ratio_to_bare"][bare] == {"48": 1.0, "96": 1.0}
         ratio = part["decode_tokens_per_s"]["engine"]["96"] / part["decode_tokens_per_s"][bare]["96"]
         assert abs(part["decode_ratio_to_bare"]["engine"]["96"] - ratio) < 0.01
-        assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "one_forward"}
+        assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "engine:16", "one_forward"}
         assert set(part["per_token_time_longest_over_shortest"]) >= {"engine", bare}
