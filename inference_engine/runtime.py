@@ -17,12 +17,12 @@ from inference_engine import __version__
 from inference_engine.batching import StepBatcher
 from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
+from inference_engine.describe import describe_model, describe_session
 from inference_engine.domain import (
     CreateParams,
     GenerateEvent,
     GenerateParams,
     ModelInfo,
-    ServerLimits,
     SessionInfo,
 )
 from inference_engine.errors import (
@@ -50,7 +50,7 @@ from inference_engine.journal import (
 )
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
-from inference_engine.restoration import restoration_info, restoration_setup
+from inference_engine.restoration import restoration_setup
 from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
@@ -313,60 +313,11 @@ class Runtime:
                 f"history_tail_tokens {history_tail_tokens} is above the limit {self.config.max_append_tokens}"
             )
         session = self.store.get(session_id, touch=False)
-        tokens = session.seq.tokens
-        cache = session.seq.cache
-        strategy = cache.strategy
-        return SessionInfo(
-            history_length=len(tokens),
-            kv_live_bytes=session.kv_bytes,
-            idle_seconds=max(0.0, self.store.now() - session.last_access),
-            kv_strategy=strategy.name,
-            resident_token_count=int(cache.resident_count),
-            kv_compressed_bytes=int(cache.compressed_bytes),
-            pending_token_count=session.seq.pending_count,
-            evicted_token_count=int(cache.evicted_count),
-            client_label=session.label,
-            generating=session.generating,
-            sink_tokens=strategy_options(strategy).get("sink", 0),
-            window_tokens=strategy_options(strategy).get("window", 0),
-            invariant_violations=dict(session.invariant_violations),
-            history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
-            kv_compressor=session.compressor.name,
-            kv_q_range=session.compressor.q_range if session.compressor.lattice else 0,
-            kv_dense_equivalent_bytes=int(cache.dense_equivalent_bytes),
-            kv_escaped_blocks=int(cache.escaped_vectors),
-            **restoration_info(cache),
-        )
+        return describe_session(session, history_tail_tokens, idle_seconds=self.store.now() - session.last_access)
 
     def model_info(self) -> ModelInfo:
         """The served model's facts, the session defaults and the request limits."""
-        config = self.config
-        default = self.checks.default_strategy
-        return ModelInfo(
-            vocab_size=self.verifier.vocab_size,
-            eos_token_ids=self.default_eos_token_ids,
-            trained_context_tokens=self.model_facts.trained_context_tokens,
-            backend=config.backend,
-            model_name=self.model_facts.name,
-            description=self.verifier.description,
-            chat_template=self.model_facts.chat_template,
-            default_kv_strategy=default.name,
-            default_sink_tokens=config.sink,
-            default_window_tokens=config.window,
-            limits=ServerLimits(
-                max_generate_tokens=config.max_generate_tokens,
-                max_append_tokens=config.max_append_tokens,
-                max_history_tokens=config.max_history_tokens,
-                max_sessions=config.max_sessions,
-                max_message_bytes=config.max_message_bytes,
-                max_concurrent_generations=config.max_concurrent,
-                queue_deadline_s=config.queue_deadline_s,
-                max_batch_size=config.max_batch_size,
-                prefill_chunk_tokens=self.decoder.prefill_chunk_tokens,
-            ),
-            proposer=self.proposer.name,
-            server_version=__version__,
-        )
+        return describe_model(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def model_identity(self) -> dict[str, Any]:
