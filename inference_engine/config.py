@@ -142,6 +142,13 @@ class ServerConfig:
         "pending tokens prefilled per verifier forward; 0 chooses from the device and model: 512 on a CPU, on a GPU "
         "the largest power of two up to 8192 whose activations stay within 256 MiB",
     )
+    decode_burst_tokens: int = _opt(
+        0,
+        "plain greedy decode steps (no proposer) run back to back in one model-worker call, each step's token fed to "
+        "the next forward on the device so the host never stalls it; tokens then stream in groups of up to this "
+        "many (never the first token of a generation); 0 chooses from the device: 4 where the device runs "
+        "asynchronously (CUDA, MPS, MLX), 1 for torch on a CPU",
+    )
     threads: int = _opt(
         0,
         "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
@@ -207,7 +214,7 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("threads", "prefill_chunk_tokens"):
+        for name in ("threads", "prefill_chunk_tokens", "decode_burst_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.sink < 0:

@@ -104,6 +104,7 @@ class Runtime:
         self.decoder = Decoder(
             verifier,
             prefill_chunk_tokens=config.prefill_chunk_tokens or None,
+            burst_tokens=config.decode_burst_tokens or None,
             draft_policy=(
                 self.proposer.draft_policy if config.draft_policy == "auto" else DraftPolicy(config.draft_policy)
             ),

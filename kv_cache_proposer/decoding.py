@@ -23,6 +23,7 @@ from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession, NoDraftSession
 from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy
 from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
 
 
@@ -123,6 +124,7 @@ class _Plan:
     room: int
     draft: list[int]
     prefill: bool = False
+    burst: int = 1  # plain greedy steps run back to back in one call (see `Decoder.burst_tokens`)
 
     @property
     def seq(self) -> SequenceState:
@@ -138,14 +140,17 @@ class Decoder:
         *,
         prefill_chunk_tokens: int | None = None,
         draft_policy: DraftPolicy = DraftPolicy.FULL,
+        burst_tokens: int | None = None,
     ) -> None:
-        """`prefill_chunk_tokens`: pending tokens one prefill forward takes (None: the verifier's default for its
-        device)."""
+        """`prefill_chunk_tokens`: pending tokens one prefill forward takes; `burst_tokens`: how many plain greedy
+        decode steps one call may run back to back (None: the verifier's defaults for its device)."""
         chunk = verifier.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
-        if chunk < 1:
-            raise ValueError("prefill_chunk_tokens must be >= 1")
+        burst = verifier.decode_burst_tokens if burst_tokens is None else burst_tokens
+        if chunk < 1 or burst < 1:
+            raise ValueError("prefill_chunk_tokens and burst_tokens must be >= 1")
         self.verifier = verifier
         self.prefill_chunk_tokens = chunk
+        self.burst_tokens = burst
         self.draft_policy = DraftPolicy(draft_policy)
 
     def step(
@@ -161,6 +166,8 @@ class Decoder:
         `generated` counts the tokens this generation produced so far (the last `generated` history tokens).
         """
         plan = self._plan(StepRequest(seq, params, budget, generated, controls))
+        if plan.burst > 1:
+            return self._run_burst(plan)
         out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
         return self._finish(plan, out)
 
@@ -175,9 +182,16 @@ class Decoder:
         plans: list[tuple[int, _Plan]] = []
         for index, request in enumerate(requests):
             try:
-                plans.append((index, self._plan(request)))
+                plans.append((index, self._plan(request, alone=len(requests) == 1)))
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
+        if len(plans) == 1 and plans[0][1].burst > 1:
+            index, plan = plans[0]
+            try:
+                results[index] = self._run_burst(plan)
+            except Exception as exc:  # handed to that session's caller
+                results[index] = exc
+            plans = []
         groups: dict[tuple[int, ...], list[tuple[int, _Plan]]] = {}
         for item in plans:
             groups.setdefault(tuple(item[1].feature_layers), []).append(item)
@@ -206,8 +220,9 @@ class Decoder:
         except Exception as exc:  # handed to that session's caller
             return exc
 
-    def _plan(self, request: StepRequest) -> _Plan:
-        """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft."""
+    def _plan(self, request: StepRequest, *, alone: bool = True) -> _Plan:
+        """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft (or, for
+        a plain greedy step that runs `alone`, how many steps to run back to back)."""
         seq, budget, generated, controls = request.seq, request.budget, request.generated, request.controls
         self._check_position(seq)
         pending = seq.pending_count
@@ -231,15 +246,40 @@ class Decoder:
         if grammar is not None:
             # Tokens the grammar forbids are never verified (the proposer's acceptance is judged on the rest).
             draft = draft[: grammar.valid_prefix(draft)]
-        return _Plan(request, seq.tokens[start:] + draft, len(draft) + 1, layers, pending, room, draft)
+        block = seq.tokens[start:] + draft
+        burst = min(self.burst_tokens, room) if alone and self._bursts(request) else 1
+        return _Plan(request, block, len(draft) + 1, layers, pending, room, draft, burst=burst)
 
-    def _finish(self, plan: _Plan, out: VerifyOutput[Any]) -> StepResult:
-        """Everything a step does after its forward: sample, accept, stop, commit."""
+    @staticmethod
+    def _bursts(request: StepRequest) -> bool:
+        """Whether a step may run plain greedy steps back to back: no proposer, greedy, nothing that reshapes or
+        constrains the logits, a cache that needs no token ids to stage K/V, and not the generation's first token
+        (whose latency a burst would add to)."""
+        seq, controls = request.seq, request.controls
+        return (
+            isinstance(seq.draft, NoDraftSession)
+            and request.params.greedy
+            and (controls is None or (not controls.transforms_logits and controls.grammar is None))
+            and not isinstance(seq.cache.strategy, DlmRestoreStrategy)
+            and request.generated > 0
+        )
+
+    def _run_burst(self, plan: _Plan) -> StepResult:
+        """`plan.burst` greedy steps in one verifier call; then the stop rules cut the tokens as a speculative step
+        whose drafts were all accepted would be cut (the K/V after a cut are never committed)."""
+        tokens = self.verifier.burst(plan.seq.cache, plan.block, plan.burst)
+        plan.draft, plan.logits_rows = tokens[:-1], len(tokens)
+        return self._finish(plan, None, tokens)
+
+    def _finish(self, plan: _Plan, out: VerifyOutput[Any] | None, picked: list[int] | None = None) -> StepResult:
+        """Everything a step does after its forward: sample, accept, stop, commit. `picked`: the tokens a burst
+        already chose (then there is no `out`)."""
+        features = None if out is None else out.features
         seq, params, budget = plan.seq, plan.request.params, plan.request.budget
         generated, controls = plan.request.generated, plan.request.controls
         if plan.prefill:
             chunk = len(plan.block)
-            self._commit(seq, chunk, out.features)
+            self._commit(seq, chunk, features)
             return StepResult(prefilled=chunk, forwards=1)
         pending, room, draft = plan.pending, plan.room, plan.draft
         start = seq.committed
@@ -248,7 +288,11 @@ class Decoder:
         positions = [start + pending + i for i in range(len(draft) + 1)]
         logprobs = None
         dead_end_row = None  # rows from a grammar dead end on cannot emit a token
-        if controls is not None and controls.transforms_logits:
+        if picked is not None:
+            sampled = picked
+        elif out is None:
+            raise ValueError("a step without a forward's output needs its picked tokens")
+        elif controls is not None and controls.transforms_logits:
             picks = pick_controlled(
                 self.verifier.host_logits(out.logits), params, positions, controls, seq.tokens, draft
             )
@@ -256,7 +300,9 @@ class Decoder:
         else:
             sampled = self.verifier.pick_tokens(out.logits, params, positions)
         accepted = _accepted_prefix(draft, sampled)
-        seq.draft_length.update(len(draft), accepted)
+        burst = plan.burst > 1
+        if not burst:
+            seq.draft_length.update(len(draft), accepted)
         emitted = sampled[: accepted + 1]
         stop = None
         if dead_end_row is not None and dead_end_row < len(emitted):
@@ -273,13 +319,13 @@ class Decoder:
         if grammar is not None:
             grammar.advance(emitted)
         # The last emitted token stays pending; everything before it in the block is committed.
-        self._commit(seq, pending + len(emitted) - 1, out.features, new_tokens=emitted)
+        self._commit(seq, pending + len(emitted) - 1, features, new_tokens=emitted)
         return StepResult(
             tokens=emitted,
             prefilled=pending - 1,
-            drafted=len(draft),
-            accepted=max(0, len(emitted) - 1),
-            forwards=1,
+            drafted=0 if burst else len(draft),
+            accepted=0 if burst else max(0, len(emitted) - 1),
+            forwards=plan.burst,
             stop=stop,
             logprobs=logprobs[: len(emitted)] if logprobs is not None else None,
             stop_sequence_index=stop_index,

@@ -96,6 +96,18 @@ class CausalLM(Protocol[A]):
 class Verifier(CausalLM[A], Protocol[A]):
     """The served model: a causal LM whose size and hidden states proposers may use."""
 
+    @property
+    def decode_burst_tokens(self) -> int:
+        """How many plain greedy decode steps `burst` runs by default on this model's device."""
+        ...
+
+    def burst(self, cache: SessionCache[A], token_ids: Sequence[int], steps: int) -> list[int]:
+        """Stage `token_ids` at the cache's next positions and decode `steps` greedy tokens in a row: the forward
+        over the block picks the first, and each later forward takes the previous pick as its input, on the
+        device, so no step waits for the host. Returns the picks; the staged K/V of the block and of every pick
+        but the last stay staged until `commit` (which may keep fewer, as after any speculative step)."""
+        ...
+
     def verify_batch(
         self, blocks: Sequence[BatchBlock[A]], *, feature_layers: Sequence[int] = ()
     ) -> list[VerifyOutput[A]]:

@@ -19,6 +19,7 @@ _MAX_PREFILL_CHUNK = 8192
 # output, MLP gate/up/down at ~3-4x hidden) in the model's dtype. The default chunk keeps them within this bound.
 _PREFILL_ACTIVATION_BYTES = 256 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_DECODE_BURST_TOKENS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,18 @@ class ModelFacts:
         fits = max(_PREFILL_ACTIVATION_BYTES // per_token, 1)
         return min(_MAX_PREFILL_CHUNK, max(_CPU_PREFILL_CHUNK, 1 << (fits.bit_length() - 1)))
 
+    @property
+    def decode_burst_tokens(self) -> int:
+        """The default number of plain greedy decode steps one call runs back to back (`CausalLM.burst`).
+
+        Where the host queues work for a device that runs it asynchronously (CUDA, MPS, MLX on either device),
+        a burst keeps the device busy while the host prepares the next step: 4. PyTorch on a CPU computes each
+        operation as it is called, so there a burst gains nothing and only delays the tokens: 1.
+        """
+        if self.backend == "torch" and self.device == "cpu":
+            return 1
+        return _DECODE_BURST_TOKENS
+
 
 class BackendModel(ABC, Generic[A]):
     """The backend-neutral half of a verifier: a backend adds the forward over a staged block."""
@@ -66,6 +79,10 @@ class BackendModel(ABC, Generic[A]):
     @property
     def prefill_chunk_tokens(self) -> int:
         return self.facts.prefill_chunk_tokens
+
+    @property
+    def decode_burst_tokens(self) -> int:
+        return self.facts.decode_burst_tokens
 
     @property
     def hidden_size(self) -> int:
@@ -119,6 +136,10 @@ class BackendModel(ABC, Generic[A]):
         for block in blocks:
             block.cache.begin_stage(len(block.token_ids), token_ids=block.token_ids)
         return self.forward_batch(blocks, feature_layers)
+
+    @abstractmethod
+    def burst(self, cache: SessionCache[A], token_ids: Sequence[int], steps: int) -> list[int]:
+        """Stage `token_ids` and run `steps` greedy decode steps back to back (see `Verifier.burst`)."""
 
     @abstractmethod
     def forward_batch(self, blocks: Sequence[BatchBlock[A]], feature_layers: Sequence[int]) -> list[VerifyOutput[A]]:

@@ -139,18 +139,19 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
         mx.eval(logits)
         return {"prefill_s": time.perf_counter() - started}
 
-    return {"engine": engine_arm(verifier), "mlx_lm": mlx_lm}, bare_prefill, verifier
+    arms = {"engine": engine_arm(verifier), "engine:burst1": engine_arm(verifier, burst=1), "mlx_lm": mlx_lm}
+    return arms, bare_prefill, verifier
 
 
-def engine_arm(verifier: Any, chunk: int | None = None) -> Arm:
-    """`Decoder.step` in-process, prefilling in chunks of `chunk` tokens (None: the daemon's default for this
-    verifier)."""
+def engine_arm(verifier: Any, chunk: int | None = None, burst: int | None = None) -> Arm:
+    """`Decoder.step` in-process, prefilling in chunks of `chunk` tokens and decoding in bursts of `burst` steps
+    (None: the daemon's defaults for this verifier)."""
     from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
     from kv_cache_proposer.sampling import SamplingParams
     from kv_cache_proposer.strategies import FullStrategy
 
     def engine(history: list[int], new_tokens: int) -> dict[str, Any]:
-        decoder = Decoder(verifier, prefill_chunk_tokens=chunk)
+        decoder = Decoder(verifier, prefill_chunk_tokens=chunk, burst_tokens=burst)
         seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(history))
         budget, params = GenerationBudget(max_new_tokens=new_tokens), SamplingParams()
 

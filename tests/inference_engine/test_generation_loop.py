@@ -16,7 +16,7 @@ PROMPT = (5, 17, 42, 9, 63)
 
 
 def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
-    config = ServerConfig(**{"proposer": "none", "backend": backend, **overrides})
+    config = ServerConfig(**{"proposer": "none", "backend": backend, "decode_burst_tokens": 1, **overrides})
     return Runtime(verifier, config, Metrics(), model_facts=ModelFacts.read(model_dir))
 
 

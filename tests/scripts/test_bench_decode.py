@@ -34,6 +34,7 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         ("torch", "generate"),
         ("mlx", "daemon:none"),
         ("mlx", "engine"),
+        ("mlx", "engine:burst1"),
         ("mlx", "mlx_lm"),
     }
     for sample in samples["decode"]:

@@ -89,6 +89,22 @@ class MlxVerifier(BackendModel[mx.array]):
                 tap.recording.outputs = None
         return VerifyOutput(rows, features)
 
+    def burst(self, cache: SessionCache[mx.array], token_ids: Sequence[int], steps: int) -> list[int]:
+        # Each step's token stays a lazy array that feeds the next forward; evaluating it asynchronously lets the
+        # device compute one step while the host builds the next step's graph.
+        first = self.verify(cache, token_ids, 1).logits  # [1, V]
+        tokens = [mx.argmax(first, axis=-1)]  # [1] each
+        with mx.stream(self.device):
+            layers = staging_layers(cache, self._layer_windows)
+            for _ in range(steps - 1):
+                cache.begin_stage(1, extend=True)
+                logits = self.model(tokens[-1][None].astype(mx.int32), cache=layers)  # [1, 1, V]
+                tokens.append(mx.argmax(logits[0].astype(mx.float32), axis=-1))
+                mx.async_eval(tokens[-1])
+            picked = mx.concatenate(tokens)  # [steps]
+            mx.eval(picked, cache.arrays())
+        return [int(t) for t in np.array(picked)]
+
     def forward_batch(
         self, blocks: Sequence[BatchBlock[mx.array]], feature_layers: Sequence[int]
     ) -> list[VerifyOutput[mx.array]]:

@@ -66,8 +66,27 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         logits_rows: int,
         feature_layers: Sequence[int],
     ) -> VerifyOutput[torch.Tensor]:
-        query_positions = cache.query_positions  # [n]
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        return self._forward_ids(cache, input_ids, logits_rows, feature_layers)
+
+    @torch.inference_mode()
+    def burst(self, cache: SessionCache[torch.Tensor], token_ids: Sequence[int], steps: int) -> list[int]:
+        # Each step's token stays on the device and feeds the next forward, so the host queues every forward of
+        # the burst without waiting for one; the tokens cross to the host once, at the end.
+        rows = [self.verify(cache, token_ids, 1).logits]  # [1, V] each
+        for _ in range(steps - 1):
+            cache.begin_stage(1, extend=True)
+            rows.append(self._forward_ids(cache, rows[-1].argmax(dim=-1)[None], 1, ()).logits)  # input [1, 1]
+        return [int(t) for t in torch.cat(rows).argmax(dim=-1).tolist()]
+
+    def _forward_ids(
+        self,
+        cache: SessionCache[torch.Tensor],
+        input_ids: torch.Tensor,
+        logits_rows: int,
+        feature_layers: Sequence[int],
+    ) -> VerifyOutput[torch.Tensor]:
+        query_positions = cache.query_positions  # [n]
         position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
         with layer_outputs(self.model, feature_layers) as captured:
             output = self.model(
