@@ -179,8 +179,8 @@ class KVSessionCache(Generic[A]):
                 # Unbounded caches grow geometrically so appends stay amortised O(1).
                 needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
             self._grow(needed)
-        if block_len > self._steps.size:
-            self._steps = np.arange(max(block_len, 2 * self._steps.size), dtype=np.int64)
+        if kept + block_len > self._steps.size:  # a commit indexes every staged position, extended ones too
+            self._steps = np.arange(max(kept + block_len, 2 * self._steps.size), dtype=np.int64)
         start = offset + kept
         np.add(self._steps[:block_len], self._next_position + kept, out=self._positions[start : start + block_len])
         self._staged = kept + block_len

@@ -243,3 +243,24 @@ def test_a_clone_refuses_a_length_whose_positions_were_evicted(verifiers):
     verifier.commit(cache, 20)
     with pytest.raises(ValueError, match="evicted"):
         cache.clone(12)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_stage_extended_one_position_at_a_time_commits_like_one_block(verifiers, strategy):
+    # A cache rebuilt from its state has never staged a block longer than one position before this.
+    verifier = verifiers["llama"]
+    prompt, more = _tokens(5, 30), _tokens(6, 4)
+    original = verifier.new_cache(strategy)
+    verifier.verify(original, prompt, 1)
+    verifier.commit(original, len(prompt))
+    caches = [KVSessionCache.from_state(original.state, original.meta_state, ops=verifier.array_ops) for _ in "ab"]
+    verifier.verify(caches[0], more, 1)
+    for i, token in enumerate(more):
+        verifier.verify(caches[1], [token], 1, extend_stage=i > 0)
+    for cache in caches:
+        verifier.commit(cache, len(more))
+    assert caches[0].meta_state == caches[1].meta_state
+    for block, extended in zip(caches[0].state, caches[1].state, strict=True):
+        assert block is not None and extended is not None
+        for a, b in zip(block, extended, strict=True):
+            np.testing.assert_allclose(to_numpy(b), to_numpy(a), rtol=1e-5, atol=1e-5)
