@@ -107,7 +107,7 @@ def test_concurrent_sessions_get_the_tokens_they_get_alone(serve, proposer):
 
 
 def test_batch_size_one_runs_a_forward_per_step(serve):
-    server = serve(max_concurrent=4, max_batch_size=1)
+    server = serve(max_concurrent=4, max_batch_size=1, decode_burst_tokens=1)
     sessions = [_session(server, i) for i in range(3)]
     _concurrently([lambda s=s: generate(server.stub, s, max_tokens=8) for s in sessions])
     shared, forwards = _batched_forwards(server)
