@@ -81,7 +81,12 @@ class SessionCache(Protocol[A]):
 
     @property
     def restoration_state_bytes(self) -> int:
-        """Bytes of the per-position state kept to restore evicted positions."""
+        """Bytes of the per-position state kept to restore evicted positions (K/V of kept layers)."""
+        ...
+
+    @property
+    def history_token_bytes(self) -> int:
+        """Bytes of the history's token ids the cache keeps to rebuild evicted K/V by a forward."""
         ...
 
     @property

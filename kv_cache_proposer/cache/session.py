@@ -109,6 +109,11 @@ class KVSessionCache(Generic[A]):
         return 0
 
     @property
+    def history_token_bytes(self) -> int:
+        """Bytes of token ids kept to rebuild evicted K/V (0 for a cache that restores nothing)."""
+        return 0
+
+    @property
     def compressed_bytes(self) -> int:
         return sum(layer.footprint().compressed_bytes for layer in self._layers)
 

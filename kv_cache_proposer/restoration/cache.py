@@ -39,6 +39,9 @@ class RestorationSetup:
 
     plan: RestorationPlan | None = None
     rebuild: RebuildMode = "generation"
+    # What holds the K/V of kept layers when the session has no compressor of its own (None: dense, in the
+    # model's dtype): the plan's `kept_compressor`, built for the serving backend.
+    kept_store: LayerStoreFactory[Any] | None = None
 
     def __post_init__(self) -> None:
         if self.rebuild not in REBUILD_MODES:
@@ -70,8 +73,10 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._model = model  # a CausalLM: runs the forwards of `tokens` and `recompute` layers
         self._setup = setup
         self._plan = setup.plan_for(num_layers)
-        factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
-        self._kept: dict[int, LayerStore[A]] = {layer: factory(ops) for layer in self._plan.kept_layers}
+        # Kept layers go through the session's compressor when it has one, else through the plan's.
+        self._kept_factory: LayerStoreFactory[A] = layer_store or setup.kept_store or DenseLayerStore
+        self._kept_dense = layer_store is None and setup.kept_store is None
+        self._kept: dict[int, LayerStore[A]] = {layer: self._kept_factory(ops) for layer in self._plan.kept_layers}
         self._kept_capacity = 0
         self._tokens = np.zeros(0, dtype=np.int32)  # committed token ids, when a layer is rebuilt from them
         self._stage_tokens: list[int] = []
@@ -107,21 +112,30 @@ class RestoringSessionCache(KVSessionCache[A]):
 
     @property
     def restoration_state_bytes(self) -> int:
-        return int(self._tokens.nbytes) + sum(store.nbytes for store in self._kept.values())
+        """Bytes of the kept layers' K/V of evicted positions (exactly what they need while parked)."""
+        return sum(store.nbytes for store in self._kept.values())
+
+    @property
+    def history_token_bytes(self) -> int:
+        """Bytes of the token ids kept for `tokens` and `recompute` rebuilds: the session's history, which every
+        session holds anyway, so it is reported apart from the plan's K/V state."""
+        return int(self._tokens.nbytes)
 
     @property
     def nbytes(self) -> int:
-        return self.resident_bytes + self.restoration_state_bytes + self.restored_bytes
+        return self.resident_bytes + self.restoration_state_bytes + self.history_token_bytes + self.restored_bytes
 
     def arrays(self) -> list[A]:
         held = super().arrays() + [array for store in self._kept.values() for array in store.arrays()]
         return held if self._restored is None else held + self._restored.arrays()
 
     def park(self) -> None:
-        """Drop the restored K/V: a parked session holds resident K/V and the plan's state only."""
+        """Drop the restored K/V and the spare capacity of the kept layers: a parked session holds its resident
+        K/V and exactly the plan's state of its evicted positions."""
         self._drop_restored()
         for store in self._kept.values():
-            store.park()
+            store.park()  # a packed store trims its own arrays here
+        self._trim_kept()
         super().park()
 
     def release(self) -> None:
@@ -191,6 +205,22 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._kept_capacity = max(needed, self._kept_capacity + max(self._kept_capacity // 2, 256))
         for store in self._kept.values():
             store.reserve(self._kept_capacity)
+
+    def _trim_kept(self) -> None:
+        """Copy dense kept K/V into buffers of exactly the evicted positions: between generations the growth room
+        of the last one is not held (one copy of the kept layers per generation)."""
+        held = self.evicted_count
+        if not self._kept_dense or self._kept_capacity <= held:
+            return
+        for layer, store in self._kept.items():
+            trimmed = self._kept_factory(self._ops)
+            if held:
+                trimmed.reserve(held)
+                trimmed.load(np.arange(held, dtype=np.int64), *gather_all(store, held))
+            trimmed.held = held
+            store.release()
+            self._kept[layer] = trimmed
+        self._kept_capacity = held
 
     def _extend_restored(self, captured: dict[int, tuple[A, A]], added: int) -> None:
         """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""

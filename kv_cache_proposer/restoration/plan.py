@@ -5,8 +5,8 @@ Sources of a layer:
 
 - `tokens`: rebuilt exactly from the token ids by the layers' own projections (only valid for a layer whose K/V
   depend on nothing but the token and its position, such as the first layer of a standard decoder).
-- `kept`: the layer's own K/V of every evicted position are kept (through the session's layer store, so a KV
-  compressor applies to them).
+- `kept`: the layer's own K/V of every evicted position are kept (through the session's KV compressor when it has
+  one, else through the plan's `kept_compressor`, else dense).
 - `projected`: a linear map f_θ from the kept K/V of another layer (`from_layer`).
 - `recompute`: a cache-less forward of the verifier checkpoint over the token prefix: the exact reference.
 """
@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.restoration.projection import LinearProjection
 
 SourceKind = Literal["tokens", "kept", "projected", "recompute"]
@@ -54,8 +55,12 @@ class RestorationPlan:
     layers: tuple[LayerSource, ...]
     verifier: str = ""  # the model the plan was measured on (informational)
     notes: dict[str, Any] = field(default_factory=dict)
+    # The KV compressor label (`none`, `kakeya_d4`, `kakeya_e8:Q`) that packs the kept layers' K/V of sessions
+    # without a compressor of their own; a session's own compressor packs them otherwise.
+    kept_compressor: str = "none"
 
     def __post_init__(self) -> None:
+        KVCompressor.parse(self.kept_compressor)  # raises ValueError naming a bad label
         for index, source in enumerate(self.layers):
             if source.from_layer is None:
                 continue
@@ -100,11 +105,18 @@ class RestorationPlan:
             LayerSource(source.kind, source.from_layer, projections[index]) if index in projections else source
             for index, source in enumerate(self.layers)
         )
-        return RestorationPlan(layers, verifier=self.verifier, notes=dict(self.notes))
+        return RestorationPlan(
+            layers, verifier=self.verifier, notes=dict(self.notes), kept_compressor=self.kept_compressor
+        )
+
+    def with_kept_compressor(self, label: str) -> RestorationPlan:
+        """The same plan with its kept layers packed by the compressor `label` (`none`: dense)."""
+        return RestorationPlan(self.layers, verifier=self.verifier, notes=dict(self.notes), kept_compressor=label)
 
     def describe(self) -> str:
-        """One line: the source of every layer."""
-        return ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
+        """One line: the source of every layer (and the kept layers' compressor, when the plan names one)."""
+        line = ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
+        return line if self.kept_compressor == "none" else f"{line} (kept: {self.kept_compressor})"
 
     def check_model(self, num_layers: int) -> None:
         """Raises `ValueError` when the plan does not fit a model of `num_layers` layers."""
@@ -134,6 +146,8 @@ class RestorationPlan:
             layers.append(entry)
         manifest: dict[str, Any] = {"format": FORMAT, "verifier": self.verifier, "proposer": "verifier"}
         manifest["layers"] = layers
+        if self.kept_compressor != "none":
+            manifest["kept_compressor"] = self.kept_compressor
         if tensors:
             manifest["weights"] = weights_name
             save_file(tensors, str(manifest_path.with_suffix(".safetensors")))
@@ -157,7 +171,15 @@ class RestorationPlan:
             raise ValueError(f"{manifest_path}: only the verifier checkpoint itself can run `recompute` forwards")
         tensors = _load_weights(manifest_path, manifest.get("weights"))
         layers = tuple(_layer_source(entry, index, tensors) for index, entry in enumerate(manifest["layers"]))
-        return cls(layers, verifier=str(manifest.get("verifier", "")), notes=dict(manifest.get("notes", {})))
+        try:
+            return cls(
+                layers,
+                verifier=str(manifest.get("verifier", "")),
+                notes=dict(manifest.get("notes", {})),
+                kept_compressor=str(manifest.get("kept_compressor", "none")),
+            )
+        except ValueError as exc:
+            raise ValueError(f"{manifest_path}: {exc}") from None
 
 
 def find_plan(model_dir: str | Path) -> Path | None:

@@ -66,21 +66,26 @@ def test_plan_restore_measures_each_layer_and_writes_a_plan_within_the_budget(tm
 
 def test_eval_niah_runs_dlm_restore_arms_with_their_own_plans(tmp_path):
     plan = RestorationPlan.uniform(4, "kept").save(tmp_path / "kept.json")
+    arms = ["full", "dlm_restore:recompute", f"dlm_restore:{plan}@kakeya_e8", "dlm_restore:model+kakeya_d4"]
     _run(
         "scripts/eval_niah.py",
         *("--lengths", "128", "--depths", "2", "--samples", "2", "--window", "48", "--max-tokens", "4"),
-        *("--kv-strategies", f"full,dlm_restore:recompute,dlm_restore:{plan}@kakeya_e8"),
+        *("--kv-strategies", ",".join(arms)),
         *("--results-dir", str(tmp_path)),
     )
     (path,) = tmp_path.glob("eval_niah_*.json")
     summary = json.loads(path.read_text())["summary"]
-    arms = ["full", "dlm_restore:recompute", f"dlm_restore:{plan}@kakeya_e8"]
     assert set(summary["recall"]) == set(arms)
     cost = {arm: summary["cost"][arm]["128"] for arm in arms}
     assert cost["full"]["restoration_state_bytes_per_evicted_token"] == 0
     assert cost["dlm_restore:recompute"]["peak_bytes"] > cost["dlm_restore:recompute"]["sustained_bytes"]
+    # `recompute` keeps the token ids only: 4 bytes per committed position, no K/V of evicted positions.
+    assert cost["dlm_restore:recompute"]["restoration_state_bytes_per_evicted_token"] == 0
+    assert cost["dlm_restore:recompute"]["history_token_bytes_per_token"] == 4
     # The kept layers are packed by the session's compressor: below their dense fp32 size (4 layers x K,V x 64 x 4).
     assert 0 < cost[arms[2]]["restoration_state_bytes_per_evicted_token"] < 4 * 2 * 64 * 4
+    # The bundled plan's one kept layer through the plan's D4 compressor: below its dense 512 fp32 bytes.
+    assert 0 < cost[arms[3]]["restoration_state_bytes_per_evicted_token"] < 2 * 64 * 4 / 3
     assert all(c["tokens_per_s"] > 0 for c in cost.values())
 
 

@@ -42,6 +42,14 @@ def test_a_plan_with_linear_maps_survives_the_manifest_round_trip(tmp_path):
     np.testing.assert_array_equal(read.weight, original.weight)
     np.testing.assert_array_equal(read.bias, original.bias)
     assert loaded.kept_layers == (3,) and loaded.kept_fraction == 0.25 and loaded.needs_tokens
+    assert loaded.kept_compressor == "none" and "kept_compressor" not in json.loads(path.read_text())
+
+
+def test_the_kept_layers_compressor_survives_the_manifest_round_trip(tmp_path):
+    plan = RestorationPlan((LayerSource("tokens"), LayerSource("kept"))).with_kept_compressor("kakeya_d4:20")
+    loaded = RestorationPlan.load(plan.save(tmp_path))
+    assert loaded.kept_compressor == "kakeya_d4:20"
+    assert loaded.describe() == "L0:tokens, L1:kept (kept: kakeya_d4:20)"
 
 
 @pytest.mark.parametrize(
@@ -55,6 +63,7 @@ def test_a_plan_with_linear_maps_survives_the_manifest_round_trip(tmp_path):
         ),
         (lambda m: m.update(proposer="other-model"), "only the verifier checkpoint"),
         (lambda m: m.update(weights="missing.safetensors"), "cannot read restoration weights"),
+        (lambda m: m.update(kept_compressor="zip"), "unknown KV compressor 'zip'"),
     ],
 )
 def test_a_bad_manifest_raises_a_value_error_naming_the_problem(tmp_path, mutate, message):

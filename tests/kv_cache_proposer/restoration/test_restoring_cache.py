@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.ngram import NgramProposer
@@ -142,10 +143,36 @@ def test_a_parked_session_holds_resident_kv_and_the_plan_state_only(verifiers):
     per_position = (to_numpy(keys).nbytes + to_numpy(values).nbytes) // 2 // cache.resident_count  # fp32 model
     assert cache.restored_bytes == 0 and cache.restored_count == 0
     assert cache.peak_restored_bytes >= 3 * evicted * per_position
-    state = cache.restoration_state_bytes
-    assert state >= evicted * per_position + 4 * seq.committed  # one kept layer plus the token ids
-    assert state < 2 * evicted * per_position + 4 * seq.committed + 256 * per_position  # growth slack only
-    assert cache.nbytes == cache.resident_bytes + state
+    # Exactly one kept layer's K/V per evicted position (no growth room), and the token ids reported apart.
+    assert cache.restoration_state_bytes == evicted * per_position
+    assert cache.history_token_bytes == 4 * seq.committed
+    assert cache.nbytes == cache.resident_bytes + cache.restoration_state_bytes + cache.history_token_bytes
+
+
+def test_trimming_the_kept_layers_at_park_changes_no_token(verifiers):
+    verifier = verifiers["qwen3"]
+    plan = _plan("tokens", "kept", "projected", from_layer=1)
+    trimmed, _ = _converse(verifier, verifier.new_cache(RESTORE, restoration=RestorationSetup(plan)), seed=2)
+    never_parked = verifier.new_cache(RESTORE, restoration=RestorationSetup(plan))
+    never_parked.park = lambda: None  # type: ignore[method-assign]  # keeps the growth room between turns
+    untrimmed, _ = _converse(verifier, never_parked, seed=2)
+    assert trimmed == untrimmed
+
+
+def test_a_plan_kept_compressor_packs_the_kept_layers_of_an_uncompressed_session(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    plan = _plan("tokens", "kept", "projected", from_layer=1)
+    dense = verifier.new_cache(RESTORE, restoration=RestorationSetup(plan))
+    kept_store = compressor_layer_store(backend, KVCompressor("kakeya_d4"))
+    packed = verifier.new_cache(
+        RESTORE, restoration=RestorationSetup(plan.with_kept_compressor("kakeya_d4"), kept_store=kept_store)
+    )
+    dense_tokens, _ = _converse(verifier, dense, seed=3)
+    packed_tokens, _ = _converse(verifier, packed, seed=3)
+    assert packed.evicted_count == dense.evicted_count > 0
+    assert packed.resident_bytes == dense.resident_bytes  # the resident K/V stay dense
+    assert 0 < packed.restoration_state_bytes < dense.restoration_state_bytes / 3
+    assert len(packed_tokens) == len(dense_tokens)
 
 
 def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(verifiers):
