@@ -24,7 +24,12 @@ def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | Non
         plan = RestorationPlan.load(path) if path else None
         kept = KVCompressor.parse(plan.kept_compressor) if plan else KVCompressor()
         kept_store = compressor_layer_store(config.backend, kept)
-        setup = RestorationSetup(plan, rebuild=config.restore_rebuild, kept_store=kept_store)  # type: ignore[arg-type]
+        setup = RestorationSetup(
+            plan,
+            rebuild=config.restore_rebuild,  # type: ignore[arg-type]
+            kept_store=kept_store,
+            chunk_tokens=config.prefill_chunk_tokens,  # a rebuild forward reads no more than a prefill forward
+        )
         setup.plan_for(num_layers)
     except ValueError as exc:
         origin = "--restore-plan" if config.restore_plan else "the model directory's restoration plan"

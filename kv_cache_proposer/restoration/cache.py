@@ -25,7 +25,7 @@ from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, Lay
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.plan import RestorationPlan
-from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, project
+from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, prefix_kv, project
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 
 RebuildMode = Literal["generation", "step"]
@@ -42,10 +42,14 @@ class RestorationSetup:
     # What holds the K/V of kept layers when the session has no compressor of its own (None: dense, in the
     # model's dtype): the plan's `kept_compressor`, built for the serving backend.
     kept_store: LayerStoreFactory[Any] | None = None
+    # The most prefix tokens one `recompute` forward reads: the rebuild runs over the prefix in chunks of this size.
+    chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.rebuild not in REBUILD_MODES:
             raise ValueError(f"rebuild must be one of {', '.join(REBUILD_MODES)}, got {self.rebuild!r}")
+        if self.chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
     def plan_for(self, num_layers: int) -> RestorationPlan:
         """The plan for a model of `num_layers` layers; raises `ValueError` when the plan does not fit it."""
@@ -265,13 +269,14 @@ class RestoringSessionCache(KVSessionCache[A]):
         layers = self._plan.forward_layers
         if layers:
             if self._plan.needs_prefix_forward:
-                prefix = self._tokens[:end].tolist()
-                full = forward_kv(self._model, self._ops, self.num_layers, prefix, start=0, last_layer=max(layers))
-                evicted_slots = np.arange(sink, end, dtype=np.int64)
-                forward = {
-                    layer: (self._ops.take(k, evicted_slots), self._ops.take(v, evicted_slots))
-                    for layer, (k, v) in full.items()
-                }
+                forward = prefix_kv(
+                    self._model,
+                    self._ops,
+                    self._tokens[:end].tolist(),
+                    np.arange(sink, end, dtype=np.int64),
+                    last_layer=max(layers),
+                    chunk_tokens=self._setup.chunk_tokens,
+                )
             else:
                 forward = forward_kv(
                     self._model,

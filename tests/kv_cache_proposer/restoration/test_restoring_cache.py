@@ -14,6 +14,7 @@ from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.ngram import NgramProposer
 from kv_cache_proposer.restoration import LayerSource, RestorationPlan, RestorationSetup
+from kv_cache_proposer.restoration.rebuild import forward_kv, prefix_kv
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
 from tests.support.backends import BACKENDS, to_numpy
@@ -212,3 +213,53 @@ def test_a_clone_restores_like_the_original(verifiers):
     copied = to_numpy(verifier.verify(twin, tokens[39:], 1).logits)
     np.testing.assert_array_equal(copied, original)
     assert twin.restoration_state_bytes > 0 and twin.evicted_count == cache.evicted_count
+
+
+class _BlockSizes:
+    """The verifier itself, recording the length of every block a forward reads."""
+
+    def __init__(self, verifier: Any) -> None:
+        self._verifier = verifier
+        self.sizes: list[int] = []
+
+    def verify(self, cache: Any, token_ids: Any, logits_rows: int, **kwargs: Any) -> Any:
+        self.sizes.append(len(token_ids))
+        return self._verifier.verify(cache, token_ids, logits_rows, **kwargs)
+
+
+def test_a_chunked_prefix_forward_gives_the_kv_of_one_forward_over_the_whole_prefix(verifiers):
+    verifier = verifiers["qwen3"]
+    tokens = _tokens(12, 45)
+    positions = np.arange(2, 40, dtype=np.int64)
+    whole = forward_kv(verifier, verifier.array_ops, verifier.num_layers, tokens, start=0, last_layer=2)
+    spy = _BlockSizes(verifier)
+    chunked = prefix_kv(spy, verifier.array_ops, tokens, positions, last_layer=2, chunk_tokens=7)
+    assert spy.sizes == [7] * 6 + [3]
+    for layer in range(3):
+        for part in (0, 1):
+            expected = to_numpy(whole[layer][part])[:, :, positions]
+            np.testing.assert_allclose(to_numpy(chunked[layer][part]), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rebuild", ["generation", "step"])
+def test_recompute_in_small_chunks_gives_the_greedy_tokens_and_logits_of_full(verifiers, rebuild):
+    verifier = verifiers["llama"]
+    full_tokens, _ = _converse(verifier, verifier.new_cache(FullStrategy()), seed=5)
+    setup = RestorationSetup(rebuild=rebuild, chunk_tokens=5)
+    restored_tokens, _ = _converse(verifier, verifier.new_cache(RESTORE, restoration=setup), seed=5)
+    assert restored_tokens == full_tokens
+    tokens = _tokens(13, 64)
+    full_logits = to_numpy(verifier.verify(verifier.new_cache(FullStrategy()), tokens, len(tokens)).logits)
+    cache = verifier.new_cache(RESTORE, restoration=setup)
+    rows, start = [], 0
+    for size in [30, 1, 20, 13]:
+        rows.append(to_numpy(verifier.verify(cache, tokens[start : start + size], size).logits))
+        verifier.commit(cache, size)
+        start += size
+        cache.park()  # every forward after this one rebuilds the restored K/V over the prefix, in chunks of 5
+    np.testing.assert_allclose(np.concatenate(rows), full_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_rebuild_chunk_below_one_token_is_refused(backend):
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        RestorationSetup(chunk_tokens=0)
