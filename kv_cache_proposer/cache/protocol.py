@@ -90,6 +90,16 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
+    def restoration_feature_layers(self) -> tuple[int, ...]:
+        """Model layers whose outputs every forward over this cache hands to `take_features` (empty: none)."""
+        ...
+
+    def take_features(self, features: np.ndarray) -> None:
+        """The outputs `[n, L*H]` (host) of `restoration_feature_layers` for the positions of the model call in
+        flight."""
+        ...
+
+    @property
     def compressed_bytes(self) -> int:
         """Bytes of compressed K/V payload (0 for an uncompressed cache)."""
         ...

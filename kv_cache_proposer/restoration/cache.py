@@ -24,7 +24,9 @@ from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.errors import InvariantViolation
-from kv_cache_proposer.restoration.plan import RestorationPlan
+from kv_cache_proposer.restoration.drafter_context import ContextStore
+from kv_cache_proposer.restoration.plan import LayerSource, RestorationPlan
+from kv_cache_proposer.restoration.projection import rows_kv
 from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, prefix_kv, project
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 
@@ -86,6 +88,10 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._stage_tokens: list[int] = []
         self._restored: RestoredPrefix[A] | None = None
         self._peak_restored_bytes = 0
+        drafter = self._plan.drafter if self._plan.uses_drafter else None
+        # The drafter context rows of committed positions past the sink, for `projected<-drafter` layers.
+        self._contexts = None if drafter is None else ContextStore(drafter, strategy.sink)
+        self._kv_like: A | None = None  # one position's K `[1, H, 1, D]`, for K/V built on the host
 
     # -- byte accounting ---------------------------------------------------------------------------------------
     @property
@@ -116,8 +122,21 @@ class RestoringSessionCache(KVSessionCache[A]):
 
     @property
     def restoration_state_bytes(self) -> int:
-        """Bytes of the kept layers' K/V of evicted positions (exactly what they need while parked)."""
-        return sum(store.nbytes for store in self._kept.values())
+        """Bytes of the kept layers' K/V of evicted positions (exactly what they need while parked), plus the
+        drafter context rows of every committed position past the sink when a layer is projected from them."""
+        contexts = 0 if self._contexts is None else self._contexts.nbytes
+        return sum(store.nbytes for store in self._kept.values()) + contexts
+
+    @property
+    def restoration_feature_layers(self) -> tuple[int, ...]:
+        """Verifier layers whose outputs a forward must hand to `take_features` (the drafter context's inputs)."""
+        return self._plan.feature_layers
+
+    def take_features(self, features: np.ndarray) -> None:
+        """The outputs `[n, L*H]` (host) of `restoration_feature_layers` for the positions of the model call in
+        flight."""
+        if self._contexts is not None:
+            self._contexts.stage_features(self._query_start, features)
 
     @property
     def history_token_bytes(self) -> int:
@@ -140,6 +159,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         for store in self._kept.values():
             store.park()  # a packed store trims its own arrays here
         self._trim_kept()
+        if self._contexts is not None:
+            self._contexts.trim()
         super().park()
 
     def release(self) -> None:
@@ -160,6 +181,8 @@ class RestoringSessionCache(KVSessionCache[A]):
             self._note_peak()
         self.attach_prefix(self._restored)
         super().begin_stage(block_len, extend=extend)
+        if self._contexts is not None:
+            self._contexts.begin_stage(block_len, extend=extend)
 
     def commit(self, count: int) -> None:
         if not 0 <= count <= self._staged:
@@ -170,6 +193,11 @@ class RestoringSessionCache(KVSessionCache[A]):
         if count and self._plan.needs_tokens:
             self._tokens = np.concatenate([self._tokens, np.asarray(self._stage_tokens[:count], dtype=np.int32)])
         self._stage_tokens = []
+        if self._contexts is not None:
+            try:
+                self._contexts.commit(before, count)
+            except ValueError as exc:
+                raise InvariantViolation("inv1", str(exc)) from None
         for layer, store in self._kept.items():
             if leaving.size:
                 self._reserve_kept(store.held + leaving.size)
@@ -245,6 +273,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         for layer, source in enumerate(self._plan.layers):
             if source.kind == "kept":
                 per_layer.append(kept_new[layer])
+            elif source.from_drafter:
+                per_layer.append(self._from_contexts(source, first, first + added))
             elif source.kind == "projected" and source.from_layer is not None:
                 per_layer.append(project(self._ops, source, *kept_new[source.from_layer]))
             elif source.kind == "tokens":
@@ -291,6 +321,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         for layer, source in enumerate(self._plan.layers):
             if source.kind == "kept":
                 per_layer.append(kept[layer])
+            elif source.from_drafter:
+                per_layer.append(self._from_contexts(source, sink, end))
             elif source.kind == "projected" and source.from_layer is not None:
                 per_layer.append(project(self._ops, source, *kept[source.from_layer]))
             else:
@@ -299,6 +331,22 @@ class RestoringSessionCache(KVSessionCache[A]):
         restored.extend(per_layer)
         self._ops.settle(restored.arrays())
         return restored
+
+    def _from_contexts(self, source: LayerSource, start: int, end: int) -> tuple[A, A]:
+        """A `projected<-drafter` layer's K/V of positions `[start, end)`, by f_θ from their context rows."""
+        if self._contexts is None or source.projection is None:
+            raise InvariantViolation("inv1", "a layer projects from the drafter context, which the cache lacks")
+        if self._kv_like is None:
+            raise InvariantViolation("inv1", "no forward has shown the layers' K/V shape yet")
+        rows = source.projection.apply(self._contexts.rows(start, end))  # [P, 2*H*D]
+        like = self._kv_like  # [1, H, 1, D]: the model's dtype, device and K/V heads
+        out_k, out_v = rows_kv(rows, int(like.shape[1]), int(like.shape[3]))  # type: ignore[attr-defined]
+        return self._ops.from_host(out_k, like), self._ops.from_host(out_v, like)
+
+    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+        if self._contexts is not None and self._kv_like is None:
+            self._kv_like = self._ops.take(keys, np.zeros(1, dtype=np.int64))  # one position's K, kept for shapes
+        return super().stage_layer(layer_idx, keys, values)
 
     def _drop_restored(self) -> None:
         self._restored = None
@@ -342,5 +390,8 @@ class RestoringSessionCache(KVSessionCache[A]):
             twin._kept[layer].held = evicted
         if self._plan.needs_tokens:
             twin._tokens = self._tokens[:length].copy()
+        if self._contexts is not None:
+            twin._contexts = self._contexts.clone(length)
+            twin._kv_like = self._kv_like
         twin._check_restoration()
         return twin

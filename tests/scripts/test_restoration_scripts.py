@@ -64,6 +64,43 @@ def test_plan_restore_measures_each_layer_and_writes_a_plan_within_the_budget(tm
     assert log.with_suffix(".png").is_file()
 
 
+def test_train_f_theta_fits_a_layer_from_the_drafter_context(tmp_path):
+    out = tmp_path / "drafter" / "restore_plan.json"
+    _run(
+        "scripts/train_f_theta.py",
+        *("--plan", "tokens,projected<-drafter,projected<-3,kept", "--texts", "2", "--length", "96"),
+        *("--out", str(out), "--results-dir", str(tmp_path)),
+    )
+    plan = RestorationPlan.load(out)
+    assert plan.describe() == "L0:tokens, L1:projected<-drafter, L2:projected<-L3, L3:kept"
+    assert plan.drafter is not None and plan.feature_layers == (0, 1, 2, 3)  # the bundled drafter's target layers
+    projection = plan.layers[1].projection
+    assert projection is not None and projection.weight.shape == (192, 2 * 64)  # context row -> L1's K and V
+    (log,) = tmp_path.glob("train_f_theta_*.json")
+    assert set(json.loads(log.read_text())["summary"]["fit_relative_error"]) == {"drafter->L1", "L3->L2"}
+
+
+def test_plan_restore_measures_the_drafter_context_source_per_layer(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "scripts/plan_restore.py",
+            *("--lengths", "160", "--samples", "1", "--texts", "1", "--train-texts", "1", "--train-length", "96"),
+            *("--window", "48", "--sources", "drafter", "--dry-run", "--results-dir", str(tmp_path)),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: no plan within the budget, still logged
+    (log,) = tmp_path.glob("plan_restore_*.json")
+    sensitivity = json.loads(log.read_text())["samples"]["sensitivity"]
+    assert [(row["layer"], row["source"]) for row in sensitivity] == [(i, "projected<-drafter") for i in (1, 2, 3)]
+    # The context row (192 values) costs more than one layer's K/V (128 values) of the 4 layers.
+    assert all(row["state_fraction"] == 1 + 192 / 512 - 0.25 for row in sensitivity)
+
+
 def test_eval_niah_runs_dlm_restore_arms_with_their_own_plans(tmp_path):
     plan = RestorationPlan.uniform(4, "kept").save(tmp_path / "kept.json")
     arms = ["full", "dlm_restore:recompute", f"dlm_restore:{plan}@kakeya_e8", "dlm_restore:model+kakeya_d4"]
