@@ -141,3 +141,17 @@ def test_bench_restore_rebuild_measures_both_modes_against_full(tmp_path):
     assert runs["recompute/generation"]["peak_bytes"] > runs["recompute/generation"]["sustained_bytes"]
     assert runs["kept/step"]["sustained_bytes"] > runs["recompute/step"]["sustained_bytes"]  # kept K/V vs token ids
     assert path.with_suffix(".png").is_file()
+
+
+def test_bench_restore_rebuild_runs_a_plan_with_compressed_kept_layers_in_one_mode(tmp_path):
+    _run(
+        "scripts/bench_restore_rebuild.py",
+        *("--plans", "model,model+kakeya_d4", "--modes", "generation", "--prompt", "200", "--new-tokens", "4"),
+        *("--window", "48", "--results-dir", str(tmp_path)),
+    )
+    (path,) = tmp_path.glob("bench_restore_rebuild_*.json")
+    payload = json.loads(path.read_text())
+    assert set(payload["summary"]["runs"]) == {"full", "model/generation", "model+kakeya_d4/generation"}
+    state = {s["run"]: s["restoration_state_bytes"] / s["evicted_tokens"] for s in payload["samples"][1:]}
+    assert state["model/generation"] == 2 * 64 * 4  # the bundled plan keeps layer 3: K and V of 64 fp32 values
+    assert 0 < state["model+kakeya_d4/generation"] < state["model/generation"] / 3
