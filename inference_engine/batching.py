@@ -32,7 +32,7 @@ from kv_cache_proposer.decoding import Decoder, StepRequest, StepResult
 _GATHER_S = 0.005
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Queued:
     request: StepRequest
     future: asyncio.Future[StepResult]
@@ -42,6 +42,10 @@ class _Queued:
     def prefill_tokens(self) -> int:
         """Prompt tokens this step prefills: its pending tokens but the last (a decode step has none)."""
         return self.request.seq.pending_count - 1
+
+
+StepTicket = _Queued
+"""A submitted step (`StepBatcher.submit`)."""
 
 
 class StepBatcher:
@@ -70,6 +74,11 @@ class StepBatcher:
         self._dispatcher: asyncio.Task[None] | None = None
         self._generations = 0  # generations between their first and last step (queued or streaming)
 
+    @property
+    def queued_steps(self) -> int:
+        """Steps submitted and not yet in a forward."""
+        return len(self._queue)
+
     def begin_generation(self) -> None:
         """Count a running generation: the dispatcher gathers until each running one has queued its step."""
         self._generations += 1
@@ -86,6 +95,10 @@ class StepBatcher:
         If the awaiting task is cancelled, `on_cancel` is set at once; a step not yet in a forward is dropped,
         one in a forward completes first (so the session is never released while the worker mutates it).
         """
+        return await self.result(self.submit(request), on_cancel)
+
+    def submit(self, request: StepRequest) -> StepTicket:
+        """Queue one step now; `result` awaits it, `withdraw` takes it back while it waits."""
         loop = asyncio.get_running_loop()
         if self._arrived is None:
             self._arrived = asyncio.Event()
@@ -94,6 +107,10 @@ class StepBatcher:
         queued = _Queued(request, loop.create_future())
         self._queue.append(queued)
         self._arrived.set()
+        return queued
+
+    async def result(self, queued: StepTicket, on_cancel: asyncio.Event) -> StepResult:
+        """The result of a submitted step (see `step`)."""
         try:
             return await asyncio.shield(queued.future)
         except asyncio.CancelledError:
@@ -106,6 +123,15 @@ class StepBatcher:
                 if not queued.future.cancelled():
                     queued.future.exception()  # retrieved: the caller is gone
             raise
+
+    def withdraw(self, queued: StepTicket) -> bool:
+        """Take a submitted step out of the queue if it has not reached a forward (its `result` then raises
+        `CancelledError`); False when it is in a forward or done."""
+        if queued not in self._queue:
+            return False
+        self._queue.remove(queued)
+        queued.future.cancel()
+        return True
 
     def close(self) -> None:
         """Stop the dispatcher (the batch in flight completes on the worker) and cancel the steps still queued."""

@@ -138,7 +138,11 @@ class ServerConfig:
     grammar_cache_size: int = _opt(32, "compiled grammars kept for reuse (least recently used dropped first)")
     max_message_bytes: int = _opt(16 << 20, "largest gRPC message the server receives or sends")
     queue_deadline_s: float = _opt(300.0, "seconds a request may wait for its session or a generation slot")
-    prefill_chunk_tokens: int = _opt(512, "pending tokens prefilled per verifier forward")
+    prefill_chunk_tokens: int = _opt(
+        0,
+        "pending tokens prefilled per verifier forward; 0 chooses from the device and model: 512 on a CPU, on a GPU "
+        "the largest power of two up to 8192 whose activations stay within 256 MiB",
+    )
     threads: int = _opt(
         0,
         "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
@@ -197,7 +201,6 @@ class ServerConfig:
             "max_stop_sequence_tokens",
             "grammar_cache_size",
             "max_message_bytes",
-            "prefill_chunk_tokens",
         )
         for name in positive:
             if getattr(self, name) < 1:
@@ -205,8 +208,9 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.threads < 0:
-            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        for name in ("threads", "prefill_chunk_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.sink < 0:
             raise ConfigError(f"sink must be >= 0, got {self.sink}")
         try:

@@ -120,6 +120,8 @@ class ServerLimits:
     max_message_bytes: int
     max_concurrent_generations: int
     queue_deadline_s: float
+    max_batch_size: int
+    prefill_chunk_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

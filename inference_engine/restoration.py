@@ -28,7 +28,8 @@ def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | Non
             plan,
             rebuild=config.restore_rebuild,  # type: ignore[arg-type]
             kept_store=kept_store,
-            chunk_tokens=config.prefill_chunk_tokens,  # a rebuild forward reads no more than a prefill forward
+            # A rebuild forward reads no more than a prefill forward (0: the model's own prefill chunk).
+            chunk_tokens=config.prefill_chunk_tokens,
         )
         setup.plan_for(num_layers)
     except ValueError as exc:

@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from inference_engine import __version__
@@ -20,16 +19,11 @@ from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
 from inference_engine.domain import (
     CreateParams,
-    DoneEvent,
     GenerateEvent,
     GenerateParams,
-    GenerationStats,
     ModelInfo,
     ServerLimits,
     SessionInfo,
-    StopReason,
-    TokenEvent,
-    TruncatedEvent,
 )
 from inference_engine.errors import (
     InvalidArgument,
@@ -40,6 +34,7 @@ from inference_engine.errors import (
     ShuttingDown,
 )
 from inference_engine.forking import fork_sequence
+from inference_engine.generation import run_generation
 from inference_engine.grammars import ModelGrammars
 from inference_engine.journal import (
     Journal,
@@ -67,9 +62,6 @@ from kv_cache_proposer.decoding import (
     DraftPolicy,
     GenerationBudget,
     SequenceState,
-    StepRequest,
-    StepResult,
-    StopCause,
 )
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
@@ -78,51 +70,6 @@ from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_opt
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
-
-_STOP_REASONS = {
-    StopCause.EOS: StopReason.EOS,
-    StopCause.MAX_TOKENS: StopReason.MAX_TOKENS,
-    StopCause.HISTORY_LIMIT: StopReason.TRUNCATED,
-    StopCause.STOP_SEQUENCE: StopReason.STOP_SEQUENCE,
-    StopCause.GRAMMAR_DEAD_END: StopReason.GRAMMAR_DEAD_END,
-}
-
-
-@dataclass(slots=True)
-class _Tally:
-    """Running totals of one generation."""
-
-    started: float
-    prefill_tokens: int
-    generated: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    forwards: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    stop_sequence_index: int | None = None
-
-    def add(self, step: StepResult) -> None:
-        self.drafted += step.drafted
-        self.accepted += step.accepted
-        self.forwards += step.forwards
-        if step.stop_sequence_index is not None:
-            self.stop_sequence_index = step.stop_sequence_index
-
-    def stats(self, reason: StopReason, now: float) -> GenerationStats:
-        first = self.first_token_at
-        return GenerationStats(
-            stop_reason=reason,
-            generated_token_count=self.generated,
-            prefill_token_count=self.prefill_tokens,
-            prefill_duration_s=(first if first is not None else now) - self.started,
-            total_duration_s=now - self.started,
-            time_to_first_token_s=(first - self.started) if first is not None else 0.0,
-            draft_token_count=self.drafted,
-            accepted_draft_token_count=self.accepted,
-            verifier_forward_count=self.forwards,
-            stop_sequence_index=self.stop_sequence_index,
-        )
 
 
 class Runtime:
@@ -156,7 +103,7 @@ class Runtime:
         self.worker = ModelWorker()
         self.decoder = Decoder(
             verifier,
-            prefill_chunk_tokens=config.prefill_chunk_tokens,
+            prefill_chunk_tokens=config.prefill_chunk_tokens or None,
             draft_policy=(
                 self.proposer.draft_policy if config.draft_policy == "auto" else DraftPolicy(config.draft_policy)
             ),
@@ -166,7 +113,7 @@ class Runtime:
             self.decoder,
             metrics,
             max_batch_size=config.max_batch_size,
-            token_budget=config.prefill_chunk_tokens,
+            token_budget=self.decoder.prefill_chunk_tokens,
         )
         self.store = SessionStore(
             max_sessions=config.max_sessions,
@@ -273,7 +220,7 @@ class Runtime:
         session.cancel = cancel or asyncio.Event()
         session.generating = True
         try:
-            async with aclosing(self._run_generation(session, sampling, budget, controls)) as events:
+            async with aclosing(run_generation(self, session, sampling, budget, controls)) as events:
                 async for event in events:
                     yield event
         finally:
@@ -414,6 +361,8 @@ class Runtime:
                 max_message_bytes=config.max_message_bytes,
                 max_concurrent_generations=config.max_concurrent,
                 queue_deadline_s=config.queue_deadline_s,
+                max_batch_size=config.max_batch_size,
+                prefill_chunk_tokens=self.decoder.prefill_chunk_tokens,
             ),
             proposer=self.proposer.name,
             server_version=__version__,
@@ -539,103 +488,7 @@ class Runtime:
         self.store.add(session)
         return session
 
-    async def _run_generation(
-        self, session: Session, sampling: SamplingParams, budget: GenerationBudget, controls: DecodeControls
-    ) -> AsyncGenerator[GenerateEvent, None]:
-        seq = session.seq
-        cancel = session.cancel
-        assert cancel is not None
-        clock = time.perf_counter
-        tally = _Tally(started=clock(), prefill_tokens=seq.pending_count)
-        self.metrics.session_history_tokens.observe(len(seq.tokens))
-        outcome = "cancelled"  # unless the loop below ends otherwise, the client went away mid-stream
-        reason: StopReason | None = None
-        self.batcher.begin_generation()
-        try:
-            while reason is None:
-                if cancel.is_set():
-                    reason = StopReason.CANCELLED
-                    break
-                try:
-                    # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell.
-                    request = StepRequest(seq, sampling, budget, tally.generated, controls)
-                    step = await self.batcher.step(request, cancel)
-                except InvariantViolation as exc:
-                    outcome = "failed"
-                    raise self._fail(session, exc) from exc
-                tally.add(step)
-                self._record_step(step)
-                if step.tokens and tally.first_token_at is None:
-                    tally.first_token_at = clock()
-                    self._record_prefill(tally)
-                    if seq.cache.lost_count:
-                        yield TruncatedEvent(int(seq.cache.lost_count))
-                # Every token of the step is in the history now, even if the consumer stops reading midway; it is
-                # journaled before any of it reaches the client.
-                if step.tokens and self.journal is not None:
-                    try:
-                        await self.journal.write(JournalAppended(session.session_id, tuple(step.tokens), time.time()))
-                    except JournalError as exc:
-                        outcome = "failed"
-                        raise self._fail_unjournaled(session, exc) from exc
-                self.metrics.generate_tokens.inc(len(step.tokens))
-                for index, token in enumerate(step.tokens):
-                    now = clock()
-                    if tally.last_token_at is not None:
-                        self.metrics.generate_inter_token_latency_seconds.observe(now - tally.last_token_at)
-                    tally.last_token_at = now
-                    tally.generated += 1
-                    yield TokenEvent(token, step.logprobs[index] if step.logprobs is not None else None)
-                self.store.touch(session)
-                within_budget = self.store.enforce_budget(protect=session)
-                self.store.refresh_gauges()
-                if not within_budget:
-                    outcome = "resource_exhausted"
-                    raise ResourceExhausted(
-                        f"running sessions hold {self.store.kv_live_bytes()} KV bytes, over --kv-budget-bytes "
-                        f"{self.config.kv_budget_bytes}, and no idle session is left to evict"
-                    )
-                if step.stop is not None:
-                    reason = _STOP_REASONS[step.stop]
-            if tally.first_token_at is None:
-                self._record_prefill(tally)
-            stats = tally.stats(reason, clock())
-            if stats.generated_token_count:
-                self.metrics.generate_verifier_forwards_per_token.observe(
-                    stats.verifier_forward_count / stats.generated_token_count
-                )
-            outcome = reason.value
-            log.info(
-                "generation done",
-                extra={
-                    "session_id": session.session_id,
-                    "stop_reason": reason.value,
-                    "generated": stats.generated_token_count,
-                    "prefill_tokens": stats.prefill_token_count,
-                    "duration_s": round(stats.total_duration_s, 4),
-                },
-            )
-            yield DoneEvent(stats)
-        finally:
-            self.batcher.end_generation()
-            self.metrics.generate_requests.labels(outcome=outcome).inc()
-
-    def _record_step(self, step: StepResult) -> None:
-        self.metrics.verifier_forwards.inc(step.forwards)
-        if step.drafted:
-            self.metrics.speculative_drafts.inc()
-            self.metrics.speculative_draft_tokens.inc(step.drafted)
-            self.metrics.speculative_accepted_tokens.inc(step.accepted)
-            self.metrics.speculative_acceptance_length.observe(step.accepted)
-
-    def _record_prefill(self, tally: _Tally) -> None:
-        end = tally.first_token_at if tally.first_token_at is not None else time.perf_counter()
-        self.metrics.generate_prefill_tokens.observe(tally.prefill_tokens)
-        self.metrics.generate_prefill_duration_seconds.observe(end - tally.started)
-        if tally.first_token_at is not None:
-            self.metrics.generate_time_to_first_token_seconds.observe(end - tally.started)
-
-    def _fail(self, session: Session, exc: InvariantViolation) -> SessionFailed:
+    def fail_session(self, session: Session, exc: InvariantViolation) -> SessionFailed:
         """Fail a session whose cache broke an invariant: count it, free it, and return the error to raise."""
         session.invariant_violations[exc.kind] += 1
         self.metrics.cache_invariant_violations.labels(kind=exc.kind).inc()
@@ -694,7 +547,7 @@ class Runtime:
             message = f"the session journal cannot record the change, so it was not made: {exc}"
             raise JournalUnavailable(message) from exc
 
-    def _fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
+    def fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
         """Fail a session whose generated tokens could not be journaled: its memory and journal would disagree."""
         if isinstance(exc, OwnershipLost) and self.takeovers is not None:
             self.takeovers.drop_lost(session.session_id)

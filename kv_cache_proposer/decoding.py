@@ -136,13 +136,16 @@ class Decoder:
         self,
         verifier: Verifier[Any],
         *,
-        prefill_chunk_tokens: int = 512,
+        prefill_chunk_tokens: int | None = None,
         draft_policy: DraftPolicy = DraftPolicy.FULL,
     ) -> None:
-        if prefill_chunk_tokens < 1:
+        """`prefill_chunk_tokens`: pending tokens one prefill forward takes (None: the verifier's default for its
+        device)."""
+        chunk = verifier.prefill_chunk_tokens if prefill_chunk_tokens is None else prefill_chunk_tokens
+        if chunk < 1:
             raise ValueError("prefill_chunk_tokens must be >= 1")
         self.verifier = verifier
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_chunk_tokens = chunk
         self.draft_policy = DraftPolicy(draft_policy)
 
     def step(

@@ -43,6 +43,11 @@ class CausalLM(Protocol[A]):
     @property
     def vocab_size(self) -> int: ...
 
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Pending tokens one prefill forward takes by default on this model's device."""
+        ...
+
     def new_cache(
         self,
         strategy: KVStrategy,

@@ -408,7 +408,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., trained_context_tokens: _Optional[int] = ..., backend: _Optional[str] = ..., model_name: _Optional[str] = ..., description: _Optional[str] = ..., chat_template: _Optional[str] = ..., default_kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., default_sink_tokens: _Optional[int] = ..., default_window_tokens: _Optional[int] = ..., limits: _Optional[_Union[ServerLimits, _Mapping]] = ..., proposer: _Optional[str] = ..., server_version: _Optional[str] = ...) -> None: ...
 
 class ServerLimits(_message.Message):
-    __slots__ = ("max_generate_tokens", "max_append_tokens", "max_history_tokens", "max_sessions", "max_message_bytes", "max_concurrent_generations", "queue_deadline_seconds")
+    __slots__ = ("max_generate_tokens", "max_append_tokens", "max_history_tokens", "max_sessions", "max_message_bytes", "max_concurrent_generations", "queue_deadline_seconds", "max_batch_size", "prefill_chunk_tokens")
     MAX_GENERATE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_APPEND_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_HISTORY_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +416,8 @@ class ServerLimits(_message.Message):
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_CONCURRENT_GENERATIONS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEADLINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_CHUNK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     max_generate_tokens: int
     max_append_tokens: int
     max_history_tokens: int
@@ -423,7 +425,9 @@ class ServerLimits(_message.Message):
     max_message_bytes: int
     max_concurrent_generations: int
     queue_deadline_seconds: float
-    def __init__(self, max_generate_tokens: _Optional[int] = ..., max_append_tokens: _Optional[int] = ..., max_history_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_generations: _Optional[int] = ..., queue_deadline_seconds: _Optional[float] = ...) -> None: ...
+    max_batch_size: int
+    prefill_chunk_tokens: int
+    def __init__(self, max_generate_tokens: _Optional[int] = ..., max_append_tokens: _Optional[int] = ..., max_history_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., max_concurrent_generations: _Optional[int] = ..., queue_deadline_seconds: _Optional[float] = ..., max_batch_size: _Optional[int] = ..., prefill_chunk_tokens: _Optional[int] = ...) -> None: ...
 
 class ForkSessionRequest(_message.Message):
     __slots__ = ("session_id", "prefix_tokens", "client_label")

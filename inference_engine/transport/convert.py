@@ -190,6 +190,8 @@ def model_info(info: ModelInfo) -> pb.GetModelInfoResponse:
             max_message_bytes=limits.max_message_bytes,
             max_concurrent_generations=limits.max_concurrent_generations,
             queue_deadline_seconds=limits.queue_deadline_s,
+            max_batch_size=limits.max_batch_size,
+            prefill_chunk_tokens=limits.prefill_chunk_tokens,
         ),
         proposer=info.proposer,
         server_version=info.server_version,

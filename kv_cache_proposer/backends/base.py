@@ -15,6 +15,13 @@ from kv_cache_proposer.restoration.cache import RestorationSetup, RestoringSessi
 from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
+_CPU_PREFILL_CHUNK = 512
+_MAX_PREFILL_CHUNK = 8192
+# Activations of one prefill forward, per token: about 16 hidden-size vectors (residual stream, Q/K/V, attention
+# output, MLP gate/up/down at ~3-4x hidden) in the model's dtype. The default chunk keeps them within this bound.
+_PREFILL_ACTIVATION_BYTES = 256 << 20
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
 
 @dataclass(frozen=True, slots=True)
 class ModelFacts:
@@ -27,6 +34,20 @@ class ModelFacts:
     hidden_size: int
     device: str
     dtype: str
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """The default number of pending tokens one prefill forward takes on this device.
+
+        On a CPU a forward's fixed cost is small next to its compute, so a longer chunk gains little and only
+        delays the other sessions' steps: 512. On a GPU a short chunk leaves most of the device idle: the largest
+        power of two up to 8,192 whose activations stay within 256 MiB.
+        """
+        if self.device == "cpu":
+            return _CPU_PREFILL_CHUNK
+        per_token = 16 * self.hidden_size * _DTYPE_BYTES.get(self.dtype, 4)
+        fits = max(_PREFILL_ACTIVATION_BYTES // per_token, 1)
+        return min(_MAX_PREFILL_CHUNK, max(_CPU_PREFILL_CHUNK, 1 << (fits.bit_length() - 1)))
 
 
 class BackendModel(ABC, Generic[A]):
@@ -43,6 +64,10 @@ class BackendModel(ABC, Generic[A]):
     @property
     def num_layers(self) -> int:
         return self.facts.num_layers
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        return self.facts.prefill_chunk_tokens
 
     @property
     def hidden_size(self) -> int:

@@ -24,7 +24,7 @@ class ProposerOptions:
     block_size: int = 0  # dflash: block size (at most the drafter's)
     ngram_max_n: int = 4
     ngram_min_n: int = 1
-    prefill_chunk_tokens: int = 512
+    prefill_chunk_tokens: int = 0  # draft_model: pending tokens per prefill forward (0: the model's default)
 
     def __post_init__(self) -> None:
         if self.name not in PROPOSERS:
@@ -32,8 +32,8 @@ class ProposerOptions:
         if self.name in ("draft_model", "dflash") and not self.draft_model:
             where = "--draft-model" + (", or a dflash/ subdirectory of the model" if self.name == "dflash" else "")
             raise ValueError(f"the {self.name} proposer needs a model directory ({where})")
-        if self.num_draft_tokens < 0 or self.block_size < 0:
-            raise ValueError("num_draft_tokens and block_size must be >= 0")
+        if self.num_draft_tokens < 0 or self.block_size < 0 or self.prefill_chunk_tokens < 0:
+            raise ValueError("num_draft_tokens, block_size and prefill_chunk_tokens must be >= 0")
         if self.block_size == 1:
             raise ValueError("a DFlash block holds the last token plus at least one draft: block_size >= 2")
         if not 1 <= self.ngram_min_n <= self.ngram_max_n:
@@ -58,7 +58,8 @@ def load_proposer(
         from kv_cache_proposer.proposers.draft_model import DraftModelProposer
 
         model = load_verifier(backend, options.draft_model, device=device, dtype=dtype)
-        return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=options.prefill_chunk_tokens)
+        chunk = options.prefill_chunk_tokens or model.prefill_chunk_tokens
+        return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=chunk)
     limit = options.block_size - 1 if options.block_size else 0
     if options.num_draft_tokens:
         limit = min(limit, options.num_draft_tokens) if limit else options.num_draft_tokens

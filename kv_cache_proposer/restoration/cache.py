@@ -44,14 +44,15 @@ class RestorationSetup:
     # What holds the K/V of kept layers when the session has no compressor of its own (None: dense, in the
     # model's dtype): the plan's `kept_compressor`, built for the serving backend.
     kept_store: LayerStoreFactory[Any] | None = None
-    # The most prefix tokens one `recompute` forward reads: the rebuild runs over the prefix in chunks of this size.
-    chunk_tokens: int = 512
+    # The most prefix tokens one `recompute` forward reads: the rebuild runs over the prefix in chunks of this size
+    # (0: the model's own prefill chunk, `prefill_chunk_tokens`).
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rebuild not in REBUILD_MODES:
             raise ValueError(f"rebuild must be one of {', '.join(REBUILD_MODES)}, got {self.rebuild!r}")
-        if self.chunk_tokens < 1:
-            raise ValueError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
 
     def plan_for(self, num_layers: int) -> RestorationPlan:
         """The plan for a model of `num_layers` layers; raises `ValueError` when the plan does not fit it."""
@@ -305,7 +306,7 @@ class RestoringSessionCache(KVSessionCache[A]):
                     self._tokens[:end].tolist(),
                     np.arange(sink, end, dtype=np.int64),
                     last_layer=max(layers),
-                    chunk_tokens=self._setup.chunk_tokens,
+                    chunk_tokens=self._setup.chunk_tokens or int(self._model.prefill_chunk_tokens),
                 )
             else:
                 forward = forward_kv(

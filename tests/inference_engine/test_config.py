@@ -50,6 +50,7 @@ def test_bad_config_files_are_rejected_with_the_option_named(tmp_path, text, mes
         {"tls_cert": "a.pem"},
         {"backend": "jax"},
         {"sink": -1},
+        {"prefill_chunk_tokens": -1},
     ],
 )
 def test_invalid_values_are_rejected(overrides):

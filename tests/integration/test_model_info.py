@@ -53,6 +53,19 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
     assert info.limits.max_message_bytes == limits.max_message_bytes
     assert info.limits.max_concurrent_generations == limits.max_concurrent
     assert info.limits.queue_deadline_seconds == limits.queue_deadline_s
+    assert info.limits.max_batch_size == limits.max_batch_size == 8
+    # --prefill-chunk-tokens 0 (the default) chooses from the device: 512 on a CPU.
+    assert limits.prefill_chunk_tokens == 0 and info.limits.prefill_chunk_tokens == 512
+
+
+def test_an_explicit_prefill_chunk_is_the_one_used_and_reported(serve):
+    server = serve("qwen3", prefill_chunk_tokens=24, max_batch_size=3)
+    info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.limits.prefill_chunk_tokens, info.limits.max_batch_size) == (24, 3)
+    assert server.runtime.decoder.prefill_chunk_tokens == 24
+    sid = create(server.stub, list(range(3, 60)))
+    done = generate(server.stub, sid, max_tokens=2).done
+    assert done is not None and done.verifier_forward_count == 4, "57 pending tokens: two chunks of 24, then two steps"
 
 
 def test_model_info_of_a_model_without_chat_template_or_eos_leaves_them_unset(serve):

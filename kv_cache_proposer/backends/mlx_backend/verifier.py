@@ -139,6 +139,8 @@ class MlxVerifier(BackendModel[mx.array]):
             cache.commit(count)
 
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
+        if params.greedy:  # on the device: only the token ids cross to the host
+            return [int(t) for t in np.array(mx.argmax(logits, axis=-1))]
         return sampling.pick_tokens(self.host_logits(logits), params, positions)
 
     def host_logits(self, logits: mx.array) -> np.ndarray:

@@ -244,6 +244,8 @@ export function modelInfo(response: GetModelInfoResponse): ModelInfo {
       maxMessageBytes: count(limits?.maxMessageBytes ?? 0n),
       maxConcurrentGenerations: limits?.maxConcurrentGenerations ?? 0,
       queueDeadlineSeconds: limits?.queueDeadlineSeconds ?? 0,
+      maxBatchSize: limits?.maxBatchSize ?? 0,
+      prefillChunkTokens: limits?.prefillChunkTokens ?? 0,
     },
     proposer: response.proposer,
     serverVersion: response.serverVersion,

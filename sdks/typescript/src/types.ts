@@ -55,6 +55,10 @@ export interface ServerLimits {
   maxConcurrentGenerations: number;
   /** Seconds a request may wait for its session or a generation slot. */
   queueDeadlineSeconds: number;
+  /** Generation steps of concurrent sessions run in one verifier forward at most (0: a server that does not say). */
+  maxBatchSize: number;
+  /** Pending tokens one prefill forward takes (0: a server that does not say). */
+  prefillChunkTokens: number;
 }
 
 /** The served model's facts and the server's session defaults and limits (`client.modelInfo()`). */

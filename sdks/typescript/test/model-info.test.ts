@@ -19,6 +19,8 @@ describe("model facts and limits", () => {
     expect(info.limits.maxGenerateTokens).toBe(maxGenerateTokens);
     expect(info.limits.maxAppendTokens).toBe(512);
     expect(info.limits.maxConcurrentGenerations).toBe(2);
+    expect(info.limits.maxBatchSize).toBe(8);
+    expect(info.limits.prefillChunkTokens).toBe(512);
     expect(await client.modelInfo()).toBe(info);
   });
 

@@ -260,6 +260,6 @@ def test_recompute_in_small_chunks_gives_the_greedy_tokens_and_logits_of_full(ve
     np.testing.assert_allclose(np.concatenate(rows), full_logits, atol=1e-4, rtol=1e-4)
 
 
-def test_a_rebuild_chunk_below_one_token_is_refused(backend):
+def test_a_negative_rebuild_chunk_is_refused(backend):
     with pytest.raises(ValueError, match="chunk_tokens"):
-        RestorationSetup(chunk_tokens=0)
+        RestorationSetup(chunk_tokens=-1)

@@ -215,6 +215,8 @@ def model_info(reply: pb.GetModelInfoResponse) -> ModelInfo:
             max_message_bytes=limits.max_message_bytes,
             max_concurrent_generations=limits.max_concurrent_generations,
             queue_deadline_s=limits.queue_deadline_seconds,
+            max_batch_size=limits.max_batch_size,
+            prefill_chunk_tokens=limits.prefill_chunk_tokens,
         ),
         proposer=reply.proposer,
         server_version=reply.server_version,

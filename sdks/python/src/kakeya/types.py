@@ -171,6 +171,10 @@ class ServerLimits:
     """Generations running at once across sessions."""
     queue_deadline_s: float
     """Seconds a request may wait for its session or a generation slot."""
+    max_batch_size: int = 0
+    """Generation steps of concurrent sessions run in one verifier forward at most (0: a server that does not say)."""
+    prefill_chunk_tokens: int = 0
+    """Pending tokens one prefill forward takes (0: a server that does not say)."""
 
 
 @dataclass(frozen=True, slots=True)

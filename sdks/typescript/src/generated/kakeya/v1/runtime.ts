@@ -488,6 +488,13 @@ export interface ServerLimits {
   maxConcurrentGenerations: number;
   /** Seconds a request may wait for its session or a generation slot. */
   queueDeadlineSeconds: number;
+  /** Generation steps of concurrent sessions run in one verifier forward at most (1: one forward per step). */
+  maxBatchSize: number;
+  /**
+   * Pending tokens one prefill forward takes: a longer append is prefilled in chunks of this size, between which
+   * other sessions' steps run.
+   */
+  prefillChunkTokens: number;
 }
 
 export interface ForkSessionRequest {
@@ -3643,6 +3650,8 @@ function createBaseServerLimits(): ServerLimits {
     maxMessageBytes: 0n,
     maxConcurrentGenerations: 0,
     queueDeadlineSeconds: 0,
+    maxBatchSize: 0,
+    prefillChunkTokens: 0,
   };
 }
 
@@ -3674,6 +3683,12 @@ export const ServerLimits: MessageFns<ServerLimits> = {
     }
     if (message.queueDeadlineSeconds !== 0) {
       writer.uint32(57).double(message.queueDeadlineSeconds);
+    }
+    if (message.maxBatchSize !== 0) {
+      writer.uint32(64).uint32(message.maxBatchSize);
+    }
+    if (message.prefillChunkTokens !== 0) {
+      writer.uint32(72).uint32(message.prefillChunkTokens);
     }
     return writer;
   },
@@ -3747,6 +3762,22 @@ export const ServerLimits: MessageFns<ServerLimits> = {
             message.queueDeadlineSeconds = reader.double();
             continue;
           }
+          case 8: {
+            if (tag !== 64) {
+              break;
+            }
+
+            message.maxBatchSize = reader.uint32();
+            continue;
+          }
+          case 9: {
+            if (tag !== 72) {
+              break;
+            }
+
+            message.prefillChunkTokens = reader.uint32();
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -3775,6 +3806,8 @@ export const ServerLimits: MessageFns<ServerLimits> = {
       : 0n;
     message.maxConcurrentGenerations = object.maxConcurrentGenerations ?? 0;
     message.queueDeadlineSeconds = object.queueDeadlineSeconds ?? 0;
+    message.maxBatchSize = object.maxBatchSize ?? 0;
+    message.prefillChunkTokens = object.prefillChunkTokens ?? 0;
     return message;
   },
 };

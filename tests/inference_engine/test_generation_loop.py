@@ -1,0 +1,71 @@
+"""A generation queues its next step before it streams the current step's tokens, and a cancellation or a client
+that goes away never leaves a token in the history that was neither streamed nor journaled."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from inference_engine.config import ServerConfig
+from inference_engine.domain import CreateParams, DoneEvent, GenerateParams, TokenEvent
+from inference_engine.metrics import Metrics
+from inference_engine.model_facts import ModelFacts
+from inference_engine.runtime import Runtime
+
+PROMPT = (5, 17, 42, 9, 63)
+
+
+def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
+    config = ServerConfig(**{"proposer": "none", "backend": backend, **overrides})
+    return Runtime(verifier, config, Metrics(), model_facts=ModelFacts.read(model_dir))
+
+
+def test_the_next_step_is_queued_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
+    runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
+
+    async def run() -> tuple[list[int], list[int], DoneEvent]:
+        session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
+        queued_at_token, tokens, done = [], [], None
+        async for event in runtime.generate(session_id, GenerateParams(max_tokens=4)):
+            if isinstance(event, TokenEvent):
+                queued_at_token.append(runtime.batcher.queued_steps)
+                tokens.append(event.token_id)
+            elif isinstance(event, DoneEvent):
+                done = event
+        assert done is not None
+        return queued_at_token, tokens, done
+
+    try:
+        queued_at_token, tokens, done = asyncio.run(run())
+    finally:
+        runtime.shutdown()
+    # Every token but the last is handed out while its successor step waits for the worker; the last has none.
+    assert queued_at_token == [1, 1, 1, 0]
+    assert len(tokens) == done.stats.generated_token_count == 4
+
+
+def test_a_cancelled_generation_streams_every_token_its_history_gained(verifiers, verifier_pool, backend):
+    runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
+
+    async def run() -> tuple[list[int], DoneEvent, list[int]]:
+        session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
+        cancel = asyncio.Event()
+        tokens, done = [], None
+        async for event in runtime.generate(session_id, GenerateParams(max_tokens=200), cancel):
+            if isinstance(event, TokenEvent):
+                tokens.append(event.token_id)
+                if len(tokens) == 3:
+                    cancel.set()  # the 4th step is queued (or already in a forward) by now
+            elif isinstance(event, DoneEvent):
+                done = event
+        assert done is not None
+        history = runtime.session_info(session_id, history_tail_tokens=1000).history_tail
+        return tokens, done, list(history)
+
+    try:
+        tokens, done, history = asyncio.run(run())
+    finally:
+        runtime.shutdown()
+    assert done.stats.stop_reason.value == "cancelled"
+    assert 3 <= len(tokens) <= 4 and done.stats.generated_token_count == len(tokens)
+    assert history == [*PROMPT, *tokens], "the history holds exactly the prompt and the streamed tokens"

@@ -1,0 +1,48 @@
+"""scripts/bench_decode.py: a smoke run measures every arm on both backends and writes ratios to the bare loops."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench():
+    path = ROOT / "scripts" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
+    bench = _bench()
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+
+    (json_path,) = tmp_path.glob("bench_decode_*.json")
+    assert json_path.with_suffix(".png").stat().st_size > 0
+    data = json.loads(json_path.read_text())
+    samples, summary = data["samples"], data["summary"]
+    arms = {(s["backend"], s["arm"]) for s in samples["decode"]}
+    assert arms == {
+        ("torch", "daemon:none"),
+        ("torch", "engine"),
+        ("torch", "bare_loop"),
+        ("torch", "generate"),
+        ("mlx", "daemon:none"),
+        ("mlx", "engine"),
+        ("mlx", "mlx_lm"),
+    }
+    for sample in samples["decode"]:
+        assert len(sample["tokens"]) == 6 and sample["decode_tokens_per_s"] > 0
+    for backend, bare in (("torch", "bare_loop"), ("mlx", "mlx_lm")):
+        part = summary[backend]
+        assert part["tokens_agree"] is True, "the daemon, the engine and the bare loop decode the same greedy tokens"
+        assert part["decode_ratio_to_bare"][bare] == {"48": 1.0, "96": 1.0}
+        ratio = part["decode_tokens_per_s"]["engine"]["96"] / part["decode_tokens_per_s"][bare]["96"]
+        assert abs(part["decode_ratio_to_bare"]["engine"]["96"] - ratio) < 0.01
+        assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "one_forward"}
+        assert set(part["per_token_time_longest_over_shortest"]) >= {"engine", bare}
