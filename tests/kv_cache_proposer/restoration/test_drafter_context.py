@@ -1,18 +1,22 @@
 """The drafter-context source of f_θ: the context rows equal the drafter's own, a session keeps them for every
-position that can be evicted, a `projected<-drafter` layer is f_θ of them, and callers still get the features
-they asked for."""
+position that can be evicted, a `projected<-drafter` layer is f_θ of them, callers still get the features
+they asked for, and speculation changes no token."""
 
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
+from kv_cache_proposer.proposers.ngram import NgramProposer
 from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan, RestorationSetup
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
+from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
 from tests.support.backends import BACKENDS, to_numpy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
@@ -100,3 +104,32 @@ def test_a_plan_with_a_drafter_source_survives_the_manifest_round_trip(drafter_d
     assert loaded.feature_layers == (0, 2)
     with pytest.raises(ValueError, match="carries no drafter context"):
         RestorationPlan(loaded.layers)
+
+
+def _greedy_turns(verifier: Any, cache: Any, proposer: Any = None) -> list[int]:
+    """Three evicting turns of greedy decoding, parking between them as the daemon does."""
+    draft = proposer.open(cache.strategy) if proposer is not None else None
+    seq = SequenceState(cache=cache, tokens=[], **({"draft": draft} if draft is not None else {}))
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    out: list[int] = []
+    for turn, (appended, new_tokens) in enumerate([(30, 6), (5, 5), (17, 6)]):
+        seq.tokens.extend(_tokens(40 + turn, appended))
+        generated: list[int] = []
+        while len(generated) < new_tokens:
+            budget = GenerationBudget(max_new_tokens=new_tokens)
+            generated += decoder.step(seq, SamplingParams(), budget, len(generated)).tokens
+        out += generated
+        cache.park()
+    return out
+
+
+def test_speculative_decoding_under_a_drafter_context_plan_gives_the_tokens_of_plain_decoding(
+    verifiers, drafter_dir, backend
+):
+    verifier = verifiers["qwen3"]
+    setup = RestorationSetup(_plan(DrafterContext.from_drafter(drafter_dir)))
+    plain = _greedy_turns(verifier, verifier.new_cache(RESTORE, restoration=setup))
+    speculative = _greedy_turns(
+        verifier, verifier.new_cache(RESTORE, restoration=setup), proposer=NgramProposer(lookahead=4)
+    )
+    assert speculative == plain and len(plain) == 17
