@@ -106,6 +106,9 @@ def run_server(config: ServerConfig) -> int:
     except ModelLoadError as exc:
         log.error("cannot load the model: %s", exc)
         return 1
+    except ConfigError as exc:  # a setting that does not fit the loaded model (a restoration plan)
+        log.error("cannot serve this model: %s", exc)
+        return 2
     try:
         asyncio.run(KakeyaServer(runtime).serve_until_signal())
     except (OSError, RuntimeError) as exc:

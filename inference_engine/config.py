@@ -63,7 +63,8 @@ class ServerConfig:
         "",
         "dlm_restore: restoration plan manifest (JSON, f_θ weights in the safetensors file it names), or recompute "
         "(every layer rebuilt by a forward of the model: exact, slowest); empty uses the model directory's "
-        "restore_plan.json when it has one, else recompute",
+        "restore_plan.json when it has one, else recompute. A plan that cannot be read or does not fit the model stops "
+        "the start, whatever the default strategy",
     )
     restore_rebuild: str = _opt(
         "generation",

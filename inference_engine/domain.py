@@ -108,6 +108,7 @@ class SessionInfo:
     kv_restored_bytes: int = 0
     kv_restoration_state_bytes: int = 0
     kv_peak_restored_bytes: int = 0
+    history_token_bytes: int = 0  # dlm_restore: token ids kept to rebuild evicted K/V by a forward
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,8 +166,12 @@ class Metrics:
         )
         self.kv_restoration_state_bytes = Gauge(
             "kakeya_kv_restoration_state_bytes",
-            "Bytes of per-position state dlm_restore sessions keep to restore evicted positions (kept layers' K/V, "
-            "token ids)",
+            "Bytes of per-position state dlm_restore sessions keep to restore evicted positions (kept layers' K/V)",
+            registry=r,
+        )
+        self.history_token_bytes = Gauge(
+            "kakeya_history_token_bytes",
+            "Bytes of history token ids dlm_restore sessions keep to rebuild evicted K/V by a forward",
             registry=r,
         )
         for kind in ("inv1", "inv2"):

@@ -2,43 +2,54 @@
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any
 
 from inference_engine.config import ConfigError, ServerConfig
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup
 from kv_cache_proposer.verifier import SessionCache
-
-log = logging.getLogger(__name__)
 
 
 def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | None) -> RestorationSetup:
     """The plan of `--restore-plan` (`recompute`: every layer recomputed), else the plan the model directory ships
-    (`shipped`), else `recompute` for every layer; raises `ConfigError` when the plan cannot be read or does not
-    fit the model."""
-    path = None if config.restore_plan == "recompute" else config.restore_plan or shipped
+    (`shipped`), else `recompute` for every layer.
+
+    Raises `ConfigError` when the plan cannot be read or does not fit the model, whichever strategy the server
+    serves by default: any session may ask for `dlm_restore`, and it must not get another plan than the one the
+    operator shipped or named."""
+    named = Path(config.restore_plan) if config.restore_plan else shipped
+    path = None if config.restore_plan == "recompute" else named
     try:
         plan = RestorationPlan.load(path) if path else None
-        setup = RestorationSetup(plan, rebuild=config.restore_rebuild)  # type: ignore[arg-type]
+        kept = KVCompressor.parse(plan.kept_compressor) if plan else KVCompressor()
+        kept_store = compressor_layer_store(config.backend, kept)
+        setup = RestorationSetup(
+            plan,
+            rebuild=config.restore_rebuild,  # type: ignore[arg-type]
+            kept_store=kept_store,
+            # A rebuild forward reads no more than a prefill forward (0: the model's own prefill chunk).
+            chunk_tokens=config.prefill_chunk_tokens,
+        )
         setup.plan_for(num_layers)
     except ValueError as exc:
-        if config.restore_plan or config.kv_strategy == "dlm_restore":
-            raise ConfigError(f"restore_plan: {exc}") from None
-        # A plan shipped for another model is not this server's concern unless it serves dlm_restore by default;
-        # sessions that ask for dlm_restore then recompute every layer (exact), and the log says why.
-        log.warning("ignoring the model directory's restoration plan", extra={"reason": str(exc)})
-        return RestorationSetup(rebuild=config.restore_rebuild)  # type: ignore[arg-type]
+        origin = "--restore-plan" if config.restore_plan else "the model directory's restoration plan"
+        raise ConfigError(
+            f"restore_plan: cannot use {origin} {path}: {exc}. Serve without it "
+            "(--restore-plan recompute: every evicted layer recomputed, exact) or make a plan for this model "
+            "with scripts/plan_restore.py --model <model directory>"
+        ) from None
     return setup
 
 
 def restoration_info(cache: SessionCache[Any]) -> dict[str, int]:
     """The `SessionInfo` fields of a session's restoration: restored positions and the bytes by kind."""
-    restoration_bytes = cache.restoration_state_bytes + cache.restored_bytes
+    restoration_bytes = cache.restoration_state_bytes + cache.history_token_bytes + cache.restored_bytes
     return {
         "restored_token_count": int(cache.restored_count),
         "kv_resident_bytes": int(cache.nbytes) - restoration_bytes,
         "kv_restored_bytes": int(cache.restored_bytes),
         "kv_restoration_state_bytes": int(cache.restoration_state_bytes),
         "kv_peak_restored_bytes": int(cache.peak_restored_bytes),
+        "history_token_bytes": int(cache.history_token_bytes),
     }

@@ -177,10 +177,12 @@ class SessionStore:
         self._metrics.kv_compression_ratio.set(dense / compressed if compressed else 1.0)
         restored = sum(int(cache.restored_bytes) for cache in caches)
         state = sum(int(cache.restoration_state_bytes) for cache in caches)
+        token_ids = sum(int(cache.history_token_bytes) for cache in caches)
         self._metrics.kv_restored_bytes.set(restored)
         self._metrics.kv_restored_peak_bytes.set(max((int(cache.peak_restored_bytes) for cache in caches), default=0))
         self._metrics.kv_restoration_state_bytes.set(state)
-        self._metrics.kv_resident_bytes.set(sum(int(cache.nbytes) for cache in caches) - restored - state)
+        self._metrics.history_token_bytes.set(token_ids)
+        self._metrics.kv_resident_bytes.set(sum(int(cache.nbytes) for cache in caches) - restored - state - token_ids)
 
     def _least_recent_idle(self, exclude: Session | None = None, holding_memory: bool = False) -> Session | None:
         for session in self._sessions.values():

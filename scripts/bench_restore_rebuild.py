@@ -1,20 +1,21 @@
 """Rebuilding restored K/V once per generation or before every step: decode speed and memory, in process.
 
-For every restoration plan (`--plans`: `recompute`, `model` for the model directory's plan, or a manifest path)
-and both rebuild modes (`generation`: rebuilt when a generation starts, then extended as positions leave the
-window; `step`: rebuilt before every forward), a `dlm_restore` session (`--sink` + `--window`) on the verifier
+For every restoration plan (`--plans`: `recompute`, `model` for the model directory's plan, or a manifest path;
+`model+kakeya_d4` or `PATH+kakeya_d4` is that plan with its kept layers packed by the named KV compressor) and
+every rebuild mode of `--modes` (`generation`: rebuilt when a generation starts, then extended as positions leave
+the window; `step`: rebuilt before every forward), a `dlm_restore` session (`--sink` + `--window`) on the verifier
 (torch, CPU) is given `--prompt` tokens of held-out text and generates `--new-tokens` greedy tokens, `--turns`
 times (each turn appends 16 more held-out tokens and parks the session, as the daemon does between generations).
 Measured per run: decode tokens/s (generated tokens over the wall time of the steps that generate), prefill
 seconds, sustained bytes of the parked session (resident K/V + the plan's per-position state), and the per-step
 peak (sustained + the most restored K/V held at once). `full` runs alongside as the baseline. Greedy tokens of
-the two modes must agree; the script says so in `summary.modes_agree`.
+the modes must agree; the script says so in `summary.modes_agree`.
 
 Writes `results/bench_restore_rebuild_<stamp>.json` and a PNG (tokens/s and bytes per run).
 
 Usage:
     python scripts/bench_restore_rebuild.py [--model DIR] [--plans recompute,model] [--prompt 2048]
-        [--new-tokens 32] [--turns 2] [--sink 4] [--window 256]
+        [--new-tokens 32] [--turns 2] [--sink 4] [--window 256] [--modes generation,step]
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.restoration import REBUILD_MODES, RestorationPlan, RestorationSetup, find_plan
 from kv_cache_proposer.sampling import SamplingParams
@@ -50,9 +52,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sink", type=int, default=4, help="resident sink positions (default 4)")
     p.add_argument("--window", type=int, default=256, help="resident window positions (default 256)")
     p.add_argument("--seed", type=int, default=3, help="seed of the held-out text (default 3)")
+    p.add_argument("--modes", default="generation,step", help="rebuild modes to run (default generation,step)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where results go (default results/)")
     args = p.parse_args(argv)
     args.plans = [x.strip() for x in args.plans.split(",") if x.strip()]
+    args.modes = [x.strip() for x in args.modes.split(",") if x.strip()]
+    if not args.modes or any(mode not in REBUILD_MODES for mode in args.modes):
+        p.error(f"--modes takes {', '.join(REBUILD_MODES)}")
     if args.prompt < 2 or args.new_tokens < 1 or args.turns < 1:
         p.error("--prompt must be >= 2, --new-tokens and --turns >= 1")
     return args
@@ -61,10 +67,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def resolve_plan(name: str, model: Path) -> RestorationPlan | None:
     if name == "recompute":
         return None
-    path = find_plan(model) if name == "model" else Path(name)
+    base, _, compressor = name.partition("+")
+    path = find_plan(model) if base == "model" else Path(base)
     if path is None:
         raise SystemExit(f"{model} ships no restoration plan")
-    return RestorationPlan.load(path)
+    plan = RestorationPlan.load(path)
+    return plan.with_kept_compressor(compressor) if compressor else plan
+
+
+def setup_for(plan: RestorationPlan | None, rebuild: str) -> RestorationSetup:
+    """The setup the daemon builds for `plan`: its kept layers through the plan's compressor, if it names one."""
+    kept = KVCompressor.parse(plan.kept_compressor) if plan is not None else KVCompressor()
+    return RestorationSetup(plan, rebuild=rebuild, kept_store=compressor_layer_store("torch", kept))  # type: ignore[arg-type]
 
 
 def run_session(verifier: Any, cache: Any, texts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -138,14 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.plans:
         plan = resolve_plan(name, args.model)
         tokens = {}
-        for rebuild in REBUILD_MODES:
-            setup = RestorationSetup(plan, rebuild=rebuild)
-            cache = verifier.new_cache(strategy, restoration=setup)
+        for rebuild in args.modes:
+            cache = verifier.new_cache(strategy, restoration=setup_for(plan, rebuild))
             result = run_session(verifier, cache, texts, args.new_tokens)
             tokens[rebuild] = result["tokens"]
             samples.append({"run": f"{Path(name).stem}/{rebuild}", "plan": name, "rebuild": rebuild, **result})
             print(f"{name} {rebuild}: {result['decode_tokens_per_s']:.1f} tok/s", file=sys.stderr)
-        agree = agree and tokens["generation"] == tokens["step"]
+        agree = agree and all(run == tokens[args.modes[0]] for run in tokens.values())
     summary = {
         "runs": {
             s["run"]: {k: s[k] for k in ("decode_tokens_per_s", "prefill_s", "sustained_bytes", "peak_bytes")}

@@ -11,13 +11,16 @@ documents are used for every strategy.
 
 An arm of `--kv-strategies` is a strategy name, optionally with a restoration plan and a KV compressor:
 `dlm_restore:recompute` (every evicted layer recomputed: the exact reference), `dlm_restore:model` (the plan the
-model directory ships), `dlm_restore:PATH` (a plan manifest), each optionally followed by `@kakeya_e8` or
-`@kakeya_d4` (the session's compressor, which also packs a plan's kept layers). The restoration plan is a server
-setting, so each plan gets its own started daemon (`--restore-plan`); with `--address` only arms without a plan run.
+model directory ships), `dlm_restore:PATH` (a plan manifest); a plan may be followed by `+COMPRESSOR`
+(`dlm_restore:model+kakeya_d4`: the same plan with its kept layers packed by that compressor, the resident K/V
+left dense), and any arm by `@kakeya_e8` or `@kakeya_d4` (the session's compressor, which packs the resident K/V
+and a plan's kept layers). The restoration plan is a server setting, so each plan gets its own started daemon
+(`--restore-plan`); with `--address` only arms without a plan run.
 
 Writes `results/eval_niah_<stamp>.json` (per-sample outcomes, recall per arm x length x depth, and per arm x length
 in `summary`: recall averaged over depths, sustained bytes per parked session, per-step peak bytes, restoration
-state bytes per evicted position and generated tokens/s) and a heat-map PNG with one panel per arm.
+state bytes per evicted position (the kept layers' K/V), the token ids a plan keeps per history position, and
+generated tokens/s) and a heat-map PNG with one panel per arm.
 
 Usage:
     python scripts/eval_niah.py [--address HOST:PORT | --model DIR] [--lengths 512,1024,2048] [--depths 5]
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import random
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -46,6 +50,7 @@ from lib.niah import build_document
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.restoration import RestorationPlan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,6 +103,17 @@ def arm_settings(arm: str, sink: int, window: int) -> tuple[str | None, dict[str
     return (None if plan in ("", "model") else plan), create
 
 
+def plan_manifest(plan: str, model: Path, scratch: Path) -> str:
+    """The manifest `--restore-plan` gets for an arm's plan: `recompute`, a path, or `model`/a path followed by
+    `+COMPRESSOR`, written under `scratch` as that plan with its kept layers packed by COMPRESSOR."""
+    base, _, compressor = plan.partition("+")
+    if not compressor:
+        return plan
+    source = RestorationPlan.load(model if base == "model" else Path(base))
+    target = scratch / f"{len(list(scratch.iterdir()))}" / "restore_plan.json"
+    return str(source.with_kept_compressor(compressor).save(target))
+
+
 def documents_for(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, float, Any]]:
     """The needle documents of every rung, the same for every arm."""
     lines = heldout_lines(tokenizer)
@@ -144,6 +160,8 @@ def run_arm(
                 "kv_live_bytes": info.kv_live_bytes,  # parked: what the session holds between generations
                 "peak_bytes": info.kv_live_bytes + info.kv_peak_restored_bytes,
                 "restoration_state_bytes": info.kv_restoration_state_bytes,
+                "history_token_bytes": info.history_token_bytes,
+                "committed_tokens": info.history_length - info.pending_token_count,
                 "evicted_tokens": info.evicted_token_count,
             }
         )
@@ -172,6 +190,10 @@ def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_bytes": sum(s.get("peak_bytes", s["kv_live_bytes"]) for s in rung) / len(rung),
             "restoration_state_bytes_per_evicted_token": (
                 sum(s.get("restoration_state_bytes", 0) for s in rung) / evicted if evicted else 0.0
+            ),
+            "history_token_bytes_per_token": (
+                sum(s.get("history_token_bytes", 0) for s in rung)
+                / max(1, sum(s.get("committed_tokens", s["prompt_tokens"]) for s in rung))
             ),
             "tokens_per_s": sum(s.get("tokens_per_s", 0.0) for s in rung) / len(rung),
         }
@@ -221,10 +243,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("arms with a restoration plan start their own daemons: leave out --address")
     samples: list[dict[str, Any]] = []
     commands = []
+    derived = tempfile.TemporaryDirectory(prefix="eval-niah-plans-")
     for plan, arms in by_plan.items():
         daemon, address = None, args.address
         if address is None:
-            plan_flags = [] if plan is None else ["--restore-plan", plan]
+            plan_flags = [] if plan is None else ["--restore-plan", plan_manifest(plan, args.model, Path(derived.name))]
             daemon = Daemon(["--model", str(args.model), *plan_flags, *args.serve_flag])
             address = daemon.wait_listening()
             commands.append(daemon.command)
@@ -236,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if daemon is not None:
                 daemon.stop()
+    derived.cleanup()
     summary = summarize(samples)
     path = write_results(
         "eval_niah",

@@ -6,20 +6,23 @@ text computed from that stretch alone equal (to 1e-4 relative) those computed af
 Sensitivity: starting from the exact plan that keeps every layer's K/V, each layer in turn is restored from one
 candidate source while every other layer stays exact, and the script measures needle recall (greedy decoding of
 needle documents under `dlm_restore` with `--sink` + `--window`) and the mean KL divergence of the next-token
-distributions from `full` on held-out text. Candidate sources: `projected<-J` for every other layer J (a linear f_θ
-fitted by closed-form least squares on training text, as `train_f_theta.py` does); `tokens` is exact where it
-applies and not tried elsewhere.
+distributions from `full` on held-out text. Candidate sources (`--sources`): `projected<-J` for every other layer J
+(`layers`), and `projected<-drafter`, f_θ from the context state of the DFlash drafter of `--drafter` (`drafter`;
+default drafter: the model's `dflash/`), each a linear f_θ fitted by closed-form least squares on training text, as
+`train_f_theta.py` does; `tokens` is exact where it applies and not tried elsewhere.
 
 Proposal: a layer tolerates a source when its recall is within `--recall-tolerance` of `full` and its KL is at
 most `--max-kl`. Over sets of kept layers, cheapest first, every other layer takes a tolerated source (`tokens`
-first, else the projection from a kept layer with the lowest KL); the first combination whose own measured recall
-is within the tolerance at every length and whose kept bytes fit `--budget` (a fraction of the full K/V bytes of
-an evicted position) is written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. The log
+first, else the projection with the lowest KL from a kept layer or the drafter); the first combination whose own
+measured recall is within the tolerance at every length and whose state bytes (kept K/V, plus the drafter's
+context row when a layer reads it) fit `--budget` (a fraction of the full K/V bytes of an evicted position) is
+written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. The log
 (`results/plan_restore_<stamp>.json`, with a heat map of the sensitivities) holds every measurement.
 
 Usage:
     python scripts/plan_restore.py [--model DIR] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
         [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
+        [--sources layers|drafter|all] [--drafter DIR]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import itertools
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +53,8 @@ from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
-from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, RestorationPlan
+from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, LinearProjection, RestorationPlan
+from kv_cache_proposer.restoration.drafter_context import DrafterContext
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -69,6 +74,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7, help="seed of the probe documents (default 7)")
     p.add_argument("--out", type=Path, help="where to write the plan (default: <model>/restore_plan.json)")
     p.add_argument("--dry-run", action="store_true", help="measure and log, but write no plan")
+    p.add_argument(
+        "--sources",
+        choices=("layers", "drafter", "all"),
+        default="layers",
+        help="f_θ sources to measure: other layers' kept K/V, the drafter's context, or both (default layers)",
+    )
+    p.add_argument("--drafter", type=Path, help="DFlash drafter for `drafter` sources (default: <model>/dflash)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
@@ -77,16 +89,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def measure(verifier: Any, plan: RestorationPlan, probe: Any, desc: str) -> dict[str, Any]:
+DRAFTER_SOURCE = "projected<-drafter"
+
+
+def state_fraction(plan: RestorationPlan, row_width: int) -> float:
+    """State bytes per evicted position over the full K/V bytes of a position: kept layers, plus the drafter's
+    context row when a layer reads it (`row_width`: K/V values of one layer per position)."""
+    drafter = plan.drafter.width if plan.drafter is not None and plan.uses_drafter else 0
+    return plan.kept_fraction + drafter / (row_width * len(plan.layers))
+
+
+def measure(verifier: Any, plan: RestorationPlan, probe: Any, desc: str, row_width: int) -> dict[str, Any]:
     return {
         "plan": plan.describe(),
         "recall": recall(verifier, plan, probe, desc=desc),
         "kl": logit_divergence(verifier, plan, probe),
         "kept_fraction": plan.kept_fraction,
+        "state_fraction": state_fraction(plan, row_width),
     }
 
 
-def candidate_plans(num_layers: int, kept: tuple[int, ...], tolerated: dict[int, list[str]]) -> RestorationPlan | None:
+def candidate_plans(
+    num_layers: int, kept: tuple[int, ...], tolerated: dict[int, list[str]], drafter: DrafterContext | None = None
+) -> RestorationPlan | None:
     """The plan keeping exactly `kept`, every other layer from its best tolerated source reachable from them."""
     layers = []
     for layer in range(num_layers):
@@ -94,16 +119,31 @@ def candidate_plans(num_layers: int, kept: tuple[int, ...], tolerated: dict[int,
             layers.append(LayerSource("kept"))
             continue
         choice = next(
-            (s for s in tolerated[layer] if s == "tokens" or int(s.partition("<-")[2]) in kept),
+            (
+                s
+                for s in tolerated[layer]
+                if s == "tokens"
+                or (s == DRAFTER_SOURCE and drafter is not None)
+                or s.partition("<-")[2] in map(str, kept)
+            ),
             None,
         )
         if choice is None:
             return None
         if choice == "tokens":
             layers.append(LayerSource("tokens"))
+        elif choice == DRAFTER_SOURCE:
+            layers.append(LayerSource("projected", projection=_placeholder(drafter), from_drafter=True))
         else:
             layers.append(LayerSource("projected", from_layer=int(choice.partition("<-")[2])))
-    return RestorationPlan(tuple(layers))
+    uses_drafter = any(source.from_drafter for source in layers)
+    return RestorationPlan(tuple(layers), drafter=drafter if uses_drafter else None)
+
+
+def _placeholder(drafter: DrafterContext | None) -> LinearProjection:
+    """A zero f_θ from the drafter context, replaced by the fitted one."""
+    assert drafter is not None  # chosen only when a drafter is given
+    return LinearProjection(np.zeros((drafter.width, 1), np.float32), np.zeros(1, np.float32))
 
 
 def plot(sensitivity: list[dict[str, Any]], num_layers: int, png: Path) -> None:
@@ -144,8 +184,12 @@ def main(argv: list[str] | None = None) -> int:
         window=args.window,
         seed=args.seed,
     )
+    drafter = None
+    if args.sources != "layers":
+        drafter = DrafterContext.from_drafter(args.drafter or args.model / "dflash")
     train = token_stream(tokenizer, args.train_texts, args.train_length, random.Random(args.seed), held_out=False)
-    rows = kv_rows_by_layer(verifier, train, range(layers))
+    rows = kv_rows_by_layer(verifier, train, range(layers), drafter)
+    row_width = int(rows[0].shape[1])
     token_layers = token_only_layers(verifier, probe.texts[0][: 2 * args.window], start=args.window)
     print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
     full_recall = recall(verifier, None, probe, desc="full")
@@ -158,12 +202,24 @@ def main(argv: list[str] | None = None) -> int:
         if layer in token_layers:
             tolerated[layer].append((-1.0, "tokens"))  # exact and free: nothing to measure
             continue
-        for source in (f"projected<-{j}" for j in range(layers) if j != layer):
-            replaced = LayerSource("projected", from_layer=int(source.partition("<-")[2]))
-            plan = RestorationPlan(tuple(replaced if i == layer else s for i, s in enumerate(exact.layers)))
+        sources = [f"projected<-{j}" for j in range(layers) if j != layer] if args.sources != "drafter" else []
+        sources += [DRAFTER_SOURCE] if drafter is not None else []
+        for source in sources:
+            if source == DRAFTER_SOURCE:
+                replaced = LayerSource("projected", projection=_placeholder(drafter), from_drafter=True)
+            else:
+                replaced = LayerSource("projected", from_layer=int(source.partition("<-")[2]))
+            plan = RestorationPlan(
+                tuple(replaced if i == layer else s for i, s in enumerate(exact.layers)),
+                drafter=drafter if replaced.from_drafter else None,
+            )
             plan, errors = fit_projections(plan, rows, ridge=args.ridge)
             fit_errors.update(errors)
-            row = {"layer": layer, "source": source, **measure(verifier, plan, probe, f"L{layer} {source}")}
+            row = {
+                "layer": layer,
+                "source": source,
+                **measure(verifier, plan, probe, f"L{layer} {source}", row_width),
+            }
             sensitivity.append(row)
             print(f"L{layer} <- {source}: recall {row['recall']:.2f}, KL {row['kl']:.4f}", file=sys.stderr)
             if full_recall - row["recall"] <= args.recall_tolerance and row["kl"] <= args.max_kl:
@@ -177,11 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             break
         # A layer rebuilt exactly from tokens is never worth keeping.
         for kept in itertools.combinations([i for i in range(layers) if i not in token_layers], size):
-            candidate = candidate_plans(layers, kept, ranked)
-            if candidate is None:
+            candidate = candidate_plans(layers, kept, ranked, drafter)
+            if candidate is None or state_fraction(candidate, row_width) > args.budget + 1e-9:
                 continue
             candidate, _ = fit_projections(candidate, rows, ridge=args.ridge)
-            result = measure(verifier, candidate, probe, f"plan {candidate.describe()}")
+            result = measure(verifier, candidate, probe, f"plan {candidate.describe()}", row_width)
             tried.append(result)
             if full_recall - result["recall"] <= args.recall_tolerance:
                 proposal = {**result, "plan": candidate, "describe": candidate.describe()}
@@ -193,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if proposal is not None and not args.dry_run:
         plan = proposal["plan"]
         _, errors = fit_projections(plan, rows, ridge=args.ridge)
-        plan = RestorationPlan(
-            plan.layers,
+        plan = replace(
+            plan,
             verifier=args.model.name,
             notes={
                 "found_by": "scripts/plan_restore.py",

@@ -1,9 +1,11 @@
-"""Fit the f_θ maps of a restoration plan: a linear map per `projected` layer from the kept layer it reads.
+"""Fit the f_θ maps of a restoration plan: a linear map per `projected` layer from the kept layer it reads, or
+from the DFlash drafter's context state (`projected<-drafter`).
 
 The plan comes from `--plan`: a manifest (JSON, e.g. one `plan_restore.py` wrote) or a compact spec such as
 `tokens,projected<-3,projected<-3,kept` (see `kv_cache_proposer.restoration.plan.plan_from_spec`). The script runs
 the verifier with full attention over `--texts` sequences of `--length` tokens of the training corpus (the standard
-library's source, held-out files excluded), collects every layer's K/V per position and fits each map by
+library's source, held-out files excluded), collects every layer's K/V per position (and, for `projected<-drafter`
+layers, the context row the drafter of `--drafter` computes from the verifier's features) and fits each map by
 closed-form ridge least squares (`--ridge`), reporting its relative error on the last 10 % of the rows. The rows
 are saved to `--rows-cache` when given and read back from it on a later run (a rerun with another `--ridge` skips
 the forwards). The fitted plan is written to `--out` (default: the model directory's `restore_plan.json`, with its
@@ -13,7 +15,7 @@ Only closed-form least squares on K/V is implemented: no attention-output or log
 
 Usage:
     python scripts/train_f_theta.py [--model DIR] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
-        [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0]
+        [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0] [--drafter DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import argparse
 import random
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +32,13 @@ import numpy as np
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.restoration import fit_projections, kv_rows_by_layer, token_stream
+from lib.restoration import DRAFTER_ROWS, fit_projections, kv_rows_by_layer, token_stream
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.restoration import PLAN_FILE, RestorationPlan
+from kv_cache_proposer.restoration.drafter_context import DrafterContext
 from kv_cache_proposer.restoration.plan import plan_from_spec
 
 
@@ -48,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="where to write the fitted plan (default: <model>/restore_plan.json)")
     p.add_argument("--rows-cache", type=Path, help="npz of collected K/V rows: read when present, else written")
     p.add_argument("--seed", type=int, default=0, help="seed of the training-text sampling (default 0)")
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        help="DFlash drafter whose context `projected<-drafter` layers read (default: <model>/dflash)",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
     if args.texts < 1 or args.length < 2 or args.ridge < 0:
@@ -55,25 +64,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def load_plan(spec: str, num_layers: int) -> RestorationPlan:
+def drafter_context(directory: Path | None, model: Path) -> DrafterContext | None:
+    """The context of the drafter in `directory` (default: the model's bundled `dflash/`), if there is one."""
+    path = directory or model / "dflash"
+    return DrafterContext.from_drafter(path) if (path / "config.json").is_file() else None
+
+
+def load_plan(spec: str, num_layers: int, drafter: DrafterContext | None = None) -> RestorationPlan:
     """A manifest path, or a compact spec."""
     if spec.endswith(".json") or Path(spec).is_dir():
         return RestorationPlan.load(spec)
-    return plan_from_spec(spec, num_layers)
+    return plan_from_spec(spec, num_layers, drafter)
 
 
-def collect_rows(args: argparse.Namespace, verifier: Any, layers: list[int]) -> dict[int, np.ndarray]:
+def _row_key(layer: int) -> str:
+    return "drafter" if layer == DRAFTER_ROWS else f"layer{layer}"
+
+
+def collect_rows(
+    args: argparse.Namespace, verifier: Any, layers: list[int], drafter: DrafterContext | None = None
+) -> dict[int, np.ndarray]:
+    wanted = [*layers, *([DRAFTER_ROWS] if drafter is not None else [])]
     if args.rows_cache is not None and args.rows_cache.exists():
         stored = np.load(args.rows_cache)
-        if all(f"layer{layer}" in stored for layer in layers):
+        if all(_row_key(layer) in stored for layer in wanted):
             print(f"read K/V rows from {args.rows_cache}", file=sys.stderr)
-            return {layer: stored[f"layer{layer}"] for layer in layers}
+            return {layer: stored[_row_key(layer)] for layer in wanted}
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     texts = token_stream(tokenizer, args.texts, args.length, random.Random(args.seed), held_out=False)
-    rows = kv_rows_by_layer(verifier, texts, layers)
+    rows = kv_rows_by_layer(verifier, texts, layers, drafter)
     if args.rows_cache is not None:
         args.rows_cache.parent.mkdir(parents=True, exist_ok=True)
-        np.savez(args.rows_cache, **{f"layer{layer}": r for layer, r in rows.items()})  # type: ignore[arg-type]
+        np.savez(args.rows_cache, **{_row_key(layer): r for layer, r in rows.items()})  # type: ignore[arg-type]
     return rows
 
 
@@ -94,17 +116,19 @@ def plot(errors: dict[str, float], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     verifier = load_verifier("torch", args.model, device="cpu", dtype="float32")
-    plan = load_plan(args.plan, verifier.num_layers)
+    plan = load_plan(args.plan, verifier.num_layers, drafter_context(args.drafter, args.model))
     plan.check_model(verifier.num_layers)
     pairs = [(source.from_layer, index) for index, source in enumerate(plan.layers) if source.from_layer is not None]
-    if not pairs:
+    projected = [index for index, source in enumerate(plan.layers) if source.kind == "projected"]
+    if not projected:
         print("the plan has no projected layer: nothing to fit", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    rows = collect_rows(args, verifier, sorted({layer for pair in pairs for layer in pair}))
+    layers = sorted({layer for pair in pairs for layer in pair} | set(projected))
+    rows = collect_rows(args, verifier, layers, plan.drafter if plan.uses_drafter else None)
     fitted, errors = fit_projections(plan, rows, ridge=args.ridge)
-    fitted = RestorationPlan(
-        fitted.layers,
+    fitted = replace(
+        fitted,
         verifier=args.model.name,
         notes={**fitted.notes, "f_theta": f"closed-form ridge least squares, ridge {args.ridge}", "fit_error": errors},
     )

@@ -165,6 +165,7 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         kv_restored_bytes=info.kv_restored_bytes,
         kv_restoration_state_bytes=info.kv_restoration_state_bytes,
         kv_peak_restored_bytes=info.kv_peak_restored_bytes,
+        history_token_bytes=info.history_token_bytes,
     )
 
 

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic
 
+import numpy as np
+
 from kv_cache_proposer.cache import KVSessionCache, LayerStoreFactory, SessionCache
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.restoration.cache import RestorationSetup, RestoringSessionCache
@@ -122,7 +124,9 @@ class BackendModel(ABC, Generic[A]):
     ) -> VerifyOutput[A]:
         """Stage the block at the cache's next positions and run the model over it (see `CausalLM.verify`)."""
         cache.begin_stage(len(token_ids), extend=extend_stage, token_ids=token_ids)
-        return self.forward(cache, token_ids, logits_rows, feature_layers)
+        layers = _with_restoration_layers(feature_layers, [cache])
+        out = self.forward(cache, token_ids, logits_rows, layers)
+        return _hand_features(self.array_ops, out, cache, layers, feature_layers)
 
     def verify_batch(
         self, blocks: Sequence[BatchBlock[A]], *, feature_layers: Sequence[int] = ()
@@ -135,7 +139,12 @@ class BackendModel(ABC, Generic[A]):
             raise ValueError("a batched forward takes one block per session cache")
         for block in blocks:
             block.cache.begin_stage(len(block.token_ids), token_ids=block.token_ids)
-        return self.forward_batch(blocks, feature_layers)
+        layers = _with_restoration_layers(feature_layers, [block.cache for block in blocks])
+        outs = self.forward_batch(blocks, layers)
+        return [
+            _hand_features(self.array_ops, out, block.cache, layers, feature_layers)
+            for out, block in zip(outs, blocks, strict=True)
+        ]
 
     @abstractmethod
     def burst(self, cache: SessionCache[A], token_ids: Sequence[int], steps: int) -> list[int]:
@@ -152,3 +161,30 @@ class BackendModel(ABC, Generic[A]):
     ) -> VerifyOutput[A]:
         """The model over the block `begin_stage` just reserved: logits of its last `logits_rows` positions and
         the outputs of `feature_layers` for every position."""
+
+
+def _with_restoration_layers(asked: Sequence[int], caches: Sequence[SessionCache[A]]) -> tuple[int, ...]:
+    """The layers a forward captures: those the caller asked for first, then those a restoring cache needs."""
+    layers = list(asked)
+    for cache in caches:
+        layers += [layer for layer in cache.restoration_feature_layers if layer not in layers]
+    return tuple(layers)
+
+
+def _hand_features(
+    ops: ArrayOps[A], out: VerifyOutput[A], cache: SessionCache[A], layers: Sequence[int], asked: Sequence[int]
+) -> VerifyOutput[A]:
+    """Give the cache the outputs of the layers it needs (on the host) and the caller those it asked for, which
+    lead the captured layers."""
+    wanted, features = cache.restoration_feature_layers, out.features
+    if features is None or (not wanted and len(layers) == len(asked)):
+        return out
+    width = int(features.shape[1]) // len(layers)  # type: ignore[attr-defined]  # [n, len(layers) * hidden]
+    if wanted:
+        host = ops.to_host(features)
+        cache.take_features(
+            np.concatenate([host[:, layers.index(i) * width : (layers.index(i) + 1) * width] for i in wanted], axis=1)
+        )
+    if len(layers) == len(asked):
+        return out
+    return VerifyOutput(out.logits, features[:, : len(asked) * width] if asked else None)  # type: ignore[index]

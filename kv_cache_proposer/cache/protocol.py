@@ -81,7 +81,22 @@ class SessionCache(Protocol[A]):
 
     @property
     def restoration_state_bytes(self) -> int:
-        """Bytes of the per-position state kept to restore evicted positions."""
+        """Bytes of the per-position state kept to restore evicted positions (K/V of kept layers)."""
+        ...
+
+    @property
+    def history_token_bytes(self) -> int:
+        """Bytes of the history's token ids the cache keeps to rebuild evicted K/V by a forward."""
+        ...
+
+    @property
+    def restoration_feature_layers(self) -> tuple[int, ...]:
+        """Model layers whose outputs every forward over this cache hands to `take_features` (empty: none)."""
+        ...
+
+    def take_features(self, features: np.ndarray) -> None:
+        """The outputs `[n, L*H]` (host) of `restoration_feature_layers` for the positions of the model call in
+        flight."""
         ...
 
     @property

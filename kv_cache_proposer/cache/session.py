@@ -109,6 +109,19 @@ class KVSessionCache(Generic[A]):
         return 0
 
     @property
+    def history_token_bytes(self) -> int:
+        """Bytes of token ids kept to rebuild evicted K/V (0 for a cache that restores nothing)."""
+        return 0
+
+    @property
+    def restoration_feature_layers(self) -> tuple[int, ...]:
+        """Layers whose outputs the cache needs from every forward (none unless it restores from them)."""
+        return ()
+
+    def take_features(self, features: np.ndarray) -> None:
+        return None
+
+    @property
     def compressed_bytes(self) -> int:
         return sum(layer.footprint().compressed_bytes for layer in self._layers)
 

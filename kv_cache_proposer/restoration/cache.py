@@ -24,8 +24,10 @@ from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.errors import InvariantViolation
-from kv_cache_proposer.restoration.plan import RestorationPlan
-from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, project
+from kv_cache_proposer.restoration.drafter_context import ContextStore
+from kv_cache_proposer.restoration.plan import LayerSource, RestorationPlan
+from kv_cache_proposer.restoration.projection import rows_kv
+from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, prefix_kv, project
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 
 RebuildMode = Literal["generation", "step"]
@@ -39,10 +41,18 @@ class RestorationSetup:
 
     plan: RestorationPlan | None = None
     rebuild: RebuildMode = "generation"
+    # What holds the K/V of kept layers when the session has no compressor of its own (None: dense, in the
+    # model's dtype): the plan's `kept_compressor`, built for the serving backend.
+    kept_store: LayerStoreFactory[Any] | None = None
+    # The most prefix tokens one `recompute` forward reads: the rebuild runs over the prefix in chunks of this size
+    # (0: the model's own prefill chunk, `prefill_chunk_tokens`).
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.rebuild not in REBUILD_MODES:
             raise ValueError(f"rebuild must be one of {', '.join(REBUILD_MODES)}, got {self.rebuild!r}")
+        if self.chunk_tokens < 0:
+            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
 
     def plan_for(self, num_layers: int) -> RestorationPlan:
         """The plan for a model of `num_layers` layers; raises `ValueError` when the plan does not fit it."""
@@ -70,13 +80,19 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._model = model  # a CausalLM: runs the forwards of `tokens` and `recompute` layers
         self._setup = setup
         self._plan = setup.plan_for(num_layers)
-        factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
-        self._kept: dict[int, LayerStore[A]] = {layer: factory(ops) for layer in self._plan.kept_layers}
+        # Kept layers go through the session's compressor when it has one, else through the plan's.
+        self._kept_factory: LayerStoreFactory[A] = layer_store or setup.kept_store or DenseLayerStore
+        self._kept_dense = layer_store is None and setup.kept_store is None
+        self._kept: dict[int, LayerStore[A]] = {layer: self._kept_factory(ops) for layer in self._plan.kept_layers}
         self._kept_capacity = 0
         self._tokens = np.zeros(0, dtype=np.int32)  # committed token ids, when a layer is rebuilt from them
         self._stage_tokens: list[int] = []
         self._restored: RestoredPrefix[A] | None = None
         self._peak_restored_bytes = 0
+        drafter = self._plan.drafter if self._plan.uses_drafter else None
+        # The drafter context rows of committed positions past the sink, for `projected<-drafter` layers.
+        self._contexts = None if drafter is None else ContextStore(drafter, strategy.sink)
+        self._kv_like: A | None = None  # one position's K `[1, H, 1, D]`, for K/V built on the host
 
     # -- byte accounting ---------------------------------------------------------------------------------------
     @property
@@ -107,21 +123,45 @@ class RestoringSessionCache(KVSessionCache[A]):
 
     @property
     def restoration_state_bytes(self) -> int:
-        return int(self._tokens.nbytes) + sum(store.nbytes for store in self._kept.values())
+        """Bytes of the kept layers' K/V of evicted positions (exactly what they need while parked), plus the
+        drafter context rows of every committed position past the sink when a layer is projected from them."""
+        contexts = 0 if self._contexts is None else self._contexts.nbytes
+        return sum(store.nbytes for store in self._kept.values()) + contexts
+
+    @property
+    def restoration_feature_layers(self) -> tuple[int, ...]:
+        """Verifier layers whose outputs a forward must hand to `take_features` (the drafter context's inputs)."""
+        return self._plan.feature_layers
+
+    def take_features(self, features: np.ndarray) -> None:
+        """The outputs `[n, L*H]` (host) of `restoration_feature_layers` for the positions of the model call in
+        flight."""
+        if self._contexts is not None:
+            self._contexts.stage_features(self._query_start, features)
+
+    @property
+    def history_token_bytes(self) -> int:
+        """Bytes of the token ids kept for `tokens` and `recompute` rebuilds: the session's history, which every
+        session holds anyway, so it is reported apart from the plan's K/V state."""
+        return int(self._tokens.nbytes)
 
     @property
     def nbytes(self) -> int:
-        return self.resident_bytes + self.restoration_state_bytes + self.restored_bytes
+        return self.resident_bytes + self.restoration_state_bytes + self.history_token_bytes + self.restored_bytes
 
     def arrays(self) -> list[A]:
         held = super().arrays() + [array for store in self._kept.values() for array in store.arrays()]
         return held if self._restored is None else held + self._restored.arrays()
 
     def park(self) -> None:
-        """Drop the restored K/V: a parked session holds resident K/V and the plan's state only."""
+        """Drop the restored K/V and the spare capacity of the kept layers: a parked session holds its resident
+        K/V and exactly the plan's state of its evicted positions."""
         self._drop_restored()
         for store in self._kept.values():
-            store.park()
+            store.park()  # a packed store trims its own arrays here
+        self._trim_kept()
+        if self._contexts is not None:
+            self._contexts.trim()
         super().park()
 
     def release(self) -> None:
@@ -142,6 +182,8 @@ class RestoringSessionCache(KVSessionCache[A]):
             self._note_peak()
         self.attach_prefix(self._restored)
         super().begin_stage(block_len, extend=extend)
+        if self._contexts is not None:
+            self._contexts.begin_stage(block_len, extend=extend)
 
     def commit(self, count: int) -> None:
         if not 0 <= count <= self._staged:
@@ -152,6 +194,11 @@ class RestoringSessionCache(KVSessionCache[A]):
         if count and self._plan.needs_tokens:
             self._tokens = np.concatenate([self._tokens, np.asarray(self._stage_tokens[:count], dtype=np.int32)])
         self._stage_tokens = []
+        if self._contexts is not None:
+            try:
+                self._contexts.commit(before, count)
+            except ValueError as exc:
+                raise InvariantViolation("inv1", str(exc)) from None
         for layer, store in self._kept.items():
             if leaving.size:
                 self._reserve_kept(store.held + leaving.size)
@@ -192,6 +239,22 @@ class RestoringSessionCache(KVSessionCache[A]):
         for store in self._kept.values():
             store.reserve(self._kept_capacity)
 
+    def _trim_kept(self) -> None:
+        """Copy dense kept K/V into buffers of exactly the evicted positions: between generations the growth room
+        of the last one is not held (one copy of the kept layers per generation)."""
+        held = self.evicted_count
+        if not self._kept_dense or self._kept_capacity <= held:
+            return
+        for layer, store in self._kept.items():
+            trimmed = self._kept_factory(self._ops)
+            if held:
+                trimmed.reserve(held)
+                trimmed.load(np.arange(held, dtype=np.int64), *gather_all(store, held))
+            trimmed.held = held
+            store.release()
+            self._kept[layer] = trimmed
+        self._kept_capacity = held
+
     def _extend_restored(self, captured: dict[int, tuple[A, A]], added: int) -> None:
         """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""
         if self._restored is None:
@@ -211,6 +274,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         for layer, source in enumerate(self._plan.layers):
             if source.kind == "kept":
                 per_layer.append(kept_new[layer])
+            elif source.from_drafter:
+                per_layer.append(self._from_contexts(source, first, first + added))
             elif source.kind == "projected" and source.from_layer is not None:
                 per_layer.append(project(self._ops, source, *kept_new[source.from_layer]))
             elif source.kind == "tokens":
@@ -235,13 +300,14 @@ class RestoringSessionCache(KVSessionCache[A]):
         layers = self._plan.forward_layers
         if layers:
             if self._plan.needs_prefix_forward:
-                prefix = self._tokens[:end].tolist()
-                full = forward_kv(self._model, self._ops, self.num_layers, prefix, start=0, last_layer=max(layers))
-                evicted_slots = np.arange(sink, end, dtype=np.int64)
-                forward = {
-                    layer: (self._ops.take(k, evicted_slots), self._ops.take(v, evicted_slots))
-                    for layer, (k, v) in full.items()
-                }
+                forward = prefix_kv(
+                    self._model,
+                    self._ops,
+                    self._tokens[:end].tolist(),
+                    np.arange(sink, end, dtype=np.int64),
+                    last_layer=max(layers),
+                    chunk_tokens=self._setup.chunk_tokens or int(self._model.prefill_chunk_tokens),
+                )
             else:
                 forward = forward_kv(
                     self._model,
@@ -256,6 +322,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         for layer, source in enumerate(self._plan.layers):
             if source.kind == "kept":
                 per_layer.append(kept[layer])
+            elif source.from_drafter:
+                per_layer.append(self._from_contexts(source, sink, end))
             elif source.kind == "projected" and source.from_layer is not None:
                 per_layer.append(project(self._ops, source, *kept[source.from_layer]))
             else:
@@ -264,6 +332,22 @@ class RestoringSessionCache(KVSessionCache[A]):
         restored.extend(per_layer)
         self._ops.settle(restored.arrays())
         return restored
+
+    def _from_contexts(self, source: LayerSource, start: int, end: int) -> tuple[A, A]:
+        """A `projected<-drafter` layer's K/V of positions `[start, end)`, by f_θ from their context rows."""
+        if self._contexts is None or source.projection is None:
+            raise InvariantViolation("inv1", "a layer projects from the drafter context, which the cache lacks")
+        if self._kv_like is None:
+            raise InvariantViolation("inv1", "no forward has shown the layers' K/V shape yet")
+        rows = source.projection.apply(self._contexts.rows(start, end))  # [P, 2*H*D]
+        like = self._kv_like  # [1, H, 1, D]: the model's dtype, device and K/V heads
+        out_k, out_v = rows_kv(rows, int(like.shape[1]), int(like.shape[3]))  # type: ignore[attr-defined]
+        return self._ops.from_host(out_k, like), self._ops.from_host(out_v, like)
+
+    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+        if self._contexts is not None and self._kv_like is None:
+            self._kv_like = self._ops.take(keys, np.zeros(1, dtype=np.int64))  # one position's K, kept for shapes
+        return super().stage_layer(layer_idx, keys, values)
 
     def _drop_restored(self) -> None:
         self._restored = None
@@ -307,5 +391,8 @@ class RestoringSessionCache(KVSessionCache[A]):
             twin._kept[layer].held = evicted
         if self._plan.needs_tokens:
             twin._tokens = self._tokens[:length].copy()
+        if self._contexts is not None:
+            twin._contexts = self._contexts.clone(length)
+            twin._kv_like = self._kv_like
         twin._check_restoration()
         return twin

@@ -5,21 +5,24 @@ Sources of a layer:
 
 - `tokens`: rebuilt exactly from the token ids by the layers' own projections (only valid for a layer whose K/V
   depend on nothing but the token and its position, such as the first layer of a standard decoder).
-- `kept`: the layer's own K/V of every evicted position are kept (through the session's layer store, so a KV
-  compressor applies to them).
-- `projected`: a linear map f_θ from the kept K/V of another layer (`from_layer`).
+- `kept`: the layer's own K/V of every evicted position are kept (through the session's KV compressor when it has
+  one, else through the plan's `kept_compressor`, else dense).
+- `projected`: a linear map f_θ from the kept K/V of another layer (`from_layer`), or from the DFlash drafter's
+  per-position context state (`from_drafter`; the plan carries the drafter's context weights, `drafter`).
 - `recompute`: a cache-less forward of the verifier checkpoint over the token prefix: the exact reference.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from kv_cache_proposer.compression import KVCompressor
+from kv_cache_proposer.restoration.drafter_context import DrafterContext
 from kv_cache_proposer.restoration.projection import LinearProjection
 
 SourceKind = Literal["tokens", "kept", "projected", "recompute"]
@@ -35,15 +38,22 @@ class LayerSource:
     kind: SourceKind
     from_layer: int | None = None  # `projected`: the kept layer whose K/V f_θ reads
     projection: LinearProjection | None = None  # `projected`: f_θ (None: identity)
+    from_drafter: bool = False  # `projected`: f_θ reads the DFlash drafter's context state instead of a kept layer
 
     def __post_init__(self) -> None:
         if self.kind not in SOURCES:
             raise ValueError(f"unknown restoration source {self.kind!r}; expected one of {', '.join(SOURCES)}")
-        if (self.kind == "projected") != (self.from_layer is not None):
-            raise ValueError("a `projected` source names the layer it projects from (`from_layer`); no other does")
+        origins = (self.from_layer is not None) + self.from_drafter
+        if (self.kind == "projected") != (origins == 1) or origins > 1:
+            raise ValueError(
+                "a `projected` source names what it projects from (a kept layer `from_layer`, or `from_drafter`); "
+                "no other does"
+            )
 
     def describe(self) -> str:
-        """`tokens`, `kept`, `recompute` or `projected<-L3`."""
+        """`tokens`, `kept`, `recompute`, `projected<-L3` or `projected<-drafter`."""
+        if self.from_drafter:
+            return "projected<-drafter"
         return self.kind if self.from_layer is None else f"projected<-L{self.from_layer}"
 
 
@@ -54,8 +64,18 @@ class RestorationPlan:
     layers: tuple[LayerSource, ...]
     verifier: str = ""  # the model the plan was measured on (informational)
     notes: dict[str, Any] = field(default_factory=dict)
+    # The KV compressor label (`none`, `kakeya_d4`, `kakeya_e8:Q`) that packs the kept layers' K/V of sessions
+    # without a compressor of their own; a session's own compressor packs them otherwise.
+    kept_compressor: str = "none"
+    drafter: DrafterContext | None = None  # the drafter context `projected<-drafter` layers read
 
     def __post_init__(self) -> None:
+        KVCompressor.parse(self.kept_compressor)  # raises ValueError naming a bad label
+        if self.uses_drafter and self.drafter is None:
+            raise ValueError("a layer projects from the drafter context, but the plan carries no drafter context")
+        for index, source in enumerate(self.layers):
+            if source.from_drafter and source.projection is None:
+                raise ValueError(f"layer {index} projects from the drafter context: it needs a linear f_θ")
         for index, source in enumerate(self.layers):
             if source.from_layer is None:
                 continue
@@ -90,6 +110,16 @@ class RestorationPlan:
         return any(source.kind == "recompute" for source in self.layers)
 
     @property
+    def uses_drafter(self) -> bool:
+        """Whether a layer is projected from the drafter's context state (then the session keeps it per position)."""
+        return any(source.from_drafter for source in self.layers)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Verifier layers whose outputs the session needs from every forward (the drafter context's inputs)."""
+        return self.drafter.target_layer_ids if self.drafter is not None and self.uses_drafter else ()
+
+    @property
     def kept_fraction(self) -> float:
         """Bytes kept per evicted position, as a fraction of the full K/V of that position (before compression)."""
         return len(self.kept_layers) / len(self.layers) if self.layers else 0.0
@@ -97,14 +127,21 @@ class RestorationPlan:
     def with_projections(self, projections: dict[int, LinearProjection]) -> RestorationPlan:
         """The same plan with the f_θ of the given `projected` layers replaced."""
         layers = tuple(
-            LayerSource(source.kind, source.from_layer, projections[index]) if index in projections else source
+            LayerSource(source.kind, source.from_layer, projections[index], source.from_drafter)
+            if index in projections
+            else source
             for index, source in enumerate(self.layers)
         )
-        return RestorationPlan(layers, verifier=self.verifier, notes=dict(self.notes))
+        return replace(self, layers=layers, notes=dict(self.notes))
+
+    def with_kept_compressor(self, label: str) -> RestorationPlan:
+        """The same plan with its kept layers packed by the compressor `label` (`none`: dense)."""
+        return replace(self, notes=dict(self.notes), kept_compressor=label)
 
     def describe(self) -> str:
-        """One line: the source of every layer."""
-        return ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
+        """One line: the source of every layer (and the kept layers' compressor, when the plan names one)."""
+        line = ", ".join(f"L{i}:{source.describe()}" for i, source in enumerate(self.layers))
+        return line if self.kept_compressor == "none" else f"{line} (kept: {self.kept_compressor})"
 
     def check_model(self, num_layers: int) -> None:
         """Raises `ValueError` when the plan does not fit a model of `num_layers` layers."""
@@ -123,8 +160,11 @@ class RestorationPlan:
         layers: list[dict[str, Any]] = []
         for index, source in enumerate(self.layers):
             entry: dict[str, Any] = {"source": source.kind}
-            if source.from_layer is not None:
-                entry["from"] = {"kind": "kept_layer", "layer": source.from_layer}
+            if source.from_layer is not None or source.from_drafter:
+                if source.from_drafter:
+                    entry["from"] = {"kind": "drafter_context"}
+                else:
+                    entry["from"] = {"kind": "kept_layer", "layer": source.from_layer}
                 if source.projection is None:
                     entry["projection"] = {"kind": "identity"}
                 else:
@@ -134,6 +174,16 @@ class RestorationPlan:
             layers.append(entry)
         manifest: dict[str, Any] = {"format": FORMAT, "verifier": self.verifier, "proposer": "verifier"}
         manifest["layers"] = layers
+        if self.kept_compressor != "none":
+            manifest["kept_compressor"] = self.kept_compressor
+        if self.drafter is not None:
+            manifest["drafter_context"] = {
+                "target_layer_ids": list(self.drafter.target_layer_ids),
+                "eps": self.drafter.eps,
+                "tensors": "drafter_context",
+            }
+            tensors["drafter_context.fc.weight"] = self.drafter.fc_weight
+            tensors["drafter_context.hidden_norm.weight"] = self.drafter.norm_weight
         if tensors:
             manifest["weights"] = weights_name
             save_file(tensors, str(manifest_path.with_suffix(".safetensors")))
@@ -157,7 +207,16 @@ class RestorationPlan:
             raise ValueError(f"{manifest_path}: only the verifier checkpoint itself can run `recompute` forwards")
         tensors = _load_weights(manifest_path, manifest.get("weights"))
         layers = tuple(_layer_source(entry, index, tensors) for index, entry in enumerate(manifest["layers"]))
-        return cls(layers, verifier=str(manifest.get("verifier", "")), notes=dict(manifest.get("notes", {})))
+        try:
+            return cls(
+                layers,
+                verifier=str(manifest.get("verifier", "")),
+                notes=dict(manifest.get("notes", {})),
+                kept_compressor=str(manifest.get("kept_compressor", "none")),
+                drafter=_drafter_context(manifest.get("drafter_context"), tensors),
+            )
+        except ValueError as exc:
+            raise ValueError(f"{manifest_path}: {exc}") from None
 
 
 def find_plan(model_dir: str | Path) -> Path | None:
@@ -189,14 +248,16 @@ def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarr
     if kind != "projected":
         return LayerSource(kind)
     origin = entry.get("from", {})
-    if origin.get("kind") != "kept_layer":
+    if origin.get("kind") not in ("kept_layer", "drafter_context"):
         raise ValueError(
             f"layer {index}: projected source {origin.get('kind')!r} is not supported; "
-            "f_θ reads the kept K/V of another layer (`kept_layer`)"
+            "f_θ reads the kept K/V of another layer (`kept_layer`) or the drafter's context (`drafter_context`)"
         )
+    from_drafter = origin["kind"] == "drafter_context"
+    from_layer = None if from_drafter else int(origin["layer"])
     projection = entry.get("projection", {"kind": "identity"})
     if projection.get("kind") == "identity":
-        return LayerSource("projected", from_layer=int(origin["layer"]))
+        return LayerSource("projected", from_layer=from_layer, from_drafter=from_drafter)
     if projection.get("kind") != "linear":
         raise ValueError(f"layer {index}: unknown projection {projection.get('kind')!r}")
     prefix = str(projection["tensors"])
@@ -204,13 +265,27 @@ def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarr
         weight, bias = tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"]
     except KeyError as exc:
         raise ValueError(f"layer {index}: the weights file lacks {exc.args[0]}") from None
-    return LayerSource("projected", from_layer=int(origin["layer"]), projection=LinearProjection(weight, bias))
+    return LayerSource(
+        "projected", from_layer=from_layer, projection=LinearProjection(weight, bias), from_drafter=from_drafter
+    )
 
 
-def plan_from_spec(spec: str, num_layers: int) -> RestorationPlan:
+def _drafter_context(entry: dict[str, Any] | None, tensors: dict[str, np.ndarray]) -> DrafterContext | None:
+    if entry is None:
+        return None
+    prefix = str(entry.get("tensors", "drafter_context"))
+    try:
+        fc, norm = tensors[f"{prefix}.fc.weight"], tensors[f"{prefix}.hidden_norm.weight"]
+    except KeyError as exc:
+        raise ValueError(f"the weights file lacks the drafter context's {exc.args[0]}") from None
+    return DrafterContext(tuple(int(i) for i in entry["target_layer_ids"]), fc, norm, float(entry.get("eps", 1e-6)))
+
+
+def plan_from_spec(spec: str, num_layers: int, drafter: DrafterContext | None = None) -> RestorationPlan:
     """A plan from a compact spec: one source per layer, comma-separated (`tokens,projected<-3,projected<-3,kept`),
     or one source for every layer (`recompute`). `projected<-J` projects from kept layer J through an identity f_θ
-    (`scripts/train_f_theta.py` fits a linear one). Raises `ValueError` naming what is wrong."""
+    (`scripts/train_f_theta.py` fits a linear one); `projected<-drafter` from `drafter`'s context, through a zero
+    f_θ until one is fitted. Raises `ValueError` naming what is wrong."""
     parts = [part.strip() for part in spec.split(",")]
     if len(parts) == 1:
         parts = parts * num_layers
@@ -221,8 +296,16 @@ def plan_from_spec(spec: str, num_layers: int) -> RestorationPlan:
         kind, _, origin = part.partition("<-")
         if kind == "projected" and origin.isdigit():
             layers.append(LayerSource("projected", from_layer=int(origin)))
+        elif kind == "projected" and origin == "drafter":
+            if drafter is None:
+                raise ValueError(f"restoration spec {spec!r}: `projected<-drafter` needs the drafter's context")
+            placeholder = LinearProjection(np.zeros((drafter.width, 1), np.float32), np.zeros(1, np.float32))
+            layers.append(LayerSource("projected", projection=placeholder, from_drafter=True))
         elif kind in ("tokens", "kept", "recompute") and not origin:
             layers.append(LayerSource(kind))  # type: ignore[arg-type]
         else:
-            raise ValueError(f"restoration spec {spec!r}: {part!r} is not tokens, kept, recompute or projected<-J")
-    return RestorationPlan(tuple(layers))
+            raise ValueError(
+                f"restoration spec {spec!r}: {part!r} is not tokens, kept, recompute, projected<-J or "
+                "projected<-drafter"
+            )
+    return RestorationPlan(tuple(layers), drafter=drafter if any(s.from_drafter for s in layers) else None)

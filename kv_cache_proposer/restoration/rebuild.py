@@ -108,6 +108,52 @@ def forward_kv(
     return captured
 
 
+class PrefixCache(KVSessionCache[A]):
+    """A scratch full-attention cache of layers `0..last_layer` for a forward over a token prefix in chunks: each
+    chunk attends to the chunks before it, as the verifier's own chunked prefill does, and the forward is cut
+    short after `last_layer`."""
+
+    def __init__(self, ops: ArrayOps[A], *, last_layer: int) -> None:
+        super().__init__(FullStrategy(), num_layers=last_layer + 1, ops=ops)
+        self._last_layer = last_layer
+
+    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+        attended = super().stage_layer(layer_idx, keys, values)
+        if layer_idx >= self._last_layer:
+            raise _LayersCaptured
+        return attended
+
+    def gather(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
+        """K/V `[B, H, len(positions), D]` of committed positions (slot = position under `full`)."""
+        return self._layers[layer_idx].gather(positions)
+
+
+def prefix_kv(
+    model: Any,
+    ops: ArrayOps[A],
+    tokens: Sequence[int],
+    positions: np.ndarray,
+    *,
+    last_layer: int,
+    chunk_tokens: int,
+) -> dict[int, tuple[A, A]]:
+    """K/V of layers `0..last_layer` at `positions` of the token prefix `tokens` (positions 0, 1, ...), from
+    cache-less forwards of `model` over chunks of at most `chunk_tokens`: a forward's attention scores are
+    `chunk x prefix` rather than `prefix x prefix`, so the transient memory grows linearly with the history."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    scratch: PrefixCache[A] = PrefixCache(ops, last_layer=last_layer)
+    for start in range(0, len(tokens), chunk_tokens):
+        block = list(tokens[start : start + chunk_tokens])
+        with contextlib.suppress(_LayersCaptured):
+            model.verify(scratch, block, 1)
+        scratch.commit(len(block))
+    kv = {layer: scratch.gather(layer, positions) for layer in range(last_layer + 1)}
+    ops.settle([array for pair in kv.values() for array in pair])
+    scratch.release()
+    return kv
+
+
 def project(ops: ArrayOps[A], source: LayerSource, keys: A, values: A) -> tuple[A, A]:
     """A `projected` layer's K/V from the kept K/V `[B, H, P, D]` its f_θ reads."""
     if source.projection is None:

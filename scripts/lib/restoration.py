@@ -14,6 +14,7 @@ from tqdm import tqdm
 
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.restoration import LinearProjection, RestorationPlan, RestorationSetup
+from kv_cache_proposer.restoration.drafter_context import DrafterContext
 from kv_cache_proposer.restoration.projection import kv_rows
 from kv_cache_proposer.restoration.rebuild import forward_kv
 from kv_cache_proposer.sampling import SamplingParams
@@ -124,13 +125,24 @@ def _kl(reference: np.ndarray, other: np.ndarray) -> float:
     return float(np.mean(np.sum(np.exp(p_log) * (p_log - q_log), axis=-1)))
 
 
-def kv_rows_by_layer(verifier: Any, texts: Sequence[list[int]], layers: Sequence[int]) -> dict[int, np.ndarray]:
-    """Full-attention K/V of every position of `texts` as feature rows `[N, 2 * H * D]`, per layer."""
+DRAFTER_ROWS = -1  # the key of the drafter context rows among the per-layer K/V rows
+
+
+def kv_rows_by_layer(
+    verifier: Any, texts: Sequence[list[int]], layers: Sequence[int], drafter: DrafterContext | None = None
+) -> dict[int, np.ndarray]:
+    """Full-attention K/V of every position of `texts` as feature rows `[N, 2 * H * D]`, per layer; with
+    `drafter`, also its context rows `[N, H]` of the same positions under `DRAFTER_ROWS`."""
     collected: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
+    if drafter is not None:
+        collected[DRAFTER_ROWS] = []
     ops = verifier.array_ops
     for tokens in tqdm(texts, desc="collect K/V", unit="text", file=sys.stderr, leave=False):
         cache = verifier.new_cache(FullStrategy())
-        verifier.verify(cache, tokens, 1)
+        feature_layers = () if drafter is None else drafter.target_layer_ids
+        out = verifier.verify(cache, tokens, 1, feature_layers=feature_layers)
+        if drafter is not None:
+            collected[DRAFTER_ROWS].append(drafter.apply(ops.to_host(out.features)))
         verifier.commit(cache, len(tokens))
         for layer in layers:
             keys, values, _ = cache.resident_kv(layer)
@@ -157,14 +169,16 @@ def fit_projections(
     every layer; returns the plan with them and each map's relative error on the held-out tail of the rows."""
     projections, errors = {}, {}
     for index, source in enumerate(plan.layers):
-        if source.from_layer is None:
+        if source.from_layer is None and not source.from_drafter:
             continue
-        x, y = rows[source.from_layer], rows[index]
+        x = rows[DRAFTER_ROWS if source.from_drafter else source.from_layer]  # type: ignore[index]
+        y = rows[index]
         cut = int(len(x) * (1 - holdout))
         trial = LinearProjection.fit(x[:cut], y[:cut], ridge=ridge)
         residual = trial.apply(x[cut:]) - y[cut:]
         spread = y[cut:] - y[cut:].mean(axis=0)
-        errors[f"L{source.from_layer}->L{index}"] = float(np.sum(residual**2) / max(np.sum(spread**2), 1e-12))
+        name = "drafter" if source.from_drafter else f"L{source.from_layer}"
+        errors[f"{name}->L{index}"] = float(np.sum(residual**2) / max(np.sum(spread**2), 1e-12))
         projections[index] = LinearProjection.fit(x, y, ridge=ridge)
     return plan.with_projections(projections), errors
 

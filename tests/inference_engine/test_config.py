@@ -108,7 +108,13 @@ def test_the_draft_policy_defaults_to_the_one_measured_faster_for_the_proposer(
 
     assert ServerConfig().draft_policy == "auto"
     draft = {"draft_model": str(save_draft_model(tmp_path / "draft"))} if proposer == "draft_model" else {}
-    server = start_server(verifier_pool.get("torch", "qwen3"), proposer=proposer, draft_policy=setting, **draft)
+    server = start_server(
+        verifier_pool.get("torch", "qwen3"),
+        model_dir=verifier_pool.model_dir("torch", "qwen3"),
+        proposer=proposer,
+        draft_policy=setting,
+        **draft,
+    )
     try:
         assert server.server.runtime.decoder.draft_policy is DraftPolicy(expected)
     finally:

@@ -52,10 +52,11 @@ def test_dlm_restore_streams_the_tokens_of_full_and_never_reports_truncation(ser
     described = info(restoring.stub, sid)
     assert described.kv_strategy == pb.KV_STRATEGY_DLM_RESTORE
     assert described.evicted_token_count == described.history_length - 1 - 11 > 0
-    # Parked: resident K/V plus the token ids a `recompute` plan rebuilds from, no restored K/V.
+    # Parked: resident K/V plus the token ids a `recompute` plan rebuilds from (reported apart), no restored K/V.
     assert described.restored_token_count == 0 and described.kv_restored_bytes == 0
-    assert described.kv_restoration_state_bytes == 4 * (described.history_length - 1)
-    assert described.kv_live_bytes == described.kv_resident_bytes + described.kv_restoration_state_bytes
+    assert described.kv_restoration_state_bytes == 0
+    assert described.history_token_bytes == 4 * (described.history_length - 1)
+    assert described.kv_live_bytes == described.kv_resident_bytes + described.history_token_bytes
     assert described.kv_peak_restored_bytes > 0
     bounded_sid = create(bounded.stub, initial=prompt)
     assert generate(bounded.stub, bounded_sid, max_tokens=2).truncated  # the same eviction is reported there
@@ -68,12 +69,16 @@ def test_restoration_bytes_reach_the_python_sdk_and_metrics(serve):
         assert len(list(session.generate(max_tokens=5))) == 5
         described = session.info()
     assert described.kv_strategy is kakeya.KvStrategy.DLM_RESTORE
-    assert described.kv_restoration_state_bytes > 0 and described.kv_restored_bytes == 0
-    assert "kv_restoration_state_bytes" in repr(described)
+    # `recompute` keeps no K/V of evicted positions, only the token ids it rebuilds them from.
+    assert described.kv_restoration_state_bytes == 0 and described.kv_restored_bytes == 0
+    assert described.history_token_bytes == 4 * (described.history_length - 1)
+    assert "history_token_bytes" in repr(described)
     text = server.metrics_text()
     state = re.search(r"^kakeya_kv_restoration_state_bytes (\S+)$", text, re.MULTILINE)
     peak = re.search(r"^kakeya_kv_restored_peak_bytes (\S+)$", text, re.MULTILINE)
     assert state and float(state.group(1)) == described.kv_restoration_state_bytes
+    token_ids = re.search(r"^kakeya_history_token_bytes (\S+)$", text, re.MULTILINE)
+    assert token_ids and float(token_ids.group(1)) == described.history_token_bytes > 0
     assert peak and float(peak.group(1)) == described.kv_peak_restored_bytes > 0
 
 
@@ -88,8 +93,9 @@ def test_a_server_loads_the_restoration_plan_it_is_given(serve, tmp_path):
     sid, tokens, truncated = _conversation(server, _prompt(5, 40))
     described = info(server.stub, sid)
     evicted = described.evicted_token_count
-    # One kept layer: K and V of 2 heads x 16 fp32 values per evicted position, plus 4-byte token ids.
-    assert described.kv_restoration_state_bytes >= evicted * 2 * 2 * 16 * 4 + 4 * evicted
+    # Parked: exactly one kept layer, K and V of 2 heads x 16 fp32 values per evicted position; token ids apart.
+    assert described.kv_restoration_state_bytes == evicted * 2 * 2 * 16 * 4
+    assert described.history_token_bytes == 4 * (described.history_length - 1)
     assert len(tokens) == 30 and truncated == []
 
 

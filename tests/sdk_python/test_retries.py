@@ -62,10 +62,13 @@ def test_async_idempotent_calls_are_retried_and_the_others_are_not(free_port, ca
     asyncio.run(main())
 
 
-def test_a_retried_call_reaches_a_server_that_starts_later(verifiers, free_port, caplog):
+def test_a_retried_call_reaches_a_server_that_starts_later(verifiers, verifier_pool, backend, free_port, caplog):
     caplog.set_level(logging.INFO, logger="kakeya")
     servers = []
-    starter = threading.Timer(0.5, lambda: servers.append(start_server(verifiers["qwen3"], port=free_port)))
+    model_dir = verifier_pool.model_dir(backend, "qwen3")
+    starter = threading.Timer(
+        0.5, lambda: servers.append(start_server(verifiers["qwen3"], model_dir=model_dir, port=free_port))
+    )
     starter.start()
     patient = kakeya.RetryPolicy(max_attempts=40, initial_backoff_s=0.1, max_backoff_s=0.5)
     try:

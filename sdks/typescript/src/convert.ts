@@ -278,5 +278,6 @@ export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
     kvRestoredBytes: count(response.kvRestoredBytes),
     kvRestorationStateBytes: count(response.kvRestorationStateBytes),
     kvPeakRestoredBytes: count(response.kvPeakRestoredBytes),
+    historyTokenBytes: count(response.historyTokenBytes),
   };
 }

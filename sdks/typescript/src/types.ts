@@ -200,8 +200,12 @@ export interface SessionInfo {
   kvResidentBytes: number;
   /** `dlm_restore`: bytes of restored K/V held now, transient (part of `kvLiveBytes`). */
   kvRestoredBytes: number;
-  /** `dlm_restore`: bytes of the per-position state kept to restore evicted positions (part of `kvLiveBytes`). */
+  /** `dlm_restore`: bytes of the per-position state kept to restore evicted positions: the K/V of the plan's kept
+   * layers (part of `kvLiveBytes`). */
   kvRestorationStateBytes: number;
   /** `dlm_restore`: the most bytes of restored K/V the session has held at once. */
   kvPeakRestoredBytes: number;
+  /** `dlm_restore`: bytes of the history's token ids the server keeps to rebuild evicted K/V by a forward (part of
+   * `kvLiveBytes`). */
+  historyTokenBytes: number;
 }

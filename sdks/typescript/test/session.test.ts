@@ -149,7 +149,9 @@ describe("Session", () => {
     expect(info.evictedTokenCount).toBeGreaterThan(0);
     expect(info.kvRestorationStateBytes).toBeGreaterThan(0);
     expect(info.kvPeakRestoredBytes).toBeGreaterThan(0);
-    expect(info.kvLiveBytes).toBe(info.kvResidentBytes + info.kvRestorationStateBytes);
+    // The bundled plan rebuilds layer 0 from the token ids: 4 bytes per committed position, reported apart.
+    expect(info.historyTokenBytes).toBe(4 * (info.historyLength - 1));
+    expect(info.kvLiveBytes).toBe(info.kvResidentBytes + info.kvRestorationStateBytes + info.historyTokenBytes);
     const stream = session.generate({ maxTokens: 1 });
     await stream.toArray();
     expect(stream.stats?.droppedTokenCount).toBe(0);

@@ -42,6 +42,14 @@ def test_a_plan_with_linear_maps_survives_the_manifest_round_trip(tmp_path):
     np.testing.assert_array_equal(read.weight, original.weight)
     np.testing.assert_array_equal(read.bias, original.bias)
     assert loaded.kept_layers == (3,) and loaded.kept_fraction == 0.25 and loaded.needs_tokens
+    assert loaded.kept_compressor == "none" and "kept_compressor" not in json.loads(path.read_text())
+
+
+def test_the_kept_layers_compressor_survives_the_manifest_round_trip(tmp_path):
+    plan = RestorationPlan((LayerSource("tokens"), LayerSource("kept"))).with_kept_compressor("kakeya_d4:20")
+    loaded = RestorationPlan.load(plan.save(tmp_path))
+    assert loaded.kept_compressor == "kakeya_d4:20"
+    assert loaded.describe() == "L0:tokens, L1:kept (kept: kakeya_d4:20)"
 
 
 @pytest.mark.parametrize(
@@ -50,11 +58,12 @@ def test_a_plan_with_linear_maps_survives_the_manifest_round_trip(tmp_path):
         (lambda m: m.update(format="other/1"), "not a kakeya-restoration-plan"),
         (lambda m: m["layers"].__setitem__(0, {"source": "guess"}), "unknown restoration source"),
         (
-            lambda m: m["layers"].__setitem__(1, {"source": "projected", "from": {"kind": "drafter_context"}}),
+            lambda m: m["layers"].__setitem__(1, {"source": "projected", "from": {"kind": "hidden_state"}}),
             "not supported",
         ),
         (lambda m: m.update(proposer="other-model"), "only the verifier checkpoint"),
         (lambda m: m.update(weights="missing.safetensors"), "cannot read restoration weights"),
+        (lambda m: m.update(kept_compressor="zip"), "unknown KV compressor 'zip'"),
     ],
 )
 def test_a_bad_manifest_raises_a_value_error_naming_the_problem(tmp_path, mutate, message):
@@ -69,14 +78,16 @@ def test_a_bad_manifest_raises_a_value_error_naming_the_problem(tmp_path, mutate
 def test_a_projection_must_read_a_kept_layer():
     with pytest.raises(ValueError, match="not kept"):
         RestorationPlan((LayerSource("tokens"), LayerSource("projected", from_layer=0)))
-    with pytest.raises(ValueError, match="names the layer"):
+    with pytest.raises(ValueError, match="names what it projects from"):
         LayerSource("projected")
+    with pytest.raises(ValueError, match="names what it projects from"):
+        LayerSource("projected", from_layer=1, from_drafter=True)
 
 
 def test_compact_specs_build_plans_and_reject_what_they_cannot_mean():
     assert plan_from_spec("recompute", 3).describe() == "L0:recompute, L1:recompute, L2:recompute"
     assert plan_from_spec("tokens,projected<-2,kept", 3).describe() == "L0:tokens, L1:projected<-L2, L2:kept"
-    for bad in ("tokens,kept", "tokens,guess,kept", "tokens,projected<-x,kept"):
+    for bad in ("tokens,kept", "tokens,guess,kept", "tokens,projected<-x,kept", "tokens,projected<-drafter,kept"):
         with pytest.raises(ValueError):
             plan_from_spec(bad, 3)
 

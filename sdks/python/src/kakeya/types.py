@@ -88,6 +88,7 @@ _SHOWN_WHEN_RESTORING = (
     "kv_restored_bytes",
     "kv_restoration_state_bytes",
     "kv_peak_restored_bytes",
+    "history_token_bytes",
 )
 
 
@@ -125,9 +126,13 @@ class SessionInfo:
     kv_restored_bytes: int = 0
     """DLM_RESTORE: bytes of restored K/V held now, transient (part of `kv_live_bytes`)."""
     kv_restoration_state_bytes: int = 0
-    """DLM_RESTORE: bytes of the per-position state kept to restore evicted positions (part of `kv_live_bytes`)."""
+    """DLM_RESTORE: bytes of the per-position state kept to restore evicted positions: the K/V of the plan's kept
+    layers (part of `kv_live_bytes`)."""
     kv_peak_restored_bytes: int = 0
     """DLM_RESTORE: the most bytes of restored K/V the session has held at once."""
+    history_token_bytes: int = 0
+    """DLM_RESTORE: bytes of the history's token ids the server keeps to rebuild evicted K/V by a forward (part of
+    `kv_live_bytes`)."""
 
     def __repr__(self) -> str:
         parts = []

@@ -323,12 +323,17 @@ export interface GetSessionInfoResponse {
   /** KV_STRATEGY_DLM_RESTORE: bytes of restored K/V held now, transient (included in kv_live_bytes). */
   kvRestoredBytes: bigint;
   /**
-   * KV_STRATEGY_DLM_RESTORE: bytes of the per-position state kept to restore evicted positions (kept layers'
-   * K/V, token ids; included in kv_live_bytes).
+   * KV_STRATEGY_DLM_RESTORE: bytes of the per-position state kept to restore evicted positions (the K/V of the
+   * plan's kept layers; included in kv_live_bytes).
    */
   kvRestorationStateBytes: bigint;
   /** KV_STRATEGY_DLM_RESTORE: the most bytes of restored K/V the session has held at once. */
   kvPeakRestoredBytes: bigint;
+  /**
+   * KV_STRATEGY_DLM_RESTORE: bytes of the history's token ids the cache keeps to rebuild evicted K/V by a forward
+   * (plans with a `tokens` or `recompute` layer: 4 bytes per committed position; included in kv_live_bytes).
+   */
+  historyTokenBytes: bigint;
 }
 
 /** ConverseRequest is one command on a Converse stream. The first command must be `bind`. */
@@ -2075,6 +2080,7 @@ function createBaseGetSessionInfoResponse(): GetSessionInfoResponse {
     kvRestoredBytes: 0n,
     kvRestorationStateBytes: 0n,
     kvPeakRestoredBytes: 0n,
+    historyTokenBytes: 0n,
   };
 }
 
@@ -2204,6 +2210,12 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         throw new globalThis.Error("value provided for field message.kvPeakRestoredBytes of type uint64 too large");
       }
       writer.uint32(192).uint64(message.kvPeakRestoredBytes);
+    }
+    if (message.historyTokenBytes !== 0n) {
+      if (BigInt.asUintN(64, message.historyTokenBytes) !== message.historyTokenBytes) {
+        throw new globalThis.Error("value provided for field message.historyTokenBytes of type uint64 too large");
+      }
+      writer.uint32(216).uint64(message.historyTokenBytes);
     }
     return writer;
   },
@@ -2423,6 +2435,14 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
             message.kvPeakRestoredBytes = reader.uint64() as bigint;
             continue;
           }
+          case 27: {
+            if (tag !== 216) {
+              break;
+            }
+
+            message.historyTokenBytes = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2497,6 +2517,9 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         : 0n;
     message.kvPeakRestoredBytes = (object.kvPeakRestoredBytes !== undefined && object.kvPeakRestoredBytes !== null)
       ? BigInt(object.kvPeakRestoredBytes)
+      : 0n;
+    message.historyTokenBytes = (object.historyTokenBytes !== undefined && object.historyTokenBytes !== null)
+      ? BigInt(object.historyTokenBytes)
       : 0n;
     return message;
   },
