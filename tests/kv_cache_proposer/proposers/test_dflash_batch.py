@@ -13,10 +13,15 @@ from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState,
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoDraftSession
 from kv_cache_proposer.proposers.batch import batch_drafter_of
+from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, KVStrategy, SinkWindowStrategy
+from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
+
+pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+Proposer = DFlashProposer | MlxDFlashProposer
 
 MAX_TOKENS = 24
 STRATEGIES = {"full": FullStrategy(), "sink_window": SinkWindowStrategy(sink=2, window=12)}
@@ -52,12 +57,17 @@ class Recorder:
         return self.drafts.get(id(seq), [])
 
 
+def _load(backend: str, drafter_dir: Any, verifier: Any) -> Proposer:
+    loader = DFlashProposer if backend == "torch" else MlxDFlashProposer
+    return loader.load(drafter_dir, verifier)
+
+
 def _prompt(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(VOCAB_SIZE - 1) for _ in range(n)]
 
 
-def _sequences(verifier: Any, proposer: DFlashProposer, strategy: KVStrategy) -> list[SequenceState]:
+def _sequences(verifier: Any, proposer: Proposer, strategy: KVStrategy) -> list[SequenceState]:
     return [
         SequenceState(cache=verifier.new_cache(strategy), tokens=_prompt(i, length), draft=proposer.open(strategy))
         for i, (length, _) in enumerate(SESSIONS)
@@ -80,7 +90,7 @@ def _alone(decoder: Decoder, seq: SequenceState, params: SamplingParams) -> list
 def _together(
     decoder: Decoder,
     seqs: list[SequenceState],
-    proposer: DFlashProposer,
+    proposer: Proposer,
     before: Callable[[int], None] = lambda _: None,
 ) -> tuple[list[list[tuple[int, ...]] | Exception], list[tuple[int, int, int]]]:
     """Step every sequence through `step_batch` until each stops or fails. Returns per sequence its steps (as
@@ -114,10 +124,10 @@ def _together(
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_sessions_drafting_together_draft_accept_and_emit_what_each_does_alone(
-    verifiers: Any, drafter_dir: Any, strategy: KVStrategy, monkeypatch: pytest.MonkeyPatch
+    verifiers: Any, backend: str, drafter_dir: Any, strategy: KVStrategy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     verifier = verifiers["qwen3"]
-    proposer = DFlashProposer.load(drafter_dir, verifier)
+    proposer = _load(backend, drafter_dir, verifier)
     decoder = Decoder(verifier, prefill_chunk_tokens=16)
     recorder = Recorder(monkeypatch)
     alone_seqs = _sequences(verifier, proposer, strategy)
@@ -135,11 +145,11 @@ def test_sessions_drafting_together_draft_accept_and_emit_what_each_does_alone(
     assert sum(forwards for _, forwards, _ in rounds) < alone_forwards
 
 
-def test_every_session_of_a_proposer_shares_its_batch_drafter(verifiers: Any, drafter_dir: Any) -> None:
+def test_every_session_of_a_proposer_shares_its_batch_drafter(verifiers: Any, backend: str, drafter_dir: Any) -> None:
     verifier = verifiers["qwen3"]
-    proposer = DFlashProposer.load(drafter_dir, verifier)
+    proposer = _load(backend, drafter_dir, verifier)
     first, second = proposer.open(FullStrategy()), proposer.open(SinkWindowStrategy(sink=1, window=8))
-    other = DFlashProposer.load(drafter_dir, verifier).open(FullStrategy())
+    other = _load(backend, drafter_dir, verifier).open(FullStrategy())
     assert batch_drafter_of(first) is not None
     assert batch_drafter_of(first) is batch_drafter_of(second) is batch_drafter_of(first.clone(0))
     assert batch_drafter_of(other) is not batch_drafter_of(first)
@@ -161,9 +171,11 @@ def _corrupt_drafter_cache(seq: SequenceState, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["stage_layer", "commit"], ids=["draft_forward", "context_commit"])
-def test_a_session_whose_drafter_context_breaks_fails_alone(verifiers: Any, drafter_dir: Any, method: str) -> None:
+def test_a_session_whose_drafter_context_breaks_fails_alone(
+    verifiers: Any, backend: str, drafter_dir: Any, method: str
+) -> None:
     verifier = verifiers["qwen3"]
-    proposer = DFlashProposer.load(drafter_dir, verifier)
+    proposer = _load(backend, drafter_dir, verifier)
     decoder = Decoder(verifier, prefill_chunk_tokens=16)
     strategy = STRATEGIES["sink_window"]
     expected = [_alone(decoder, seq, SESSIONS[i][1]) for i, seq in enumerate(_sequences(verifier, proposer, strategy))]
@@ -180,10 +192,10 @@ def test_a_session_whose_drafter_context_breaks_fails_alone(verifiers: Any, draf
 
 
 def test_a_session_that_breaks_a_verifier_invariant_leaves_the_drafts_of_the_others_intact(
-    verifiers: Any, drafter_dir: Any
+    verifiers: Any, backend: str, drafter_dir: Any
 ) -> None:
     verifier = verifiers["qwen3"]
-    proposer = DFlashProposer.load(drafter_dir, verifier)
+    proposer = _load(backend, drafter_dir, verifier)
     decoder = Decoder(verifier, prefill_chunk_tokens=16)
     strategy = STRATEGIES["full"]
     expected = [_alone(decoder, seq, SESSIONS[i][1]) for i, seq in enumerate(_sequences(verifier, proposer, strategy))]
