@@ -216,7 +216,11 @@ class Decoder:
                     results[index] = self._finish(plan, out)
                 except Exception as exc:  # handed to that session's caller
                     results[index] = exc
-        committed = [(index, plan.draft_commit) for index, plan in plans if plan.draft_commit is not None]
+        committed = [
+            (index, plan.draft_commit)
+            for index, plan in plans
+            if plan.draft_commit is not None and isinstance(results[index], StepResult)
+        ]
         for (index, _), error in zip(committed, commit_all([commit for _, commit in committed]), strict=True):
             if error is not None:
                 results[index] = error
