@@ -22,6 +22,7 @@ from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_sequence, pick_controlled
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession, NoDraftSession
+from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest, commit_all, propose_all
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
@@ -125,6 +126,8 @@ class _Plan:
     draft: list[int]
     prefill: bool = False
     burst: int = 1  # plain greedy steps run back to back in one call (see `Decoder.burst_tokens`)
+    wanted: int = 0  # draft tokens to ask the proposer for
+    draft_commit: DraftCommit | None = None  # what the draft session learns once the verifier committed
 
     @property
     def seq(self) -> SequenceState:
@@ -167,31 +170,52 @@ class Decoder:
         """
         plan = self._plan(StepRequest(seq, params, budget, generated, controls))
         if plan.burst > 1:
-            return self._run_burst(plan)
-        out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
-        return self._finish(plan, out)
+            result = self._run_burst(plan)
+        else:
+            out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
+            result = self._finish(plan, out)
+        if plan.draft_commit is not None:
+            commit = plan.draft_commit
+            seq.draft.on_commit(commit.history, commit.committed, commit.features)
+        return result
 
     def step_batch(self, requests: Sequence[StepRequest]) -> list[StepResult | Exception]:
         """One step of each request (of distinct sessions), their verifier blocks run in one batched forward.
 
         Each result is what `step` alone would return for that request, or the exception it would raise: a
         failing session never fails the others. Should the batched forward itself raise, each block is run alone,
-        so the error lands on the session that caused it.
+        so the error lands on the session that caused it. Draft sessions that share a batch drafter propose, and
+        learn their commits, together (`proposers.batch`).
         """
         results: list[StepResult | Exception | None] = [None] * len(requests)
-        plans: list[tuple[int, _Plan]] = []
+        planned: list[tuple[int, _Plan]] = []
         for index, request in enumerate(requests):
             try:
-                plans.append((index, self._plan(request, alone=len(requests) == 1)))
+                planned.append((index, self._plan(request, propose=False, alone=len(requests) == 1)))
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
-        if len(plans) == 1 and plans[0][1].burst > 1:
-            index, plan = plans[0]
+        if len(planned) == 1 and planned[0][1].burst > 1:
+            index, plan = planned[0]
             try:
                 results[index] = self._run_burst(plan)
+                if plan.draft_commit is not None:
+                    commit = plan.draft_commit
+                    plan.seq.draft.on_commit(commit.history, commit.committed, commit.features)
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
-            plans = []
+            planned = []
+        drafting = [plan for _, plan in planned if plan.wanted > 0]
+        proposed = propose_all([DraftRequest(plan.seq.draft, plan.seq.tokens, plan.wanted) for plan in drafting])
+        drafts = {id(plan): draft for plan, draft in zip(drafting, proposed, strict=True)}
+        plans: list[tuple[int, _Plan]] = []
+        for index, plan in planned:
+            draft = drafts.get(id(plan))
+            if isinstance(draft, Exception):
+                results[index] = draft
+                continue
+            if draft is not None:
+                self._attach_draft(plan, draft)
+            plans.append((index, plan))
         groups: dict[tuple[int, ...], list[tuple[int, _Plan]]] = {}
         for item in plans:
             groups.setdefault(tuple(item[1].feature_layers), []).append(item)
@@ -210,6 +234,14 @@ class Decoder:
                     results[index] = self._finish(plan, out)
                 except Exception as exc:  # handed to that session's caller
                     results[index] = exc
+        committed = [
+            (index, plan.draft_commit)
+            for index, plan in plans
+            if plan.draft_commit is not None and isinstance(results[index], StepResult)
+        ]
+        for (index, _), error in zip(committed, commit_all([commit for _, commit in committed]), strict=True):
+            if error is not None:
+                results[index] = error
         return [result if result is not None else RuntimeError("step not run") for result in results]
 
     def _verify_alone(self, plan: _Plan) -> VerifyOutput[Any] | Exception:
@@ -220,10 +252,11 @@ class Decoder:
         except Exception as exc:  # handed to that session's caller
             return exc
 
-    def _plan(self, request: StepRequest, *, alone: bool = True) -> _Plan:
-        """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft (or, for
-        a plain greedy step that runs `alone`, how many steps to run back to back)."""
-        seq, budget, generated, controls = request.seq, request.budget, request.generated, request.controls
+    def _plan(self, request: StepRequest, *, propose: bool = True, alone: bool = True) -> _Plan:
+        """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft
+        (`propose=False`: no draft yet; `wanted` says how long one may be, `_attach_draft` adds it), or, for a
+        plain greedy step that runs `alone`, how many steps to run back to back."""
+        seq, budget, generated = request.seq, request.budget, request.generated
         self._check_position(seq)
         pending = seq.pending_count
         if pending < 1:
@@ -240,15 +273,25 @@ class Decoder:
         if room < 1:
             raise ValueError("no room left for another token")
         limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
-        wanted = min(limit, room - 1)
-        draft = seq.draft.propose(seq.tokens, wanted)[:wanted] if wanted > 0 else []
+        wanted = max(0, min(limit, room - 1))
+        burst = min(self.burst_tokens, room) if alone and self._bursts(request) else 1
+        plan = _Plan(request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted)
+        if propose and wanted > 0 and burst == 1:
+            self._attach_draft(plan, seq.draft.propose(seq.tokens, wanted))
+        return plan
+
+    @staticmethod
+    def _attach_draft(plan: _Plan, proposed: list[int]) -> None:
+        """Append the proposer's draft (cut to what the step may verify) to the plan's block."""
+        draft = proposed[: plan.wanted]
+        controls = plan.request.controls
         grammar = controls.grammar if controls is not None else None
         if grammar is not None:
             # Tokens the grammar forbids are never verified (the proposer's acceptance is judged on the rest).
             draft = draft[: grammar.valid_prefix(draft)]
-        block = seq.tokens[start:] + draft
-        burst = min(self.burst_tokens, room) if alone and self._bursts(request) else 1
-        return _Plan(request, block, len(draft) + 1, layers, pending, room, draft, burst=burst)
+        plan.draft = draft
+        plan.block = plan.block + draft
+        plan.logits_rows = len(draft) + 1
 
     @staticmethod
     def _bursts(request: StepRequest) -> bool:
@@ -279,7 +322,7 @@ class Decoder:
         generated, controls = plan.request.generated, plan.request.controls
         if plan.prefill:
             chunk = len(plan.block)
-            self._commit(seq, chunk, features)
+            self._commit(plan, chunk, features)
             return StepResult(prefilled=chunk, forwards=1)
         pending, room, draft = plan.pending, plan.room, plan.draft
         start = seq.committed
@@ -319,7 +362,7 @@ class Decoder:
         if grammar is not None:
             grammar.advance(emitted)
         # The last emitted token stays pending; everything before it in the block is committed.
-        self._commit(seq, pending + len(emitted) - 1, features, new_tokens=emitted)
+        self._commit(plan, pending + len(emitted) - 1, features, new_tokens=emitted)
         return StepResult(
             tokens=emitted,
             prefilled=pending - 1,
@@ -331,7 +374,10 @@ class Decoder:
             stop_sequence_index=stop_index,
         )
 
-    def _commit(self, seq: SequenceState, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
+    def _commit(self, plan: _Plan, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
+        """Commit `count` block positions in the verifier cache; the draft session learns it after (`draft_commit`,
+        which the caller hands on, so that sessions stepping together may learn theirs together)."""
+        seq = plan.seq
         expected = seq.committed + count
         self.verifier.commit(seq.cache, count)
         seq.tokens.extend(new_tokens)
@@ -339,7 +385,7 @@ class Decoder:
         if expected > len(seq.tokens):
             raise InvariantViolation("inv1", f"{expected} committed positions for a history of {len(seq.tokens)}")
         seq.committed = expected
-        seq.draft.on_commit(seq.tokens, expected, None if features is None else features[:count])
+        plan.draft_commit = DraftCommit(seq.draft, seq.tokens, expected, None if features is None else features[:count])
 
     @staticmethod
     def _check_position(seq: SequenceState, expected: int | None = None) -> None:

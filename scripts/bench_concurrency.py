@@ -9,7 +9,9 @@ on a shared machine, and the median round (by throughput) is reported. Recorded 
 the first request to the last token, aggregate tokens/s (all sessions' tokens over that wall time), p50/p99 of the
 gaps between consecutive tokens of a session (all sessions' gaps together), and the 1-minute load average before
 and after. Every session's tokens in the batched mode are compared with the same session's in the unbatched mode
-(greedy: they must be equal).
+(greedy: they must be equal). `--proposer` sets both daemons' speculative proposer (dflash: the model's own drafter
+unless `--draft-model` names one); the batched daemon then also drafts the sessions of a step together where the
+proposer can (dflash: one drafter forward per step).
 
 The summary gives, per mode, throughput at N over throughput at 1 session ("scaling"), and batched over unbatched
 throughput at each N.
@@ -18,8 +20,8 @@ Bounded: N x `--max-tokens` tokens per configuration, and `--time-limit-s` per c
 
 Usage:
     python scripts/bench_concurrency.py [--model DIR] [--sessions 1 2 4 8 16] [--max-tokens 64]
-        [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--threads 0] [--backend torch] [--time-limit-s 300]
-        [--results-dir DIR]
+        [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--threads 0] [--backend torch]
+        [--proposer none] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=0, help="--threads of both daemons (default: 0, one per usable core)")
     p.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="daemon backend (default: torch)")
+    p.add_argument(
+        "--proposer",
+        default="none",
+        choices=("none", "ngram", "dflash"),
+        help="speculative proposer of both daemons (default: none)",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        default=None,
+        help="dflash: the drafter directory (default: none given, the daemon uses the model's dflash/ subdirectory)",
+    )
     p.add_argument(
         "--time-limit-s", type=float, default=300.0, help="per configuration: give up after this (default: 300)"
     )
@@ -173,7 +187,11 @@ def start_daemon(args: argparse.Namespace, mode: str) -> Daemon:
         str(args.time_limit_s),
         "--threads",
         str(args.threads),
+        "--proposer",
+        args.proposer,
     ]
+    if args.draft_model is not None:
+        flags += ["--draft-model", str(args.draft_model)]
     return Daemon(flags)
 
 

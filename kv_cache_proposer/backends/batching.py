@@ -111,12 +111,15 @@ class BatchLayout(Generic[A]):
             out.extend(range(end - block.logits_rows, end))
         return out
 
-    def mask(self, window: int | None = None) -> np.ndarray:
-        """Booleans `[rows, width, key_width]`: which keys each query reads (`window`: a sliding-window layer)."""
+    def mask(self, window: int | None = None, *, causal: bool = True) -> np.ndarray:
+        """Booleans `[rows, width, key_width]`: which keys each query reads (`window`: a sliding-window layer;
+        `causal=False`: a block reads all of itself, as a drafter's block does)."""
         mask = np.zeros((self.rows, self.width, self.key_width), dtype=bool)
         for index, block in enumerate(self.blocks):
             cache = block.cache
-            allowed = visible_keys(cache.strategy, cache.query_positions, cache.key_positions, window=window)
+            allowed = visible_keys(
+                cache.strategy, cache.query_positions, cache.key_positions, causal=causal, window=window
+            )
             row, start, end = self.query_span(index)
             key_start = self._key_starts[index]
             mask[row, start:end, key_start : key_start + self._key_counts[index]] = allowed

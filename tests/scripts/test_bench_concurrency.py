@@ -45,3 +45,31 @@ def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_
         assert set(summary[mode]["scaling_vs_first"]) == {"1", "3"}
     assert set(summary["batched_over_unbatched"]) == {"1", "3"}
     assert set(body["samples"]) == {"batched", "unbatched"}
+
+
+def test_the_concurrency_benchmark_runs_the_dflash_proposer_in_both_modes(tmp_path):
+    command = [
+        sys.executable,
+        "scripts/bench_concurrency.py",
+        "--sessions",
+        "2",
+        "--max-tokens",
+        "8",
+        "--prompt-tokens",
+        "8",
+        "--rounds",
+        "1",
+        "--batch-size",
+        "4",
+        "--proposer",
+        "dflash",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    (path,) = tmp_path.glob("bench_concurrency_*.json")
+    body = json.loads(path.read_text())
+    assert body["config"]["proposer"] == "dflash"
+    assert body["summary"]["session_token_mismatches"] == 0, "greedy tokens must not depend on batched drafting"
+    assert [c["tokens"] for c in body["summary"]["batched"]["configurations"]] == [16]

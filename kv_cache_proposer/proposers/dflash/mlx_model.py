@@ -35,19 +35,25 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: mx.array, heads: int) -> mx.array:
         return x.reshape(*x.shape[:2], heads, self.head_dim).transpose(0, 2, 1, 3)  # [B, H, T, D]
 
-    def key_value(self, x: mx.array, offset: int) -> tuple[mx.array, mx.array]:
-        """Keys (normed, rotated from position `offset`) and values [B, KVH, T, D] of inputs x [B, T, H]."""
-        keys = self.rope(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), offset=offset)
+    def _rotate(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        # nn.RoPE's signature names an int offset only; mx.fast.rope also takes one offset per batch row.
+        rope = self.rope
+        return mx.fast.rope(x, rope.dims, traditional=rope.traditional, base=rope.base, scale=rope.scale, offset=offset)
+
+    def key_value(self, x: mx.array, offset: int | mx.array) -> tuple[mx.array, mx.array]:
+        """Keys (normed, rotated from position `offset`, or per row from `offset[b]`) and values [B, KVH, T, D] of
+        inputs x [B, T, H]."""
+        keys = self._rotate(self.k_norm(self._heads(self.k_proj(x), self.num_kv_heads)), offset)
         return keys, self._heads(self.v_proj(x), self.num_kv_heads)
 
     def __call__(
         self,
         x: mx.array,
-        offset: int,
+        offset: int | mx.array,
         mask: mx.array | None,
         store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]],
     ) -> mx.array:
-        queries = self.rope(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), offset=offset)
+        queries = self._rotate(self.q_norm(self._heads(self.q_proj(x), self.num_heads)), offset)
         keys, values = store(*self.key_value(x, offset))
         out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=self.head_dim**-0.5, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1))
@@ -76,7 +82,7 @@ class DFlashLayer(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        offset: int,
+        offset: int | mx.array,
         mask: mx.array | None,
         store: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]],
     ) -> mx.array:
@@ -85,7 +91,8 @@ class DFlashLayer(nn.Module):
 
 
 class MlxDFlashDrafter(nn.Module):
-    """The drafter network. Positions are contiguous runs starting at `offset` (RoPE offsets)."""
+    """The drafter network. Positions are contiguous runs starting at `offset` (RoPE offsets): one for every batch
+    row, or one per row (an array [B])."""
 
     def __init__(self, raw: dict[str, Any], num_features: int) -> None:
         super().__init__()
@@ -101,13 +108,15 @@ class MlxDFlashDrafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(hidden, eps=eps)
         self.hidden_size = hidden
 
-    def context_kv(self, features: mx.array, offset: int) -> list[tuple[mx.array, mx.array]]:
+    def context_kv(self, features: mx.array, offset: int | mx.array) -> list[tuple[mx.array, mx.array]]:
         """Per-layer context keys/values [B, KVH, N, D] of verifier features [B, N, L*H] at positions from
         `offset`."""
         context = self.hidden_norm(self.fc(features))
         return [layer.self_attn.key_value(context, offset) for layer in self.layers]
 
-    def __call__(self, block_embeds: mx.array, offset: int, masks: list[mx.array | None], store: KVStore) -> mx.array:
+    def __call__(
+        self, block_embeds: mx.array, offset: int | mx.array, masks: list[mx.array | None], store: KVStore
+    ) -> mx.array:
         """Final hidden states [B, M, H] of a block of input embeddings [B, M, H] at positions from `offset`."""
         x = block_embeds
         for index, layer in enumerate(self.layers):

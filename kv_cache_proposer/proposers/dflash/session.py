@@ -5,19 +5,26 @@ verifier's features of a position arrive with the commit that makes it resident 
 are projected to context K/V at once, and are never recomputed. A proposal runs one drafter forward over
 `[last token, MASK x n]` at the next positions and reads the n drafts through the verifier's LM head; the block's
 own K/V are staged and dropped. The backend's `DraftEngine` does the tensor work.
+
+The sessions of one proposer share a `DFlashBatchDrafter`: a batch step's proposals run as one drafter forward,
+each block over its own context, positions and mask, and its commits' context projections as one projection.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Generic, Protocol
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.errors import EngineError
+from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
+
+T = TypeVar("T")
 
 
 def block_masks(cache: SessionCache[Any], windows: Sequence[int | None]) -> list[np.ndarray | None]:
@@ -51,12 +58,111 @@ class DraftEngine(Protocol[A]):
         ...
 
 
+class BatchDraftEngine(DraftEngine[A], Protocol[A]):
+    """A drafter that also runs several sessions' blocks, or their context projections, in one forward."""
+
+    def draft_batch(self, blocks: Sequence[tuple[SessionCache[A], int, int]]) -> list[list[int]]:
+        """`draft(cache, last_token, count)` of every block (distinct caches) in one drafter forward."""
+        ...
+
+    def add_context_batch(self, items: Sequence[tuple[SessionCache[A], A]]) -> list[Exception | None]:
+        """`add_context(cache, features)` of every item (distinct caches) with one projection. Per item, the error
+        that kept its context from being stored; raises (having stored nothing) only when the projection fails."""
+        ...
+
+
+class DFlashBatchDrafter(Generic[A]):
+    """Drafting of several sessions of one DFlash proposer together (`BatchDrafter`)."""
+
+    def __init__(self, engine: BatchDraftEngine[A]) -> None:
+        self._engine = engine
+
+    def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int] | Exception]:
+        results: list[list[int] | Exception] = [[] for _ in requests]
+        blocks: list[tuple[int, SessionCache[A], int, int]] = []  # (request, cache, last token, count)
+        for index, request in enumerate(requests):
+            session = self._own(request.session)
+            if isinstance(session, Exception):
+                results[index] = session
+                continue
+            count = session.draft_count(request.history, request.max_tokens)
+            if count:
+                blocks.append((index, session._cache, request.history[-1], count))
+        engine = self._engine
+        drafts: list[list[int] | Exception]
+        if len(blocks) == 1:
+            _, cache, last, count = blocks[0]
+            drafts = [_outcome(lambda: engine.draft(cache, last, count))]
+        elif blocks:
+            try:
+                drafts = list(engine.draft_batch([(cache, last, count) for _, cache, last, count in blocks]))
+            except Exception:  # each block alone, so the error lands on the session that caused it
+                drafts = [_outcome(partial(engine.draft, cache, last, count)) for _, cache, last, count in blocks]
+        else:
+            drafts = []
+        for (index, *_), draft in zip(blocks, drafts, strict=True):
+            results[index] = draft
+        return results
+
+    def on_commit_batch(self, commits: Sequence[DraftCommit]) -> list[Exception | None]:
+        results: list[Exception | None] = [None] * len(commits)
+        items: list[tuple[int, SessionCache[A], A]] = []  # (commit, cache, features)
+        for index, commit in enumerate(commits):
+            session = self._own(commit.session)
+            if isinstance(session, Exception):
+                results[index] = session
+                continue
+            try:
+                features = session.new_context(commit.committed, commit.features)
+            except Exception as exc:  # handed to that session's caller
+                results[index] = exc
+                continue
+            if features is not None:
+                items.append((index, session._cache, features))
+        engine = self._engine
+        errors: list[Exception | None]
+        if len(items) == 1:
+            _, cache, features = items[0]
+            errors = [_outcome(lambda: engine.add_context(cache, features))]
+        elif items:
+            try:
+                errors = engine.add_context_batch([(cache, features) for _, cache, features in items])
+            except Exception:  # nothing was stored: each alone, so the error lands on its own session
+                errors = [_outcome(partial(engine.add_context, cache, features)) for _, cache, features in items]
+        else:
+            errors = []
+        for (index, *_), error in zip(items, errors, strict=True):
+            results[index] = error
+        return results
+
+    def _own(self, session: object) -> DFlashDraftSession[A] | Exception:
+        if isinstance(session, DFlashDraftSession) and session._engine is self._engine:
+            return session
+        return EngineError("a DFlash batch takes the sessions of its own proposer only")
+
+
+def _outcome(run: Callable[[], T]) -> T | Exception:
+    """What `run` returns, or the exception it raises (handed to the session it ran for)."""
+    try:
+        return run()
+    except Exception as exc:
+        return exc
+
+
 class DFlashDraftSession(Generic[A]):
     """One session's drafter context."""
 
-    def __init__(self, engine: DraftEngine[A], cache: SessionCache[A]) -> None:
+    def __init__(
+        self, engine: DraftEngine[A], cache: SessionCache[A], batch: DFlashBatchDrafter[A] | None = None
+    ) -> None:
+        """`batch`: the batch drafter shared by the proposer's sessions (None: this session drafts alone)."""
         self._engine = engine
         self._cache = cache
+        self._batch = batch
+
+    @property
+    def batch_drafter(self) -> DFlashBatchDrafter[A] | None:
+        return self._batch
 
     @property
     def max_draft_tokens(self) -> int:
@@ -70,14 +176,17 @@ class DFlashDraftSession(Generic[A]):
     def nbytes(self) -> int:
         return int(self._cache.nbytes)
 
-    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+    def draft_count(self, history: Sequence[int], max_tokens: int) -> int:
+        """How many tokens a proposal after `history` drafts (0: none)."""
         # Drafting needs the features of every position before the last token; after an append the pending
         # tokens have none yet, so that step verifies them without a draft.
         if self._cache.next_position != len(history) - 1 or max_tokens < 1:
-            return []
-        return self._engine.draft(self._cache, history[-1], min(max_tokens, self.max_draft_tokens))
+            return 0
+        return min(max_tokens, self.max_draft_tokens)
 
-    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+    def new_context(self, committed: int, features: Any | None) -> A | None:
+        """The features a commit up to `committed` adds to this session's context (None: no position); raises
+        when they do not continue it."""
         if features is None:
             raise EngineError("the DFlash drafter needs verifier features with every commit")
         count = int(features.shape[0])
@@ -86,12 +195,20 @@ class DFlashDraftSession(Generic[A]):
                 f"DFlash context holds {self._cache.next_position} positions but features arrived for "
                 f"{committed - count}..{committed}"
             )
-        if count:
-            self._engine.add_context(self._cache, features)
+        return cast(A, features) if count else None
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        count = self.draft_count(history, max_tokens)
+        return self._engine.draft(self._cache, history[-1], count) if count else []
+
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+        context = self.new_context(committed, features)
+        if context is not None:
+            self._engine.add_context(self._cache, context)
 
     def release(self) -> None:
         self._cache.release()
 
     def clone(self, length: int) -> DFlashDraftSession:
         # The context K/V track the verifier's committed positions one for one, so they clone at the same length.
-        return DFlashDraftSession(self._engine, self._cache.clone(length))
+        return DFlashDraftSession(self._engine, self._cache.clone(length), self._batch)
