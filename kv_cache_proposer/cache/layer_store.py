@@ -59,6 +59,11 @@ class LayerStore(Protocol[A]):
         """Bytes the layer holds now."""
         ...
 
+    @property
+    def working_nbytes(self) -> int:
+        """The part of `nbytes` that only speeds up forwards while the session generates (`park()` frees it)."""
+        ...
+
     def footprint(self) -> StoreFootprint:
         """Compressed and dense-equivalent bytes of the resident entries."""
         ...
@@ -123,6 +128,10 @@ class DenseLayerStore(Generic[A]):
         if self._keys is None or self._values is None:
             return 0
         return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
+
+    @property
+    def working_nbytes(self) -> int:
+        return 0
 
     def footprint(self) -> StoreFootprint:
         if self._keys is None or self._capacity == 0:

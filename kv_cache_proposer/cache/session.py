@@ -94,6 +94,12 @@ class KVSessionCache(Generic[A]):
         return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
 
     @property
+    def working_bytes(self) -> int:
+        """The part of `nbytes` held only while the session generates (a compressed store's decoded working copy);
+        `park()` frees it."""
+        return sum(layer.working_nbytes for layer in self._layers)
+
+    @property
     def restored_bytes(self) -> int:
         """Bytes of restored K/V of evicted positions held now (transient; 0 for a cache that restores nothing)."""
         return 0

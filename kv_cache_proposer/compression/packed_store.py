@@ -71,6 +71,11 @@ class PackedLayerStore(Generic[A]):
     def nbytes(self) -> int:
         return self.packed_nbytes + self._coding_bytes + self._work.nbytes
 
+    @property
+    def working_nbytes(self) -> int:
+        """The dense buffer: the stage and, while generating, the decoded resident entries."""
+        return self._work.nbytes
+
     def footprint(self) -> StoreFootprint:
         if self._codec is None:
             return StoreFootprint(0, 0, 0)

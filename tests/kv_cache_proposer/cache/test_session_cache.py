@@ -59,6 +59,10 @@ class HalfPrecisionStore:
     def nbytes(self) -> int:
         return self._dense.nbytes
 
+    @property
+    def working_nbytes(self) -> int:
+        return 0
+
     def arrays(self) -> list[Any]:
         return self._dense.arrays()
 
