@@ -96,6 +96,11 @@ class LayerStore(Protocol[A]):
         """Hold `keys`/`values` `[B, H, len(slots), D]` as the resident entries of `slots`."""
         ...
 
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Hold the resident entries `source_slots` of `source` (a layer of another cache) as those of `slots`,
+        copied in the form they are held when `source` is a store of this kind."""
+        ...
+
     def park(self) -> None:
         """The session stops generating for now: drop whatever only speeds up forwards (the resident entries stay)."""
         ...
@@ -185,6 +190,9 @@ class DenseLayerStore(Generic[A]):
         key_buf, value_buf = self._buffers(keys, values)
         self._keys = self._ops.put(key_buf, slots, keys)
         self._values = self._ops.put(value_buf, slots, values)
+
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        self.load(slots, *source.gather(source_slots))
 
     def park(self) -> None:
         return None

@@ -21,7 +21,7 @@ from typing import Any, Generic
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, StoreFootprint
+from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, StoreFootprint
 from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
 from kv_cache_proposer.errors import InvariantViolation
@@ -153,6 +153,36 @@ class PackedLayerStore(Generic[A]):
             decoded = [self._codec_of().decode(coding, shape, self._model_dtype) for coding in codings]
             self._work.load(slots, decoded[0], decoded[1])
 
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Copy the packed codes of another packed layer (a forked session): decoding and encoding again would
+        cost time and could change codes, since a decoded vector need not encode to the codes it came from."""
+        if not isinstance(source, PackedLayerStore) or source._codec is None:
+            self.load(slots, *source.gather(source_slots))
+            return
+        source._pack_unpacked()
+        self._adopt_layout(source)
+        self._pack_unpacked()
+        if not slots.size:
+            return
+        self._reserve_slots(int(slots.max()) + 1)
+        self._codes[:, slots] = source._codes[:, source_slots]
+        self._norms[:, slots] = source._norms[:, source_slots]
+        self._qmax[:, slots] = source._qmax[:, source_slots]
+        keys = source._escape_keys
+        stale = np.isin(self._escape_keys[:, 1], slots)
+        own_keys, own_points = self._escape_keys[~stale], self._escape_points[~stale]
+        if keys.size:
+            target = np.full(max(int(keys[:, 1].max()), int(source_slots.max())) + 1, -1, dtype=np.int64)
+            target[source_slots] = slots  # source slot -> slot here
+            hit = target[keys[:, 1]] >= 0
+            copied = keys[hit].copy()
+            copied[:, 1] = target[copied[:, 1]]
+            own_keys = np.concatenate([own_keys, copied])
+            own_points = np.concatenate([own_points, source._escape_points[hit]])
+        self._escape_keys, self._escape_points = own_keys, own_points
+        if self._working:
+            self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
+
     def park(self) -> None:
         """Pack what is left, drop the decoded working copy and trim the packed arrays to the slots in use."""
         self._pack_unpacked()
@@ -192,6 +222,18 @@ class PackedLayerStore(Generic[A]):
         self._norms = np.zeros((2, 0, rows), dtype=np.float16)
         self._qmax = np.zeros((2, 0, rows), dtype=np.float16)
         self._escape_points = np.zeros((0, self._codec.spec.block_dim), dtype=np.int16)
+
+    def _adopt_layout(self, source: PackedLayerStore[A]) -> None:
+        """Take the codec, shapes and dtype of `source` (a layer of the same model) if this layer has none yet."""
+        if self._codec is not None:
+            return
+        self._codec = source._codec
+        self._batch, self._heads, self._itemsize = source._batch, source._heads, source._itemsize
+        self._model_dtype = source._model_dtype
+        self._codes = np.zeros((2, 0, *source._codes.shape[2:]), dtype=np.uint8)
+        self._norms = np.zeros((2, 0, source._norms.shape[2]), dtype=np.float16)
+        self._qmax = np.zeros((2, 0, source._qmax.shape[2]), dtype=np.float16)
+        self._escape_points = np.zeros((0, source._escape_points.shape[1]), dtype=np.int16)
 
     def _ensure_working(self) -> None:
         """Decode the resident entries into a dense working copy, once per generation."""

@@ -63,6 +63,9 @@ class HalfPrecisionStore:
     def working_nbytes(self) -> int:
         return 0
 
+    def load_from(self, source: Any, source_slots: np.ndarray, slots: np.ndarray) -> None:
+        self.load(slots, *source.gather(source_slots))
+
     def arrays(self) -> list[Any]:
         return self._dense.arrays()
 
