@@ -4,6 +4,8 @@ Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +48,7 @@ class MlxLatticeCodec:
     def __init__(self, spec: LatticeSpec) -> None:
         self.spec = spec
         self._hadamard = _hadamard(spec.head_dim)
+        self._compiled: dict[mx.Dtype, Callable[..., tuple[mx.array, ...]]] = {}
 
     def _code(self, vectors: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """Doubled lattice coordinates `[N, D]` int16, norms and qmax `[N, 1]` float16 of `vectors` `[..., D]`."""
@@ -86,16 +89,28 @@ class MlxLatticeCodec:
     def code_block(
         self, keys: mx.array, values: mx.array, dtype: mx.Dtype
     ) -> tuple[mx.array, mx.array, StagedCoding[mx.array]]:
+        compiled = self._compiled.get(dtype)
+        if compiled is None:
+            # One fused graph per dtype (mx.compile traces again for each new input shape): a decode step codes a
+            # few vectors per layer, where launching some forty small kernels one by one costs three times more.
+            compiled = self._compiled[dtype] = mx.compile(partial(self._code_block, dtype=dtype))
+        decoded_keys, decoded_values, doubled, norms, qmax = compiled(keys, values)
+        return decoded_keys, decoded_values, StagedCoding(doubled, norms, qmax)
+
+    def _code_block(
+        self, keys: mx.array, values: mx.array, dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
         batch, heads, count, dim = keys.shape
         both = mx.concatenate([keys, values], axis=0)  # [2B, H, n, D]: one pass of the codec for K and V
         doubled, norms, qmax = self._code(both)
         decoded = self._decoded(doubled, norms, qmax).astype(dtype).reshape(2 * batch, heads, count, dim)
-        coding = StagedCoding(
-            doubled=doubled.reshape(2 * batch, heads, count, dim),
-            norms=norms.reshape(2 * batch, heads, count, 1),
-            qmax=qmax.reshape(2 * batch, heads, count, 1),
+        return (
+            decoded[:batch],
+            decoded[batch:],
+            doubled.reshape(2 * batch, heads, count, dim),
+            norms.reshape(2 * batch, heads, count, 1),
+            qmax.reshape(2 * batch, heads, count, 1),
         )
-        return decoded[:batch], decoded[batch:], coding
 
     def to_host(self, coding: StagedCoding[mx.array]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return np.array(coding.doubled), np.array(coding.norms.squeeze(-1)), np.array(coding.qmax.squeeze(-1))
