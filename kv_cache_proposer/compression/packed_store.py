@@ -16,6 +16,7 @@ decodes them again.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Generic
 
 import numpy as np
@@ -100,6 +101,7 @@ class PackedLayerStore(Generic[A]):
         # The stage holds what its codes decode to, so a block reads its own earlier positions as later forwards
         # will read them once resident: speculative and one-token decoding see the same K/V.
         decoded_keys, decoded_values, coding = self._codec_of().code_block(keys, values, self._model_dtype)
+        self._forget_staged_from(slot)
         self._staged.append((slot, coding))
         self._coding_bytes += self._bytes_of(coding)
         self._work.stage(slot, decoded_keys, decoded_values)
@@ -266,6 +268,19 @@ class PackedLayerStore(Generic[A]):
     def _bytes_of(self, coding: StagedCoding[A]) -> int:
         return sum(self._ops.nbytes(array) for array in coding.arrays())
 
+    def _forget_staged_from(self, slot: int) -> None:
+        """Forget the codes of stage slots from `slot` on: a forward writing there replaces them."""
+        kept: list[tuple[int, StagedCoding[A]]] = []
+        for start, coding in self._staged:
+            self._coding_bytes -= self._bytes_of(coding)
+            if start >= slot:
+                continue
+            if start + self._ops.length(coding.doubled) > slot:
+                coding = self._select(coding, partial(_head, self._ops, slot - start))
+            kept.append((start, coding))
+            self._coding_bytes += self._bytes_of(coding)
+        self._staged = kept
+
     def _drop_staged(self) -> None:
         self._coding_bytes -= sum(self._bytes_of(coding) for _, coding in self._staged)
         self._staged.clear()
@@ -387,3 +402,7 @@ def _by_slot(coding: LatticeCoding, rows: int, count: int) -> tuple[np.ndarray, 
     """A coding of `[B, H, m]` vectors reordered slot-major: `[m, B·H, D]`, `[m, B·H]`, `[m, B·H]`."""
     doubled = coding.doubled.reshape(rows, count, -1).transpose(1, 0, 2)
     return doubled, coding.norms.reshape(rows, count).T, coding.qmax.reshape(rows, count).T
+
+
+def _head(ops: ArrayOps[A], count: int, array: A) -> A:
+    return ops.head(array, count)

@@ -202,3 +202,21 @@ def test_a_fork_copies_the_packed_codes_and_continues_with_the_tokens_of_its_par
 
 def _layer_bytes(cache: Any) -> int:
     return sum(layer.nbytes for layer in cache._layers)
+
+
+def test_a_block_staged_again_before_its_commit_replaces_the_codes_staged_first(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    restaged, direct = (_cache(verifier, backend, FullStrategy(), compressor) for _ in range(2))
+    prompt = _tokens(7, 12)
+    for cache in (restaged, direct):
+        verifier.verify(cache, prompt, 1)
+        verifier.commit(cache, len(prompt))
+    verifier.verify(restaged, _tokens(8, 5), 1)  # a block that is never committed
+    for cache in (restaged, direct):
+        verifier.verify(cache, _tokens(9, 3), 1)
+        verifier.commit(cache, 3)
+        cache.park()
+    assert _layer_bytes(restaged) == _layer_bytes(direct)
+    for (rk, rv, rp), (dk, dv, dp) in zip(_resident(restaged), _resident(direct), strict=True):
+        assert np.array_equal(rp, dp) and np.array_equal(rk, dk) and np.array_equal(rv, dv)
