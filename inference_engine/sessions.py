@@ -47,6 +47,14 @@ class Session:
         """Bytes of K/V the session holds: the verifier cache and any drafter state."""
         return int(self.seq.cache.nbytes) + int(self.seq.draft.nbytes)
 
+    @property
+    def kv_budget_bytes(self) -> int:
+        """What the session counts against the KV byte budget: `kv_bytes` less the working copy that only a
+        generating session holds (a compressed cache's decoded K/V, freed when it parks). Between generations the
+        two are equal; while it generates, the working copy is bounded by the sessions generating at once, not by
+        the sessions held, so charging it would shrink every compressed session's share of the budget."""
+        return self.kv_bytes - int(self.seq.cache.working_bytes)
+
     def release(self) -> None:
         """Free the session's cache and drafting state."""
         self.seq.cache.release()
@@ -151,14 +159,14 @@ class SessionStore:
     def enforce_budget(self, protect: Session | None) -> bool:
         """Evict idle sessions, least recently used first, until the KV bytes fit the budget.
 
-        Returns whether the store is within budget afterwards.
+        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_budget_bytes`.
         """
-        total = self.kv_live_bytes()
+        total = sum(s.kv_budget_bytes for s in self._sessions.values())
         while total > self.kv_budget_bytes:
             victim = self._least_recent_idle(exclude=protect, holding_memory=True)
             if victim is None:
                 return False
-            total -= victim.kv_bytes
+            total -= victim.kv_budget_bytes
             self.evict(victim, "budget")
         return True
 

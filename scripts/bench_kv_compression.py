@@ -8,21 +8,30 @@ mlx-lm's quantised KV cache does it), fp8 e4m3 with a per-tensor scale (as vLLM'
 
 Part 2 (one daemon on 127.0.0.1, each session choosing its compressor): for every `--variants` entry and `none`,
 in the same run: bytes per token held by a parked session, NIAH recall at each `--lengths` rung (documents and
-scoring of `scripts/eval_niah.py`), greedy-token agreement with `none` over `--agreement-tokens` tokens, decode
-tokens/s of that generation, and time to first token of a parked session (a one-token append to a parked
-2,048-token session). Part 3: one daemon per variant with `--kv-budget-bytes` and 2,048-token sessions created until
-the first is evicted: sessions held under the same byte budget.
+scoring of `scripts/eval_niah.py`, the same `--samples` documents for every variant, so the documents on which a
+variant and `none` disagree are counted too), greedy-token agreement with `none` over `--agreement-tokens` tokens,
+and time to first token of a parked session (a one-token append to a parked 2,048-token session). Decode speed:
+`--speed-rounds` rounds, each generating `--speed-tokens` tokens after a 2,048-token prefill with every variant in
+turn (interleaved, so load from other processes spreads over all of them); the median of the rounds, as wall-clock
+tokens/s and as the daemon's CPU seconds per token (read from /proc, less sensitive to a shared machine).
+
+Part 3: one daemon per variant with the same `--kv-budget-bytes` (`--budget-sessions` dense 2,048-token sessions
+and a quarter more, so the dense count is not on an edge) and 2,048-token sessions created until the first is
+evicted. The budget charges what a session keeps between generations (a generating compressed session's decoded
+working copy is not charged), so the sessions held are `budget // bytes per session` up to one session: the
+summary puts the measured count next to that expectation and the session growth next to the byte ratio.
 
 Writes `results/bench_kv_compression_<stamp>.json` and a PNG (rate–distortion curves of K and V, bytes per token).
 
 Usage:
     python scripts/bench_kv_compression.py [--smoke] [--lengths 512,1024,2048] [--samples 2]
-        [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32]
+        [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32] [--speed-rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
 import time
@@ -68,10 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="compressor:Q pairs compared with none through the daemon",
     )
     p.add_argument("--lengths", default="512,1024,2048", help="NIAH context lengths (tokens)")
-    p.add_argument("--samples", type=int, default=2, help="NIAH documents per length (depths spread evenly)")
+    p.add_argument("--samples", type=int, default=20, help="NIAH documents per length (depths spread evenly)")
     p.add_argument("--agreement-tokens", type=int, default=256, help="greedy tokens compared with none")
-    p.add_argument("--budget-sessions", type=int, default=3, help="dense 2,048-token sessions the part-3 budget fits")
-    p.add_argument("--max-sessions", type=int, default=12, help="most sessions part 3 creates per variant")
+    p.add_argument("--speed-rounds", type=int, default=3, help="interleaved decode-speed rounds (median reported)")
+    p.add_argument("--speed-tokens", type=int, default=128, help="tokens generated per decode-speed round")
+    p.add_argument("--budget-sessions", type=int, default=4, help="dense 2,048-token sessions the part-3 budget fits")
+    p.add_argument("--max-sessions", type=int, default=40, help="most sessions part 3 creates per variant")
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a seconds-long run for tests")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -79,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.smoke:
         args.capture_tokens, args.d4_q, args.e8_q = 128, "10,38", "10,37"
         args.lengths, args.samples, args.agreement_tokens = "128", 1, 16
+        args.speed_rounds, args.speed_tokens = 1, 8
         args.budget_sessions, args.max_sessions, args.variants = 1, 3, "kakeya_d4:38"
     args.lengths = [int(x) for x in str(args.lengths).split(",")]
     args.d4_q = [int(x) for x in str(args.d4_q).split(",")]
@@ -191,8 +203,54 @@ def _label(variant: tuple[str, int]) -> str:
     return variant[0] if variant[0] == "none" else f"{variant[0]}:{variant[1]}"
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def decode_speed(
+    args: argparse.Namespace, client: kakeya.Client, pid: int, prompt: list[int], variants: list[tuple[str, int]]
+) -> dict[str, Any]:
+    """Interleaved rounds: each variant in turn prefills `prompt`, then generates `--speed-tokens` timed tokens."""
+    rounds: dict[str, list[dict[str, float | None]]] = {_label(v): [] for v in variants}
+    for _ in tqdm(range(args.speed_rounds), desc="decode speed", unit="round", file=sys.stderr):
+        for variant in variants:
+            with client.create_session(initial_tokens=prompt, label="bench", **_create(variant)) as session:
+                list(session.generate(1))  # prefill, not timed
+                cpu_before = _cpu_seconds(pid)
+                stream = session.generate(args.speed_tokens)
+                count = len(list(stream))
+                cpu_after = _cpu_seconds(pid)
+            assert stream.stats is not None
+            wall = stream.stats.total_duration_s
+            cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+            rounds[_label(variant)].append(
+                {"tokens_per_s": count / wall, "cpu_s_per_token": cpu / count if cpu is not None else None}
+            )
+    out: dict[str, Any] = {}
+    for label, rows in rounds.items():
+        cpu_rows = [r["cpu_s_per_token"] for r in rows if r["cpu_s_per_token"] is not None]
+        out[label] = {
+            "rounds": rows,
+            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows])),
+            "cpu_s_per_token": float(np.median(cpu_rows)) if cpu_rows else None,
+        }
+    return out
+
+
+def dense_session_bytes(client: kakeya.Client, text: list[int], length: int) -> int:
+    """KV bytes a parked dense session of `length` tokens holds (what part 3's budget is sized in)."""
+    with client.create_session(initial_tokens=text[: length - 1], label="bench", kv_compressor="none") as session:
+        list(session.generate(1))
+        return int(session.info().kv_live_bytes)
+
+
 def daemon_runs(
-    args: argparse.Namespace, client: kakeya.Client, tokenizer: Any, lines: list[list[int]]
+    args: argparse.Namespace, client: kakeya.Client, pid: int, tokenizer: Any, lines: list[list[int]]
 ) -> dict[str, Any]:
     variants = [("none", 0), *args.variants]
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
@@ -237,13 +295,17 @@ def daemon_runs(
             "parked_ttft_s": resumed.stats.time_to_first_token_s,
             "parked_ttft_client_s": parked_ttft_client,
         }
+    out["decode_speed"] = decode_speed(args, client, pid, prompt, variants)
+    text = [t for line in lines for t in line]
+    out["dense_session_bytes"] = dense_session_bytes(client, text, SESSION_TOKENS if not args.smoke else 128)
     return out
 
 
 def sessions_under_budget(
     args: argparse.Namespace, variant: tuple[str, int], budget: int, lines: list[list[int]]
-) -> int:
-    """2,048-token sessions a daemon holds under `budget` KV bytes before it evicts the first."""
+) -> dict[str, Any]:
+    """2,048-token sessions a daemon holds under `budget` KV bytes before it evicts the first, and the bytes one
+    of them holds parked."""
     length = SESSION_TOKENS if not args.smoke else 128
     flags = ["--model", str(args.model), "--dtype", args.dtype, "--kv-budget-bytes", str(budget)]
     if variant[0] != "none":
@@ -252,11 +314,14 @@ def sessions_under_budget(
     daemon = Daemon(flags)
     try:
         with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
-            sessions = []
+            sessions: list[Any] = []
+            session_bytes = 0
             for i in range(args.max_sessions):
                 start = (i * 997) % max(1, len(text) - length)
                 session = client.create_session(initial_tokens=text[start : start + length - 1])
                 list(session.generate(1))
+                if not sessions:
+                    session_bytes = int(session.info().kv_live_bytes)
                 sessions.append(session)
                 alive = 0
                 for s in sessions:
@@ -266,13 +331,38 @@ def sessions_under_budget(
                     except kakeya.SessionNotFound:
                         pass
                 if alive < len(sessions):
-                    return alive
-            return len(sessions)
+                    return {"held": alive, "capped": False, "session_bytes": session_bytes}
+            return {"held": len(sessions), "capped": True, "session_bytes": session_bytes}
     finally:
         daemon.stop()
 
 
-def summarize(rd: list[dict[str, Any]], runs: dict[str, Any], held: dict[str, int], dtype: str) -> dict[str, Any]:
+def _niah_discordant(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per variant and rung: documents recalled by exactly one of the variant and `none` (the same documents)."""
+    base = {(r["length"], r["depth"]): r["recalled"] for r in rows if r["variant"] == "none"}
+    out: dict[str, dict[str, int]] = {}
+    for r in rows:
+        rung = out.setdefault(r["variant"], {}).setdefault(str(r["length"]), 0)
+        out[r["variant"]][str(r["length"])] = rung + int(r["recalled"] != base[(r["length"], r["depth"])])
+    return out
+
+
+def _budget_row(held: dict[str, Any], none: dict[str, Any], budget: int) -> dict[str, Any]:
+    """Part 3 of one variant: sessions held, what the bytes predict, and the growth next to the byte ratio."""
+    expected = budget // held["session_bytes"] if held["session_bytes"] else None
+    return {
+        "held": held["held"],
+        "capped_by_max_sessions": held["capped"],
+        "session_bytes": held["session_bytes"],
+        "expected_held": expected,
+        "growth_vs_none": held["held"] / none["held"],
+        "byte_ratio_vs_none": none["session_bytes"] / held["session_bytes"] if held["session_bytes"] else None,
+    }
+
+
+def summarize(
+    rd: list[dict[str, Any]], runs: dict[str, Any], held: dict[str, dict[str, Any]], budget: int, dtype: str
+) -> dict[str, Any]:
     gen = runs["generation"]
     base = gen["none"]
     bf16_bytes_per_token = base["kv_dense_equivalent_bytes"] / base["history_tokens"] * (2 / _itemsize(dtype))
@@ -280,22 +370,36 @@ def summarize(rd: list[dict[str, Any]], runs: dict[str, Any], held: dict[str, in
     for row in runs["niah"]:
         hits.setdefault(row["variant"], {}).setdefault(str(row["length"]), []).append(bool(row["recalled"]))
     recall = {v: {k: sum(x) / len(x) for k, x in rungs.items()} for v, rungs in hits.items()}
+    discordant = _niah_discordant(runs["niah"])
+    speed = runs["decode_speed"]
+    base_speed = speed["none"]
     per_variant = {}
     for label, g in gen.items():
         agree = [a == b for a, b in zip(g["tokens"], base["tokens"], strict=False)]
         first_diff = next((i for i, same in enumerate(agree) if not same), None)
+        s = speed[label]
+        cpu_ratio = (
+            base_speed["cpu_s_per_token"] / s["cpu_s_per_token"]
+            if s["cpu_s_per_token"] and base_speed["cpu_s_per_token"]
+            else None
+        )
+        budget_row = _budget_row(held[label], held["none"], budget) if label in held else None
         per_variant[label] = {
             "bytes_per_token": g["bytes_per_token"],
             "fewer_bytes_than_bf16": bf16_bytes_per_token / g["bytes_per_token"],
             "fewer_bytes_than_served_dtype": base["bytes_per_token"] / g["bytes_per_token"],
             "greedy_agreement": sum(agree) / len(agree) if agree else None,
             "first_divergence": first_diff,
-            "decode_tokens_per_s": g["decode_tokens_per_s"],
-            "decode_speed_vs_none": (g["decode_tokens_per_s"] or 0) / (base["decode_tokens_per_s"] or 1),
+            "decode_tokens_per_s": s["tokens_per_s"],
+            "decode_speed_vs_none": s["tokens_per_s"] / base_speed["tokens_per_s"],
+            "decode_cpu_s_per_token": s["cpu_s_per_token"],
+            "decode_cpu_speed_vs_none": cpu_ratio,
             "parked_ttft_s": g["parked_ttft_s"],
             "escaped_blocks": g["kv_escaped_blocks"],
             "niah_recall": recall.get(label, {}),
-            "sessions_held_under_budget": held.get(label),
+            "niah_discordant_with_none": discordant.get(label, {}),
+            "sessions_held_under_budget": budget_row["held"] if budget_row else None,
+            "budget": budget_row,
         }
     return {
         "bf16_bytes_per_token": bf16_bytes_per_token,
@@ -334,6 +438,7 @@ def plot(rd: list[dict[str, Any]], summary: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.monotonic()
     torch.set_num_threads(2)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     lines = heldout_lines(tokenizer)
@@ -342,21 +447,33 @@ def main(argv: list[str] | None = None) -> int:
     daemon = Daemon(["--model", str(args.model), "--dtype", args.dtype])
     try:
         with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
-            runs = daemon_runs(args, client, tokenizer, lines)
+            runs = daemon_runs(args, client, daemon.process.pid, tokenizer, lines)
     finally:
         daemon.stop()
-    one_session = runs["generation"]["none"]["bytes_per_token"] * (SESSION_TOKENS if not args.smoke else 128)
-    budget = int(one_session * (args.budget_sessions + 0.5))
+    daemon_done = time.monotonic()
+    one_session = runs["dense_session_bytes"]
+    budget = one_session * args.budget_sessions + one_session // 4
     held = {
         _label(v): sessions_under_budget(args, v, budget, lines)
         for v in tqdm([("none", 0), *args.variants], desc="budget", file=sys.stderr)
     }
-    summary = summarize(rd, runs, held, args.dtype)
+    summary = summarize(rd, runs, held, budget, args.dtype)
     summary["kv_budget_bytes"] = budget
+    summary["duration_s"] = {
+        "total": time.monotonic() - started,
+        "rate_distortion_and_daemon": daemon_done - started,
+        "budget": time.monotonic() - daemon_done,
+    }
     path = write_results(
         "bench_kv_compression",
         config=vars(args),
-        samples={"rate_distortion": rd, "niah": runs["niah"], "generation": runs["generation"]},
+        samples={
+            "rate_distortion": rd,
+            "niah": runs["niah"],
+            "generation": runs["generation"],
+            "decode_speed": runs["decode_speed"],
+            "budget": held,
+        },
         summary=summary,
         plot=lambda png: plot(rd, summary, png),
         out_dir=args.results_dir,

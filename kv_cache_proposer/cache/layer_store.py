@@ -59,6 +59,11 @@ class LayerStore(Protocol[A]):
         """Bytes the layer holds now."""
         ...
 
+    @property
+    def working_nbytes(self) -> int:
+        """The part of `nbytes` that only speeds up forwards while the session generates (`park()` frees it)."""
+        ...
+
     def footprint(self) -> StoreFootprint:
         """Compressed and dense-equivalent bytes of the resident entries."""
         ...
@@ -89,6 +94,11 @@ class LayerStore(Protocol[A]):
 
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         """Hold `keys`/`values` `[B, H, len(slots), D]` as the resident entries of `slots`."""
+        ...
+
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Hold the resident entries `source_slots` of `source` (a layer of another cache) as those of `slots`,
+        copied in the form they are held when `source` is a store of this kind."""
         ...
 
     def park(self) -> None:
@@ -123,6 +133,10 @@ class DenseLayerStore(Generic[A]):
         if self._keys is None or self._values is None:
             return 0
         return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
+
+    @property
+    def working_nbytes(self) -> int:
+        return 0
 
     def footprint(self) -> StoreFootprint:
         if self._keys is None or self._capacity == 0:
@@ -176,6 +190,9 @@ class DenseLayerStore(Generic[A]):
         key_buf, value_buf = self._buffers(keys, values)
         self._keys = self._ops.put(key_buf, slots, keys)
         self._values = self._ops.put(value_buf, slots, values)
+
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        self.load(slots, *source.gather(source_slots))
 
     def park(self) -> None:
         return None

@@ -70,6 +70,12 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
+    def working_bytes(self) -> int:
+        """The part of `nbytes` held only while the session generates, freed by `park()` (a compressed cache's
+        decoded working copy)."""
+        ...
+
+    @property
     def restored_bytes(self) -> int:
         """Bytes of restored K/V of evicted positions held now (transient)."""
         ...

@@ -18,7 +18,8 @@ mask treats them like any other key.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Generic
 
 import numpy as np
@@ -92,6 +93,12 @@ class KVSessionCache(Generic[A]):
     @property
     def nbytes(self) -> int:
         return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
+
+    @property
+    def working_bytes(self) -> int:
+        """The part of `nbytes` held only while the session generates (a compressed store's decoded working copy);
+        `park()` frees it."""
+        return sum(layer.working_nbytes for layer in self._layers)
 
     @property
     def restored_bytes(self) -> int:
@@ -338,23 +345,37 @@ class KVSessionCache(Generic[A]):
                 "were already evicted"
             )
         keep = slots[positions < length]
-        state = [layer.gather(keep) if layer.active else None for layer in self._layers]
         twin = KVSessionCache(
             self._strategy, num_layers=len(self._layers), ops=self._ops, layer_store=self._layer_store
         )
-        twin._restore(state, self._positions[keep], length)
+        # Each layer copies the entries in the form it holds them (a compressed layer copies its codes).
+        loads = [
+            partial(twin_layer.load_from, layer, keep) if layer.active else None
+            for twin_layer, layer in zip(twin._layers, self._layers, strict=True)
+        ]
+        twin._fill(loads, self._positions[keep], length)
         return twin
 
     def _restore(self, state: Sequence[tuple[A, A] | None], positions: np.ndarray, next_position: int) -> None:
+        loads = [
+            None if kv is None else partial(_load_state, layer, kv)
+            for layer, kv in zip(self._layers, state, strict=True)
+        ]
+        self._fill(loads, positions, next_position)
+
+    def _fill(
+        self, loads: Sequence[Callable[[np.ndarray], None] | None], positions: np.ndarray, next_position: int
+    ) -> None:
+        """Hold `positions` as resident, each layer's entries written by its `loads` callable (given the slots)."""
         self._next_position = next_position
         if positions.size != self.resident_count:
             raise ValueError(f"{positions.size} resident positions given, the strategy keeps {self.resident_count}")
         slots = self._strategy.slots_of(positions)
         self._grow(max(self.stage_offset, 1))
         self._positions[slots] = positions
-        for layer, kv in zip(self._layers, state, strict=True):
-            if kv is not None:
-                layer.load(slots, *kv)
+        for layer, load in zip(self._layers, loads, strict=True):
+            if load is not None:
+                load(slots)
                 layer.held = positions.size
         self._ops.settle(self.arrays())
         self.check_invariants()
@@ -366,3 +387,7 @@ class KVSessionCache(Generic[A]):
         self._capacity = 0
         self._prefix = None
         self._released = True
+
+
+def _load_state(layer: LayerStore[A], kv: tuple[A, A], slots: np.ndarray) -> None:
+    layer.load(slots, *kv)

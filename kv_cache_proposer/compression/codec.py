@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol
 
 import numpy as np
 
@@ -24,6 +24,19 @@ class LatticeCoding:
         return int(self.norms.shape[0])
 
 
+@dataclass(frozen=True, slots=True)
+class StagedCoding(Generic[A]):
+    """The coding of a block's K and V, left on the backend and laid out like K/V (slots on axis 2), so a commit
+    can pick the accepted entries with the cache's array operations before anything is packed."""
+
+    doubled: A  # [2·B, H, n, D] int16: the K rows, then the V rows
+    norms: A  # [2·B, H, n, 1] float16
+    qmax: A  # [2·B, H, n, 1] float16
+
+    def arrays(self) -> list[A]:
+        return [self.doubled, self.norms, self.qmax]
+
+
 class LatticeCodec(Protocol[A]):
     """KakeyaLattice encode / decode of `[N, D]` vectors on one backend (SPEC §6.6)."""
 
@@ -37,4 +50,13 @@ class LatticeCodec(Protocol[A]):
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: Any) -> A:
         """The vectors `coding` stands for, shaped `shape` (N·D values) and cast to `dtype`: computed in float32,
         they are the reference `roundtrip()` output of the encoded input."""
+        ...
+
+    def code_block(self, keys: A, values: A, dtype: Any) -> tuple[A, A, StagedCoding[A]]:
+        """Encode a block's `keys` and `values` `[B, H, n, D]` together without leaving the backend: what they
+        decode to (in `dtype`, the values `decode` gives for the same coding) and their coding."""
+        ...
+
+    def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """`coding` on the host: doubled `[2·B, H, n, D]` int16, norms and qmax `[2·B, H, n]` float16."""
         ...

@@ -4,25 +4,34 @@ Resident entries live on the host as `[2 (K, V), slots, B·H, code_bytes]` uint8
 fp16 norms and scales, addressed by the session cache's slots; vectors the lattice cannot index after clamping live
 in a side table of escaped blocks (see `lattice.py`). The stage is dense, as for every store.
 
-While a session generates, a dense working copy holds the decoded resident entries next to the stage, so a
-decode step encodes only the entries it accepts and attention reads a plain buffer. `park()` drops that copy:
-between generations the layer holds packed bytes only, and the next forward decodes them again.
+While a session generates, a dense working copy holds the decoded resident entries next to the stage, so
+attention reads a plain buffer and nothing packed is decoded per step. A forward codes its block on the backend
+(the stage holds what the codes decode to, so later forwards read the block as they will read it once resident);
+a commit keeps the coding of the accepted entries only, and those are bit-packed in bulk, `PACK_EVERY` entries at
+a time, since packing is a fixed cost per call that one token at a time would pay every step. `park()` packs what
+is left and drops the working copy: between generations the layer holds packed bytes only, and the next forward
+decodes them again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Generic
 
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, StoreFootprint
-from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding
+from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, StoreFootprint
+from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
+from kv_cache_proposer.errors import InvariantViolation
 
 CodecFactory = Callable[[A], LatticeCodec[A]]
 """Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
+
+PACK_EVERY = 64
+"""Committed entries a layer keeps as unpacked lattice coordinates (int16, on the backend) before packing them."""
 
 
 class PackedLayerStore(Generic[A]):
@@ -42,8 +51,10 @@ class PackedLayerStore(Generic[A]):
         self._qmax = np.zeros((2, 0, 0), dtype=np.float16)  # [2, slots, B·H]
         self._escape_keys = np.zeros((0, 4), dtype=np.int32)  # [E, (tensor, slot, row, block)]
         self._escape_points = np.zeros((0, 0), dtype=np.int16)  # [E, block_dim]: doubled coordinates
-        # Codes of staged entries by (tensor, slot): packed only if a commit accepts them.
-        self._pending: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._staged: list[tuple[int, StagedCoding[A]]] = []  # (first stage slot, coding) of each staged piece
+        self._unpacked: list[tuple[np.ndarray, StagedCoding[A]]] = []  # committed, not yet packed: (slots, coding)
+        self._unpacked_count = 0
+        self._coding_bytes = 0  # bytes of the staged and unpacked codings, kept as a sum: read every step
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -59,17 +70,25 @@ class PackedLayerStore(Generic[A]):
 
     @property
     def nbytes(self) -> int:
-        return self.packed_nbytes + self._work.nbytes
+        return self.packed_nbytes + self._coding_bytes + self._work.nbytes
+
+    @property
+    def working_nbytes(self) -> int:
+        """The dense buffer: the stage and, while generating, the decoded resident entries."""
+        return self._work.nbytes
 
     def footprint(self) -> StoreFootprint:
         if self._codec is None:
             return StoreFootprint(0, 0, 0)
         dim = self._codec.spec.head_dim
         dense = 2 * self.held * self._batch * self._heads * dim * self._itemsize
-        return StoreFootprint(self.packed_nbytes, dense, int(self._escape_keys.shape[0]))
+        # Codings of entries committed since the last pack count as compressed bytes too (at most `PACK_EVERY`).
+        compressed = self.packed_nbytes + self._coding_bytes
+        return StoreFootprint(compressed, dense, int(self._escape_keys.shape[0]))
 
     def arrays(self) -> list[A]:
-        return self._work.arrays()
+        codings = [coding for _, coding in self._staged] + [coding for _, coding in self._unpacked]
+        return self._work.arrays() + [array for coding in codings for array in coding.arrays()]
 
     # -- the session cache's calls -------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
@@ -79,39 +98,40 @@ class PackedLayerStore(Generic[A]):
     def stage(self, slot: int, keys: A, values: A) -> None:
         self._start(keys)
         self._ensure_working()
-        count = self._ops.length(keys)
-        decoded = []
-        for tensor, array in enumerate((keys, values)):
-            coding = self._codec_of().encode(array)  # rows in [B, H, n] order
-            decoded.append(self._codec_of().decode(coding, self._shape(count), self._model_dtype))
-            doubled, norms, qmax = _by_slot(coding, self._batch * self._heads, count)
-            for i in range(count):
-                self._pending[(tensor, slot + i)] = (doubled[i], norms[i], qmax[i])
         # The stage holds what its codes decode to, so a block reads its own earlier positions as later forwards
         # will read them once resident: speculative and one-token decoding see the same K/V.
-        self._work.stage(slot, decoded[0], decoded[1])
+        decoded_keys, decoded_values, coding = self._codec_of().code_block(keys, values, self._model_dtype)
+        self._forget_staged_from(slot)
+        self._staged.append((slot, coding))
+        self._coding_bytes += self._bytes_of(coding)
+        self._work.stage(slot, decoded_keys, decoded_values)
 
     def read(self, stage_offset: int, end: int) -> tuple[A, A]:
         return self._work.read(stage_offset, end)
 
     def commit(self, plan: CommitPlan) -> None:
         if not self._working or plan.count == 0:
+            self._drop_staged()
             return
+        coding = self._staged_block(plan.stage_offset, plan.count)
         if plan.slots is None or plan.sources is None:
-            sources = np.arange(plan.count, dtype=np.int64)
-            slots = sources + plan.stage_offset
+            slots = np.arange(plan.stage_offset, plan.stage_offset + plan.count, dtype=np.int64)
+            if self._ops.length(coding.doubled) != plan.count:
+                coding = self._select(coding, lambda array: self._ops.head(array, plan.count))
         else:
-            sources, slots = plan.sources, plan.slots
-        if slots.size:
-            staged = (sources + plan.stage_offset).tolist()
-            for tensor in (0, 1):
-                entries = [self._pending[(tensor, s)] for s in staged]
-                doubled, norms, qmax = (np.stack(part) for part in zip(*entries, strict=True))
-                self._pack(tensor, slots, doubled, norms, qmax)
-            if plan.slots is not None:  # the accepted entries move from the stage to their ring slots
+            slots, sources = plan.slots, plan.sources
+            coding = self._select(coding, lambda array: self._ops.take(array, sources))
+            if slots.size:  # the accepted entries move from the stage to their ring slots
                 keys, values = self._work.gather(sources + plan.stage_offset)
                 self._work.load(slots, keys, values)
-        self._pending.clear()
+        self._drop_staged()
+        if slots.size:
+            self._ops.settle(coding.arrays())  # the selection is computed now, not left to grow a lazy graph
+            self._unpacked.append((slots, coding))
+            self._unpacked_count += int(slots.size)
+            self._coding_bytes += self._bytes_of(coding)
+        if self._unpacked_count >= PACK_EVERY:
+            self._pack_unpacked()
         self.held += plan.newly_held
 
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
@@ -123,29 +143,64 @@ class PackedLayerStore(Generic[A]):
 
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         self._start(keys)
+        self._pack_unpacked()  # earlier commits to these slots must not overwrite the loaded entries later
         self._reserve_slots(int(slots.max()) + 1 if slots.size else 0)
         rows = self._batch * self._heads
-        decoded = []
-        for tensor, array in enumerate((keys, values)):
-            coding = self._codec_of().encode(array)
-            self._pack(tensor, slots, *_by_slot(coding, rows, slots.size))
-            decoded.append(self._codec_of().decode(coding, self._shape(slots.size), self._model_dtype))
+        codings = [self._codec_of().encode(array) for array in (keys, values)]
+        parts = [_by_slot(coding, rows, slots.size) for coding in codings]
+        doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
+        self._pack(slots, doubled, norms, qmax)
         if self._working:
+            shape = self._shape(slots.size)
+            decoded = [self._codec_of().decode(coding, shape, self._model_dtype) for coding in codings]
             self._work.load(slots, decoded[0], decoded[1])
 
+    def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
+        """Copy the packed codes of another packed layer (a forked session): decoding and encoding again would
+        cost time and could change codes, since a decoded vector need not encode to the codes it came from."""
+        if not isinstance(source, PackedLayerStore) or source._codec is None:
+            self.load(slots, *source.gather(source_slots))
+            return
+        source._pack_unpacked()
+        self._adopt_layout(source)
+        self._pack_unpacked()
+        if not slots.size:
+            return
+        self._reserve_slots(int(slots.max()) + 1)
+        self._codes[:, slots] = source._codes[:, source_slots]
+        self._norms[:, slots] = source._norms[:, source_slots]
+        self._qmax[:, slots] = source._qmax[:, source_slots]
+        keys = source._escape_keys
+        stale = np.isin(self._escape_keys[:, 1], slots)
+        own_keys, own_points = self._escape_keys[~stale], self._escape_points[~stale]
+        if keys.size:
+            target = np.full(max(int(keys[:, 1].max()), int(source_slots.max())) + 1, -1, dtype=np.int64)
+            target[source_slots] = slots  # source slot -> slot here
+            hit = target[keys[:, 1]] >= 0
+            copied = keys[hit].copy()
+            copied[:, 1] = target[copied[:, 1]]
+            own_keys = np.concatenate([own_keys, copied])
+            own_points = np.concatenate([own_points, source._escape_points[hit]])
+        self._escape_keys, self._escape_points = own_keys, own_points
+        if self._working:
+            self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
+
     def park(self) -> None:
-        """Drop the decoded working copy and trim the packed arrays to the slots in use."""
+        """Pack what is left, drop the decoded working copy and trim the packed arrays to the slots in use."""
+        self._pack_unpacked()
+        self._drop_staged()
         self._work.release()
         self._work.reserve(self._capacity)
         self._working = False
-        self._pending.clear()
         occupied = np.flatnonzero(self._occupied())
         self._resize(int(occupied[-1]) + 1 if occupied.size else 0)
 
     def release(self) -> None:
         self._work.release()
         self._working = False
-        self._pending.clear()
+        self._staged.clear()
+        self._unpacked.clear()
+        self._unpacked_count = self._coding_bytes = 0
         self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)
         self._norms = np.zeros((2, 0, 0), dtype=np.float16)
         self._qmax = np.zeros((2, 0, 0), dtype=np.float16)
@@ -170,6 +225,18 @@ class PackedLayerStore(Generic[A]):
         self._qmax = np.zeros((2, 0, rows), dtype=np.float16)
         self._escape_points = np.zeros((0, self._codec.spec.block_dim), dtype=np.int16)
 
+    def _adopt_layout(self, source: PackedLayerStore[A]) -> None:
+        """Take the codec, shapes and dtype of `source` (a layer of the same model) if this layer has none yet."""
+        if self._codec is not None:
+            return
+        self._codec = source._codec
+        self._batch, self._heads, self._itemsize = source._batch, source._heads, source._itemsize
+        self._model_dtype = source._model_dtype
+        self._codes = np.zeros((2, 0, *source._codes.shape[2:]), dtype=np.uint8)
+        self._norms = np.zeros((2, 0, source._norms.shape[2]), dtype=np.float16)
+        self._qmax = np.zeros((2, 0, source._qmax.shape[2]), dtype=np.float16)
+        self._escape_points = np.zeros((0, source._escape_points.shape[1]), dtype=np.int16)
+
     def _ensure_working(self) -> None:
         """Decode the resident entries into a dense working copy, once per generation."""
         if self._working:
@@ -178,6 +245,79 @@ class PackedLayerStore(Generic[A]):
         slots = np.flatnonzero(self._occupied())
         if slots.size:
             self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
+
+    def _staged_block(self, stage_offset: int, count: int) -> StagedCoding[A]:
+        """The coding of stage slots `[stage_offset, stage_offset + n)`, from the pieces the forwards staged."""
+        pieces = sorted(self._staged, key=lambda piece: piece[0])
+        expected = stage_offset
+        for start, coding in pieces:
+            if start != expected:
+                raise InvariantViolation("inv1", f"the stage holds codes from slot {start}, expected {expected}")
+            expected += self._ops.length(coding.doubled)
+        if expected - stage_offset < count:
+            raise InvariantViolation("inv1", f"{count} entries committed but {expected - stage_offset} staged")
+        if len(pieces) == 1:
+            return pieces[0][1]
+        codings = [coding for _, coding in pieces]
+        return StagedCoding(
+            self._ops.concat([c.doubled for c in codings]),
+            self._ops.concat([c.norms for c in codings]),
+            self._ops.concat([c.qmax for c in codings]),
+        )
+
+    def _bytes_of(self, coding: StagedCoding[A]) -> int:
+        return sum(self._ops.nbytes(array) for array in coding.arrays())
+
+    def _forget_staged_from(self, slot: int) -> None:
+        """Forget the codes of stage slots from `slot` on: a forward writing there replaces them."""
+        kept: list[tuple[int, StagedCoding[A]]] = []
+        for start, coding in self._staged:
+            self._coding_bytes -= self._bytes_of(coding)
+            if start >= slot:
+                continue
+            if start + self._ops.length(coding.doubled) > slot:
+                coding = self._select(coding, partial(_head, self._ops, slot - start))
+            kept.append((start, coding))
+            self._coding_bytes += self._bytes_of(coding)
+        self._staged = kept
+
+    def _drop_staged(self) -> None:
+        self._coding_bytes -= sum(self._bytes_of(coding) for _, coding in self._staged)
+        self._staged.clear()
+
+    @staticmethod
+    def _select(coding: StagedCoding[A], pick: Callable[[A], A]) -> StagedCoding[A]:
+        return StagedCoding(pick(coding.doubled), pick(coding.norms), pick(coding.qmax))
+
+    def _pack_unpacked(self) -> None:
+        """Bit-pack every committed entry still held as lattice coordinates, in one pass."""
+        if not self._unpacked:
+            return
+        slots = np.concatenate([slots for slots, _ in self._unpacked])
+        codings = [coding for _, coding in self._unpacked]
+        if len(codings) > 1:
+            coding = StagedCoding(
+                self._ops.concat([c.doubled for c in codings]),
+                self._ops.concat([c.norms for c in codings]),
+                self._ops.concat([c.qmax for c in codings]),
+            )
+        else:
+            coding = codings[0]
+        self._coding_bytes -= sum(self._bytes_of(c) for c in codings)
+        self._unpacked.clear()
+        self._unpacked_count = 0
+        doubled, norms, qmax = self._codec_of().to_host(coding)  # [2B, H, m, D], [2B, H, m] x2
+        # A ring slot written twice since the last pack keeps its latest entry.
+        last_first, first_from_end = np.unique(slots[::-1], return_index=True)
+        keep = slots.size - 1 - first_from_end
+        rows = self._batch * self._heads
+        dim = doubled.shape[-1]
+        self._pack(
+            last_first,
+            doubled.reshape(2, rows, -1, dim)[:, :, keep].transpose(0, 2, 1, 3),  # [2, m, B·H, D]
+            norms.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),  # [2, m, B·H]
+            qmax.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),
+        )
 
     def _resize(self, slots: int) -> None:
         def resized(array: np.ndarray) -> np.ndarray:
@@ -207,23 +347,27 @@ class PackedLayerStore(Generic[A]):
         assert self._codec is not None
         return (self._batch, self._heads, count, self._codec.spec.head_dim)
 
-    def _pack(self, tensor: int, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray) -> None:
-        """Write slot-major codings (`doubled` `[m, B·H, D]`, `norms`/`qmax` `[m, B·H]`) into `slots`."""
+    def _pack(self, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray) -> None:
+        """Write slot-major codings of K and V (`doubled` `[2, m, B·H, D]`, `norms`/`qmax` `[2, m, B·H]`) into
+        `slots` (distinct)."""
         spec = self._codec_of().spec
-        count, rows = norms.shape
+        _, count, rows = norms.shape
+        if count == 0:
+            return
         self._reserve_slots(int(slots.max()) + 1)
-        flat_doubled = doubled.reshape(count * rows, spec.head_dim)
-        indices, escaped = block_indices(spec, flat_doubled)  # [m·B·H, blocks] x2
-        self._codes[tensor, slots] = pack_codes(spec, indices).reshape(count, rows, -1)
-        self._norms[tensor, slots] = norms
-        self._qmax[tensor, slots] = qmax
+        flat_doubled = doubled.reshape(2 * count * rows, spec.head_dim)
+        indices, escaped = block_indices(spec, flat_doubled)  # [2·m·B·H, blocks] x2
+        self._codes[:, slots] = pack_codes(spec, indices).reshape(2, count, rows, -1)
+        self._norms[:, slots] = norms
+        self._qmax[:, slots] = qmax
         # The new entries replace whatever escapes the slots held.
-        stale = (self._escape_keys[:, 0] == tensor) & np.isin(self._escape_keys[:, 1], slots)
+        stale = np.isin(self._escape_keys[:, 1], slots)
         keys, points = self._escape_keys[~stale], self._escape_points[~stale]
         flat, block = np.nonzero(escaped)
         if flat.size:
-            i, row = np.divmod(flat, rows)
-            new_keys = np.stack([np.full_like(row, tensor), slots[i], row, block], axis=1).astype(np.int32)
+            tensor, vector = np.divmod(flat, count * rows)
+            i, row = np.divmod(vector, rows)
+            new_keys = np.stack([tensor, slots[i], row, block], axis=1).astype(np.int32)
             blocks = flat_doubled.reshape(-1, spec.blocks, spec.block_dim)
             keys = np.concatenate([keys, new_keys])
             points = np.concatenate([points, blocks[flat, block]])
@@ -258,3 +402,7 @@ def _by_slot(coding: LatticeCoding, rows: int, count: int) -> tuple[np.ndarray, 
     """A coding of `[B, H, m]` vectors reordered slot-major: `[m, B·H, D]`, `[m, B·H]`, `[m, B·H]`."""
     doubled = coding.doubled.reshape(rows, count, -1).transpose(1, 0, 2)
     return doubled, coding.norms.reshape(rows, count).T, coding.qmax.reshape(rows, count).T
+
+
+def _head(ops: ArrayOps[A], count: int, array: A) -> A:
+    return ops.head(array, count)

@@ -10,6 +10,7 @@ import torch
 from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from inference_engine.metrics import Metrics
 from inference_engine.sessions import Session, SessionStore
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import SequenceState
 from kv_cache_proposer.strategies import FullStrategy
 
@@ -112,6 +113,27 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     store.kv_budget_bytes = one
     assert not store.enforce_budget(protect=grower)
     assert store.sessions() == [empty, grower]
+
+
+def test_the_budget_charges_a_generating_compressed_session_its_packed_bytes_not_its_working_copy(verifier):
+    store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
+    factory = compressor_layer_store("torch", KVCompressor("kakeya_d4", 38))
+    cache = verifier.new_cache(FullStrategy(), layer_store=factory)
+    verifier.verify(cache, list(range(1, 41)), 1)
+    verifier.commit(cache, 40)
+    session = Session(store.new_id(), "", frozenset(), SequenceState(cache=cache), store.now())
+    store.add(session)
+    generating = (session.kv_bytes, session.kv_budget_bytes)
+    assert cache.working_bytes > 0 and generating[1] == generating[0] - cache.working_bytes
+    cache.park()
+    # Parked, the working copy is gone and the rest is packed: no more than it was charged while generating.
+    assert cache.working_bytes == 0
+    assert session.kv_bytes == session.kv_budget_bytes <= generating[1]
+    other = _session(store, verifier, 40)
+    store.kv_budget_bytes = session.kv_budget_bytes + other.kv_budget_bytes
+    assert store.enforce_budget(protect=None) and len(store) == 2
+    store.kv_budget_bytes -= 1
+    assert store.enforce_budget(protect=None) and store.sessions() == [other]
 
 
 def test_session_lock_marks_it_busy():

@@ -27,5 +27,16 @@ def test_the_smoke_run_writes_rate_distortion_daemon_and_budget_results(tmp_path
     # Measured, not assumed: the packed session holds fewer bytes per token than the dense one.
     assert packed["bytes_per_token"] < variants["none"]["bytes_per_token"]
     assert packed["sessions_held_under_budget"] >= variants["none"]["sessions_held_under_budget"] >= 1
-    assert set(packed["niah_recall"]) == {"128"}
+    assert set(packed["niah_recall"]) == {"128"} and set(packed["niah_discordant_with_none"]) == {"128"}
+    # Part 3 reports what it measured next to what the session bytes predict.
+    budget = packed["budget"]
+    assert budget["session_bytes"] < variants["none"]["budget"]["session_bytes"]
+    assert budget["expected_held"] == summary["kv_budget_bytes"] // budget["session_bytes"]
+    assert budget["byte_ratio_vs_none"] > 1
+    # Decode speed: interleaved rounds of every variant, wall clock and the daemon's CPU time per token.
+    speed = payload["samples"]["decode_speed"]
+    assert set(speed) == {"none", "kakeya_d4:38"} and all(len(v["rounds"]) == 1 for v in speed.values())
+    assert packed["decode_speed_vs_none"] > 0
+    assert packed["decode_cpu_s_per_token"] is not None or not sys.platform.startswith("linux")  # /proc only
+    assert summary["duration_s"]["total"] > 0
     assert len(summary["lattice_vs_affine4"]) == 4

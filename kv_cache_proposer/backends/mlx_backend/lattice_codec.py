@@ -4,11 +4,13 @@ Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 import numpy as np
 
-from kv_cache_proposer.compression.codec import LatticeCoding
+from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -46,8 +48,10 @@ class MlxLatticeCodec:
     def __init__(self, spec: LatticeSpec) -> None:
         self.spec = spec
         self._hadamard = _hadamard(spec.head_dim)
+        self._compiled: dict[mx.Dtype, Callable[..., tuple[mx.array, ...]]] = {}
 
-    def encode(self, vectors: mx.array) -> LatticeCoding:
+    def _code(self, vectors: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """Doubled lattice coordinates `[N, D]` int16, norms and qmax `[N, 1]` float16 of `vectors` `[..., D]`."""
         spec = self.spec
         flat = vectors.reshape(-1, spec.head_dim).astype(mx.float32)  # [N, D]
         n = flat.shape[0]
@@ -60,17 +64,53 @@ class MlxLatticeCodec:
         closest = _closest_even_sum(blocks) if spec.kind == "d4" else _closest_e8(blocks)
         lattice = mx.clip(closest, -spec.q_range, spec.q_range)
         doubled = (lattice * 2).reshape(n, spec.head_dim).astype(mx.int16)
+        return doubled, norms.astype(mx.float16), qmax_f16
+
+    def _decoded(self, doubled: mx.array, norms: mx.array, qmax: mx.array) -> mx.array:
+        """Float32 vectors `[N, D]` of doubled coordinates `[N, D]` and fp16 norms / qmax (N values each)."""
+        spec = self.spec
+        n = doubled.shape[0]
+        lattice = doubled.astype(mx.float32) / 2
+        scale = qmax.astype(mx.float32).reshape(n, 1, 1) / float(spec.q_range)
+        rotated = (lattice.reshape(n, spec.blocks, spec.block_dim) * scale).reshape(n, spec.head_dim)
+        return (rotated @ self._hadamard) * norms.astype(mx.float32).reshape(n, 1)
+
+    def encode(self, vectors: mx.array) -> LatticeCoding:
+        doubled, norms, qmax = self._code(vectors)
+        n = doubled.shape[0]
         return LatticeCoding(
-            doubled=np.array(doubled),
-            norms=np.array(norms.astype(mx.float16).reshape(n)),
-            qmax=np.array(qmax_f16.reshape(n)),
+            doubled=np.array(doubled), norms=np.array(norms.reshape(n)), qmax=np.array(qmax.reshape(n))
         )
 
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
-        spec = self.spec
-        n = coding.count
-        lattice = mx.array(coding.doubled).astype(mx.float32) / 2
-        scale = mx.array(coding.qmax).astype(mx.float32).reshape(n, 1, 1) / float(spec.q_range)
-        rotated = (lattice.reshape(n, spec.blocks, spec.block_dim) * scale).reshape(n, spec.head_dim)
-        norms = mx.array(coding.norms).astype(mx.float32).reshape(n, 1)
-        return ((rotated @ self._hadamard) * norms).reshape(shape).astype(dtype)
+        decoded = self._decoded(mx.array(coding.doubled), mx.array(coding.norms), mx.array(coding.qmax))
+        return decoded.reshape(shape).astype(dtype)
+
+    def code_block(
+        self, keys: mx.array, values: mx.array, dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array, StagedCoding[mx.array]]:
+        compiled = self._compiled.get(dtype)
+        if compiled is None:
+            # One fused graph per dtype (mx.compile traces again for each new input shape): a decode step codes a
+            # few vectors per layer, where launching some forty small kernels one by one costs three times more.
+            compiled = self._compiled[dtype] = mx.compile(partial(self._code_block, dtype=dtype))
+        decoded_keys, decoded_values, doubled, norms, qmax = compiled(keys, values)
+        return decoded_keys, decoded_values, StagedCoding(doubled, norms, qmax)
+
+    def _code_block(
+        self, keys: mx.array, values: mx.array, dtype: mx.Dtype
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+        batch, heads, count, dim = keys.shape
+        both = mx.concatenate([keys, values], axis=0)  # [2B, H, n, D]: one pass of the codec for K and V
+        doubled, norms, qmax = self._code(both)
+        decoded = self._decoded(doubled, norms, qmax).astype(dtype).reshape(2 * batch, heads, count, dim)
+        return (
+            decoded[:batch],
+            decoded[batch:],
+            doubled.reshape(2 * batch, heads, count, dim),
+            norms.reshape(2 * batch, heads, count, 1),
+            qmax.reshape(2 * batch, heads, count, 1),
+        )
+
+    def to_host(self, coding: StagedCoding[mx.array]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return np.array(coding.doubled), np.array(coding.norms.squeeze(-1)), np.array(coding.qmax.squeeze(-1))

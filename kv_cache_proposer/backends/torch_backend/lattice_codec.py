@@ -1,14 +1,93 @@
-"""KakeyaLattice on PyTorch: the `kakeyalattice` package's own rotation and closest-point search, split into the
-encode and decode halves of its `roundtrip()` so the lattice coordinates can be stored."""
+"""KakeyaLattice on PyTorch: the `kakeyalattice` package's `roundtrip()` split into its encode and decode halves,
+so the lattice coordinates can be stored.
+
+The steps are the package's, op for op and in its dtypes (its closest-point search is Conway-Sloane's, written out
+here without the early return it takes when every block already has an even sum, which changes no output), so the
+decoded vectors are the package's `roundtrip()` output bit for bit. They are compiled with TorchScript: a decode
+step codes one or a few vectors per layer, where the time goes to dispatching some forty small ops from Python,
+and the interpreter halves that.
+"""
 
 from __future__ import annotations
+
+import warnings
+from functools import cache
+from typing import Any
 
 import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
-from kv_cache_proposer.compression.codec import LatticeCoding
+from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
+
+
+def _closest_even_sum(y: torch.Tensor) -> torch.Tensor:
+    """Closest point of D_n (integer points with even sum) to each block `y` `[..., n]`: the package's D4 / D8 search
+    (round; where the sum is odd, move the coordinate rounded furthest one step towards `y`, the first on ties)."""
+    f = torch.round(y)
+    odd = torch.remainder(f.sum(dim=-1, keepdim=True), 2.0) != 0  # [..., 1]: exact, the sum is a small integer
+    diff = y - f
+    idx = diff.abs().argmax(dim=-1, keepdim=True)  # [..., 1]
+    step = torch.where(diff.gather(-1, idx) >= 0, 1.0, -1.0)
+    return torch.where(odd, f + torch.zeros_like(f).scatter_(-1, idx, step), f)
+
+
+def _code(
+    vectors: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Lattice coordinates `[N, D/b, b]` float32, norms and qmax `[N, 1]` float16, and the scale `[N, 1]` float32
+    (qmax as stored, over Q) of `vectors` `[..., D]`."""
+    dim = vectors.shape[-1]
+    flat = vectors.reshape(-1, dim).to(torch.float32)  # [N, D]
+    n = flat.shape[0]
+    eps = 1.1920928955078125e-07  # float32 eps
+    norms = torch.linalg.vector_norm(flat, 2.0, [1], True).clamp(min=eps)  # [N, 1]
+    rotated = (flat / norms) @ hadamard
+    qmax = rotated.abs().max(dim=1, keepdim=True).values.clamp(min=eps).to(torch.float16)  # [N, 1]
+    scale = qmax.to(torch.float32) / float(q_range)
+    blocks = (rotated / scale).reshape(n, dim // block_dim, block_dim)
+    if e8:  # E8 = D8 ∪ (D8 + ½): the closer of the two cosets' points
+        a = _closest_even_sum(blocks)
+        half = torch.full_like(blocks[..., :1], 0.5)
+        b = _closest_even_sum(blocks - half) + half
+        da = ((blocks - a) ** 2).sum(dim=-1, keepdim=True)
+        db = ((blocks - b) ** 2).sum(dim=-1, keepdim=True)
+        lattice = torch.where(da <= db, a, b)
+    else:
+        lattice = _closest_even_sum(blocks)
+    return lattice.clamp(-q_range, q_range), norms.to(torch.float16), qmax, scale
+
+
+def _decoded(lattice: torch.Tensor, scale: torch.Tensor, norms: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
+    """Float32 vectors `[N, D]` of lattice coordinates `[N, D/b, b]`, scales `[N, 1]` float32 (stored qmax over Q)
+    and stored norms `[N, 1]` (fp16 values)."""
+    rotated = (lattice * scale.unsqueeze(-1)).reshape(lattice.shape[0], -1)
+    return (rotated @ hadamard) * norms.to(torch.float32)
+
+
+def _code_block(
+    keys: torch.Tensor, values: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V `[B, H, n, D]` coded in one pass: decoded `[2B, H, n, D]` float32, doubled coordinates
+    `[2B, H, n, D]` int16, norms and qmax `[2B, H, n, 1]` float16."""
+    both = torch.cat([keys, values], dim=0)  # [2B, H, n, D]
+    shape = both.shape
+    lattice, norms, qmax, scale = _code(both, hadamard, q_range, block_dim, e8)
+    decoded = _decoded(lattice, scale, norms, hadamard).reshape(shape)
+    doubled = (lattice * 2).reshape(shape).to(torch.int16)
+    scalar_shape = [shape[0], shape[1], shape[2], 1]
+    return decoded, doubled, norms.reshape(scalar_shape), qmax.reshape(scalar_shape)
+
+
+@cache
+def _compiled() -> tuple[Any, Any, Any]:
+    """The three steps compiled once per process (`torch.jit.script` warns that it is deprecated; it is still the
+    way to run a small op graph without Python between the ops, which `torch.compile` does only with a compiler
+    toolchain and a long first call)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_block)
 
 
 class TorchLatticeCodec:
@@ -21,25 +100,17 @@ class TorchLatticeCodec:
         # The package runs on any torch device; "cuda" is only its default.
         self.reference = codec_class(D=spec.head_dim, q_range=spec.q_range, device=str(device))
         self._hadamard = self.reference.H  # [D, D], self-inverse
+        self._code, self._decoded, self._code_block = _compiled()
 
     def encode(self, vectors: torch.Tensor) -> LatticeCoding:
         spec = self.spec
-        flat = vectors.reshape(-1, spec.head_dim).to(torch.float32)  # [N, D]
-        n = flat.shape[0]
-        eps = torch.finfo(flat.dtype).eps
-        norms = flat.norm(dim=1, keepdim=True).clamp(min=eps)  # [N, 1]
-        unit = flat / norms
-        rotated = unit @ self._hadamard
-        qmax = rotated.abs().max(dim=1, keepdim=True).values.clamp(min=eps)  # [N, 1]
-        qmax_f16 = qmax.to(torch.float16)
-        scale = qmax_f16.to(torch.float32) / float(spec.q_range)
-        blocks = (rotated / scale).reshape(n, spec.blocks, spec.block_dim)
-        lattice = self.reference._closest_lattice_point(blocks).clamp(-spec.q_range, spec.q_range)
+        lattice, norms, qmax, _ = self._code(vectors, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8")
+        n = lattice.shape[0]
         doubled = (lattice * 2).reshape(n, spec.head_dim).to(torch.int16)
         return LatticeCoding(
             doubled=doubled.cpu().numpy(),
-            norms=norms.to(torch.float16).reshape(n).cpu().numpy(),
-            qmax=qmax_f16.reshape(n).cpu().numpy(),
+            norms=norms.reshape(n).cpu().numpy(),
+            qmax=qmax.reshape(n).cpu().numpy(),
         )
 
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -47,11 +118,28 @@ class TorchLatticeCodec:
         n = coding.count
         device = self._device
         lattice = torch.from_numpy(coding.doubled).to(device).to(torch.float32) / 2  # exact: halves of integers
+        norms = torch.from_numpy(coding.norms).to(device).reshape(n, 1)
         scale = torch.from_numpy(coding.qmax).to(device).to(torch.float32).reshape(n, 1) / float(spec.q_range)
-        rotated = (lattice.reshape(n, spec.blocks, spec.block_dim) * scale.unsqueeze(-1)).reshape(n, spec.head_dim)
-        unit = rotated @ self._hadamard
-        norms = torch.from_numpy(coding.norms).to(device).to(torch.float32).reshape(n, 1)
-        return (unit * norms).reshape(shape).to(dtype)
+        blocks = lattice.reshape(n, spec.blocks, spec.block_dim)
+        return self._decoded(blocks, scale, norms, self._hadamard).reshape(shape).to(dtype)
+
+    def code_block(
+        self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, StagedCoding[torch.Tensor]]:
+        spec = self.spec
+        decoded, doubled, norms, qmax = self._code_block(
+            keys, values, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8"
+        )
+        decoded = decoded.to(dtype)
+        batch = keys.shape[0]
+        return decoded[:batch], decoded[batch:], StagedCoding(doubled, norms, qmax)
+
+    def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return (
+            coding.doubled.cpu().numpy(),
+            coding.norms.squeeze(-1).cpu().numpy(),
+            coding.qmax.squeeze(-1).cpu().numpy(),
+        )
 
 
 def coding_matches(codec: TorchLatticeCodec, vectors: torch.Tensor) -> bool:

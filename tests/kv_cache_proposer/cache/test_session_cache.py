@@ -59,6 +59,13 @@ class HalfPrecisionStore:
     def nbytes(self) -> int:
         return self._dense.nbytes
 
+    @property
+    def working_nbytes(self) -> int:
+        return 0
+
+    def load_from(self, source: Any, source_slots: np.ndarray, slots: np.ndarray) -> None:
+        self.load(slots, *source.gather(source_slots))
+
     def arrays(self) -> list[Any]:
         return self._dense.arrays()
 

@@ -163,3 +163,60 @@ def test_clone_and_state_of_a_compressed_cache_keep_the_packed_entries(verifiers
         assert np.abs(k1 - k2).max() <= 0.1 * np.abs(k1).max()
         assert np.abs(v1 - v2).max() <= 0.1 * np.abs(v1).max()
     assert twin.compressed_bytes > 0
+
+
+@pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_fork_copies_the_packed_codes_and_continues_with_the_tokens_of_its_parent(
+    verifiers, backend, strategy, compressor
+):
+    verifier = verifiers["qwen3"]
+    parent = _cache(verifier, backend, strategy, compressor)
+    prompt = _tokens(6, 30)
+    first = _generate(verifier, parent, prompt, 8)
+    parent.park()
+    history = prompt + first
+    fork = parent.clone(parent.next_position)
+    fork.park()
+    # Byte for byte the same K/V (the slot table may differ by the spare stage slots a parent keeps).
+    assert _layer_bytes(fork) == _layer_bytes(parent) and fork.compressed_bytes == parent.compressed_bytes
+    assert fork.escaped_vectors == parent.escaped_vectors
+    for mine, theirs in zip(fork._layers, parent._layers, strict=True):
+        assert np.array_equal(mine._codes, theirs._codes)
+        assert np.array_equal(mine._norms, theirs._norms) and np.array_equal(mine._qmax, theirs._qmax)
+        assert np.array_equal(mine._escape_keys, theirs._escape_keys)
+    # Both continue from the same history; the pending last token is fed to each.
+    continued = []
+    for cache in (parent, fork):
+        seq = SequenceState(cache=cache, tokens=list(history), committed=cache.next_position)
+        decoder = Decoder(verifier, prefill_chunk_tokens=7)
+        budget = GenerationBudget(max_new_tokens=10)
+        out: list[int] = []
+        while len(out) < 10:
+            out += decoder.step(seq, SamplingParams(), budget, len(out)).tokens
+        cache.park()
+        continued.append(out[:10])
+    assert continued[0] == continued[1]
+    assert _layer_bytes(fork) == _layer_bytes(parent)
+
+
+def _layer_bytes(cache: Any) -> int:
+    return sum(layer.nbytes for layer in cache._layers)
+
+
+def test_a_block_staged_again_before_its_commit_replaces_the_codes_staged_first(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    restaged, direct = (_cache(verifier, backend, FullStrategy(), compressor) for _ in range(2))
+    prompt = _tokens(7, 12)
+    for cache in (restaged, direct):
+        verifier.verify(cache, prompt, 1)
+        verifier.commit(cache, len(prompt))
+    verifier.verify(restaged, _tokens(8, 5), 1)  # a block that is never committed
+    for cache in (restaged, direct):
+        verifier.verify(cache, _tokens(9, 3), 1)
+        verifier.commit(cache, 3)
+        cache.park()
+    assert _layer_bytes(restaged) == _layer_bytes(direct)
+    for (rk, rv, rp), (dk, dv, dp) in zip(_resident(restaged), _resident(direct), strict=True):
+        assert np.array_equal(rp, dp) and np.array_equal(rk, dk) and np.array_equal(rv, dv)
