@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_GAUGE_INTERVAL_S = 0.25  # how stale the KV gauges may get while a generation runs (they are exact once it ends)
+
 STOP_REASONS = {
     StopCause.EOS: StopReason.EOS,
     StopCause.MAX_TOKENS: StopReason.MAX_TOKENS,
@@ -176,7 +178,7 @@ async def run_generation(
                 yield TokenEvent(token, step.logprobs[index] if step.logprobs is not None else None)
             runtime.store.touch(session)
             within_budget = runtime.store.enforce_budget(protect=session)
-            runtime.store.refresh_gauges()
+            runtime.store.refresh_gauges_every(_GAUGE_INTERVAL_S)
             if not within_budget:
                 outcome = "resource_exhausted"
                 raise ResourceExhausted(

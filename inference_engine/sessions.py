@@ -81,6 +81,7 @@ class SessionStore:
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended, for NOT_FOUND messages
         self.on_detach: Callable[[Session], object] | None = None  # told of every session that ends
+        self._gauges_at = -float("inf")  # when the gauges were last refreshed
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -173,7 +174,14 @@ class SessionStore:
     def kv_live_bytes(self) -> int:
         return sum(s.kv_bytes for s in self._sessions.values())
 
+    def refresh_gauges_every(self, interval_s: float) -> None:
+        """`refresh_gauges` unless it ran in the last `interval_s` seconds: a generation step calls this, so the
+        gauges (which read every session) cost nothing per token while still following a long generation."""
+        if self._clock() - self._gauges_at >= interval_s:
+            self.refresh_gauges()
+
     def refresh_gauges(self) -> None:
+        self._gauges_at = self._clock()
         self._metrics.session_active.set(len(self._sessions))
         self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
         caches = [session.seq.cache for session in self._sessions.values()]
