@@ -168,15 +168,17 @@ class Decoder:
 
         `generated` counts the tokens this generation produced so far (the last `generated` history tokens).
         """
-        plan = self._plan(StepRequest(seq, params, budget, generated, controls))
+        return self._step_alone(self._plan(StepRequest(seq, params, budget, generated, controls)))
+
+    def _step_alone(self, plan: _Plan) -> StepResult:
+        """A planned step in a forward (or a burst) of its own; its draft session then learns the commit."""
         if plan.burst > 1:
             result = self._run_burst(plan)
         else:
             out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
             result = self._finish(plan, out)
         if plan.draft_commit is not None:
-            commit = plan.draft_commit
-            seq.draft.on_commit(commit.history, commit.committed, commit.features)
+            plan.draft_commit.deliver()
         return result
 
     def step_batch(self, requests: Sequence[StepRequest]) -> list[StepResult | Exception]:
@@ -197,10 +199,7 @@ class Decoder:
         if len(planned) == 1 and planned[0][1].burst > 1:
             index, plan = planned[0]
             try:
-                results[index] = self._run_burst(plan)
-                if plan.draft_commit is not None:
-                    commit = plan.draft_commit
-                    plan.seq.draft.on_commit(commit.history, commit.committed, commit.features)
+                results[index] = self._step_alone(plan)
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
             planned = []

@@ -34,6 +34,10 @@ class DraftCommit:
     committed: int
     features: Any | None
 
+    def deliver(self) -> None:
+        """Tell the session of this commit on its own."""
+        self.session.on_commit(self.history, self.committed, self.features)
+
 
 class BatchDrafter(Protocol):
     """Runs the drafting work of several sessions opened by one proposer together."""
@@ -92,9 +96,8 @@ def commit_all(commits: Sequence[DraftCommit]) -> list[Exception | None]:
                 results[index] = error
             continue
         for index in members:
-            commit = commits[index]
             try:
-                commit.session.on_commit(commit.history, commit.committed, commit.features)
+                commits[index].deliver()
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
     return results
