@@ -55,6 +55,7 @@ class PackedLayerStore(Generic[A]):
         self._unpacked: list[tuple[np.ndarray, StagedCoding[A]]] = []  # committed, not yet packed: (slots, coding)
         self._unpacked_count = 0
         self._coding_bytes = 0  # bytes of the staged and unpacked codings, kept as a sum: read every step
+        self._committed: list[A] = []  # the coding the last commit selected, until the cache settles it
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -87,8 +88,10 @@ class PackedLayerStore(Generic[A]):
         return StoreFootprint(compressed, dense, int(self._escape_keys.shape[0]))
 
     def arrays(self) -> list[A]:
-        codings = [coding for _, coding in self._staged] + [coding for _, coding in self._unpacked]
-        return self._work.arrays() + [array for coding in codings for array in coding.arrays()]
+        # The codings of earlier commits were settled after those commits: listing them again would make every
+        # step's settle grow with the entries not yet packed.
+        staged = [array for _, coding in self._staged for array in coding.arrays()]
+        return self._work.arrays() + staged + self._committed
 
     # -- the session cache's calls -------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
@@ -110,6 +113,7 @@ class PackedLayerStore(Generic[A]):
         return self._work.read(stage_offset, end)
 
     def commit(self, plan: CommitPlan) -> None:
+        self._committed = []
         if not self._working or plan.count == 0:
             self._drop_staged()
             return
@@ -126,7 +130,7 @@ class PackedLayerStore(Generic[A]):
                 self._work.load(slots, keys, values)
         self._drop_staged()
         if slots.size:
-            self._ops.settle(coding.arrays())  # the selection is computed now, not left to grow a lazy graph
+            self._committed = coding.arrays()
             self._unpacked.append((slots, coding))
             self._unpacked_count += int(slots.size)
             self._coding_bytes += self._bytes_of(coding)
@@ -185,7 +189,7 @@ class PackedLayerStore(Generic[A]):
         if self._working:
             self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
 
-    def park(self) -> None:
+    def park(self, slots: int) -> None:
         """Pack what is left, drop the decoded working copy and trim the packed arrays to the slots in use."""
         self._pack_unpacked()
         self._drop_staged()
@@ -201,6 +205,7 @@ class PackedLayerStore(Generic[A]):
         self._staged.clear()
         self._unpacked.clear()
         self._unpacked_count = self._coding_bytes = 0
+        self._committed = []
         self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)
         self._norms = np.zeros((2, 0, 0), dtype=np.float16)
         self._qmax = np.zeros((2, 0, 0), dtype=np.float16)
@@ -306,6 +311,7 @@ class PackedLayerStore(Generic[A]):
         self._coding_bytes -= sum(self._bytes_of(c) for c in codings)
         self._unpacked.clear()
         self._unpacked_count = 0
+        self._committed = []  # read to the host below, so nothing is left to settle
         doubled, norms, qmax = self._codec_of().to_host(coding)  # [2B, H, m, D], [2B, H, m] x2
         # A ring slot written twice since the last pack keeps its latest entry.
         last_first, first_from_end = np.unique(slots[::-1], return_index=True)

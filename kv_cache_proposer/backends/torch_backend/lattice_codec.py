@@ -24,29 +24,32 @@ from kv_cache_proposer.compression.lattice import LatticeSpec
 
 def _closest_even_sum(y: torch.Tensor) -> torch.Tensor:
     """Closest point of D_n (integer points with even sum) to each block `y` `[..., n]`: the package's D4 / D8 search
-    (round; where the sum is odd, move the coordinate rounded furthest one step towards `y`, the first on ties)."""
+    (round; where the sum is odd, move the coordinate rounded furthest one step towards `y`, the first on ties).
+
+    Written in few ops, since a decode step codes a vector or two per layer and pays per op: the sum's remainder
+    is the step's size (0 or 1, exact for the small integer sum), and its sign is that of the rounding error
+    (`copysign`: the error is never −0, as `y − round(y)` is +0 when they are equal)."""
     f = torch.round(y)
-    odd = torch.remainder(f.sum(dim=-1, keepdim=True), 2.0) != 0  # [..., 1]: exact, the sum is a small integer
     diff = y - f
     idx = diff.abs().argmax(dim=-1, keepdim=True)  # [..., 1]
-    step = torch.where(diff.gather(-1, idx) >= 0, 1.0, -1.0)
-    return torch.where(odd, f + torch.zeros_like(f).scatter_(-1, idx, step), f)
+    step = torch.copysign(torch.remainder(f.sum(dim=-1, keepdim=True), 2.0), diff.gather(-1, idx))
+    return f.scatter_add_(-1, idx, step)
 
 
 def _code(
     vectors: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lattice coordinates `[N, D/b, b]` float32, norms and qmax `[N, 1]` float16, and the scale `[N, 1]` float32
-    (qmax as stored, over Q) of `vectors` `[..., D]`."""
+    """Lattice coordinates `[N, D/b, b]` float32, norms and qmax `[N, 1]` float16, and the scale `[N, 1, 1]`
+    float32 (qmax as stored, over Q) of `vectors` `[..., D]`."""
     dim = vectors.shape[-1]
     flat = vectors.reshape(-1, dim).to(torch.float32)  # [N, D]
     n = flat.shape[0]
     eps = 1.1920928955078125e-07  # float32 eps
     norms = torch.linalg.vector_norm(flat, 2.0, [1], True).clamp(min=eps)  # [N, 1]
     rotated = (flat / norms) @ hadamard
-    qmax = rotated.abs().max(dim=1, keepdim=True).values.clamp(min=eps).to(torch.float16)  # [N, 1]
-    scale = qmax.to(torch.float32) / float(q_range)
-    blocks = (rotated / scale).reshape(n, dim // block_dim, block_dim)
+    qmax = rotated.abs().amax(dim=1, keepdim=True).clamp(min=eps).to(torch.float16)  # [N, 1]
+    scale = (qmax.to(torch.float32) / float(q_range)).unsqueeze(-1)  # [N, 1, 1]
+    blocks = rotated.reshape(n, dim // block_dim, block_dim) / scale
     if e8:  # E8 = D8 ∪ (D8 + ½): the closer of the two cosets' points
         a = _closest_even_sum(blocks)
         half = torch.full_like(blocks[..., :1], 0.5)
@@ -60,9 +63,9 @@ def _code(
 
 
 def _decoded(lattice: torch.Tensor, scale: torch.Tensor, norms: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
-    """Float32 vectors `[N, D]` of lattice coordinates `[N, D/b, b]`, scales `[N, 1]` float32 (stored qmax over Q)
-    and stored norms `[N, 1]` (fp16 values)."""
-    rotated = (lattice * scale.unsqueeze(-1)).reshape(lattice.shape[0], -1)
+    """Float32 vectors `[N, D]` of lattice coordinates `[N, D/b, b]`, scales `[N, 1, 1]` float32 (stored qmax over
+    Q) and stored norms `[N, 1]` (fp16 values)."""
+    rotated = (lattice * scale).reshape(lattice.shape[0], -1)
     return (rotated @ hadamard) * norms.to(torch.float32)
 
 
@@ -75,7 +78,7 @@ def _code_block(
     shape = both.shape
     lattice, norms, qmax, scale = _code(both, hadamard, q_range, block_dim, e8)
     decoded = _decoded(lattice, scale, norms, hadamard).reshape(shape)
-    doubled = (lattice * 2).reshape(shape).to(torch.int16)
+    doubled = (lattice * 2).to(torch.int16).reshape(shape)
     scalar_shape = [shape[0], shape[1], shape[2], 1]
     return decoded, doubled, norms.reshape(scalar_shape), qmax.reshape(scalar_shape)
 
@@ -119,7 +122,7 @@ class TorchLatticeCodec:
         device = self._device
         lattice = torch.from_numpy(coding.doubled).to(device).to(torch.float32) / 2  # exact: halves of integers
         norms = torch.from_numpy(coding.norms).to(device).reshape(n, 1)
-        scale = torch.from_numpy(coding.qmax).to(device).to(torch.float32).reshape(n, 1) / float(spec.q_range)
+        scale = torch.from_numpy(coding.qmax).to(device).to(torch.float32).reshape(n, 1, 1) / float(spec.q_range)
         blocks = lattice.reshape(n, spec.blocks, spec.block_dim)
         return self._decoded(blocks, scale, norms, self._hadamard).reshape(shape).to(dtype)
 

@@ -61,9 +61,33 @@ def test_the_bit_budget_is_the_spec_formula():
 @pytest.mark.parametrize(("kind", "q_range"), LATTICES)
 def test_torch_decoding_equals_the_reference_roundtrip_bit_for_bit_on_random_vectors(kind, q_range):
     codec = TorchLatticeCodec(LatticeSpec(kind, 64, q_range), torch.device("cpu"))
-    vectors = _vectors(2)
+    vectors = torch.cat([_vectors(2), _tie_vectors()])
     assert coding_matches(codec, vectors)
     assert coding_matches(codec, vectors[:3])  # batch size does not change a vector's decoding
+
+
+def _tie_vectors(dim: int = 64) -> torch.Tensor:
+    """Vectors whose scaled rotation lands exactly on integers (Hadamard rows: a one-hot rotation, so an odd Q
+    gives an odd block sum with no rounding error anywhere, the search's tie), and zero vectors."""
+    rows = LatticeSpec("d4", dim, 1)
+    hadamard = TorchLatticeCodec(rows, torch.device("cpu")).reference.H
+    return torch.cat([hadamard * 3.0, -hadamard[:8], torch.zeros(4, dim)])
+
+
+@pytest.mark.parametrize(("kind", "q_range"), LATTICES)
+def test_a_forwards_block_coding_decodes_to_the_reference_roundtrip_ties_and_zero_vectors_included(kind, q_range):
+    codec = TorchLatticeCodec(LatticeSpec(kind, 64, q_range), torch.device("cpu"))
+    vectors = torch.cat([_vectors(5, n=300), _tie_vectors()])
+    half = vectors.shape[0] // 2
+    keys, values = vectors[:half].reshape(1, 1, half, 64), vectors[half : 2 * half].reshape(1, 1, half, 64)
+    decoded_keys, decoded_values, coding = codec.code_block(keys, values, torch.float32)
+    reference = codec.reference.roundtrip(vectors[: 2 * half])
+    assert torch.equal(torch.cat([decoded_keys, decoded_values]).reshape(-1, 64), reference)
+    assert torch.equal(coding.doubled.reshape(-1, 64), torch.from_numpy(codec.encode(vectors[: 2 * half]).doubled))
+    for one in range(0, 2 * half, 37):  # a decode step codes one vector of K and V at a time: the same values
+        k, v = vectors[one].reshape(1, 1, 1, 64), vectors[(one + 1) % (2 * half)].reshape(1, 1, 1, 64)
+        step_keys, _, _ = codec.code_block(k, v, torch.float32)
+        assert torch.equal(step_keys.reshape(64), reference[one])
 
 
 def _captured_kv() -> torch.Tensor:
