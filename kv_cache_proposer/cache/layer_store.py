@@ -69,7 +69,8 @@ class LayerStore(Protocol[A]):
         ...
 
     def arrays(self) -> list[A]:
-        """Every array the layer holds."""
+        """The arrays a forward or commit may have left to compute: what the backend settles after them (every
+        array the layer holds, less those it settled itself)."""
         ...
 
     def reserve(self, capacity: int) -> None:
@@ -101,8 +102,9 @@ class LayerStore(Protocol[A]):
         copied in the form they are held when `source` is a store of this kind."""
         ...
 
-    def park(self) -> None:
-        """The session stops generating for now: drop whatever only speeds up forwards (the resident entries stay)."""
+    def park(self, slots: int) -> None:
+        """The session stops generating for now: drop whatever only speeds up forwards, and the room beyond the
+        first `slots` slots (every resident entry is in them and stays; the next forward grows the room again)."""
         ...
 
     def release(self) -> None:
@@ -194,8 +196,14 @@ class DenseLayerStore(Generic[A]):
     def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
         self.load(slots, *source.gather(source_slots))
 
-    def park(self) -> None:
-        return None
+    def park(self, slots: int) -> None:
+        # One copy per generation, so that a parked session holds its resident entries and no growth room.
+        if self._keys is None or self._values is None or self._capacity <= slots:
+            return
+        kept = np.arange(slots, dtype=np.int64)
+        self._keys, self._values = self._ops.take(self._keys, kept), self._ops.take(self._values, kept)
+        self._ops.settle([self._keys, self._values])  # the old buffers are freed now, not at the next forward
+        self._capacity = slots
 
     def release(self) -> None:
         self._keys = self._values = None

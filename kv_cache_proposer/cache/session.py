@@ -141,12 +141,14 @@ class KVSessionCache(Generic[A]):
         return sum(layer.footprint().escaped_vectors for layer in self._layers)
 
     def park(self) -> None:
-        """Between generations: every layer drops what only speeds up forwards, and the slot table its spare
-        capacity (the next forward grows it again)."""
-        for layer in self._layers:
-            layer.park()
+        """Between generations: every layer drops what only speeds up forwards and, unless the strategy bounds
+        the slots, the cache its spare capacity (the next forward grows it again)."""
         used = max(self.stage_offset, 1)
-        if self._capacity > used and self._strategy.bounded_slots is None:
+        if self._strategy.bounded_slots is not None:
+            used = self._capacity  # a bounded cache's room is its window and one block: kept
+        for layer in self._layers:
+            layer.park(used)
+        if self._capacity > used:
             self._positions = self._positions[:used].copy()
             self._capacity = used
 

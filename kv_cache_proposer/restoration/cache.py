@@ -158,7 +158,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         K/V and exactly the plan's state of its evicted positions."""
         self._drop_restored()
         for store in self._kept.values():
-            store.park()  # a packed store trims its own arrays here
+            store.park(self._kept_capacity)  # a packed store trims its own arrays here; dense ones below
         self._trim_kept()
         if self._contexts is not None:
             self._contexts.trim()

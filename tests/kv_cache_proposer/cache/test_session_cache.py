@@ -98,8 +98,8 @@ class HalfPrecisionStore:
     def footprint(self) -> StoreFootprint:
         return self._dense.footprint()
 
-    def park(self) -> None:
-        self._dense.park()
+    def park(self, slots: int) -> None:
+        self._dense.park(slots)
 
     def release(self) -> None:
         self._dense.release()
@@ -271,3 +271,22 @@ def test_a_stage_extended_one_position_at_a_time_commits_like_one_block(verifier
         assert block is not None and extended is not None
         for a, b in zip(block, extended, strict=True):
             np.testing.assert_allclose(to_numpy(b), to_numpy(a), rtol=1e-5, atol=1e-5)
+
+
+def test_a_parked_dense_cache_holds_its_resident_kv_and_no_growth_room_and_continues_unchanged(verifiers):
+    verifier = verifiers["qwen3"]
+    prompt, more = _tokens(7, 300), _tokens(8, 5)
+    parked, kept = verifier.new_cache(FullStrategy()), verifier.new_cache(FullStrategy())
+    for cache in (parked, kept):
+        for start in range(0, 300, 100):  # appends grow the buffers geometrically: room beyond 300 slots
+            verifier.verify(cache, prompt[start : start + 100], 1)
+            verifier.commit(cache, 100)
+    per_slot = sum(layer.nbytes for layer in parked._layers) // parked._capacity
+    assert parked._capacity > 300
+    parked.park()
+    # Read from the arrays themselves: K and V of exactly the 300 resident positions in every layer.
+    assert {int(array.shape[2]) for array in parked.arrays()} == {300}
+    assert len(parked.arrays()) == 2 * parked.num_layers
+    assert sum(layer.nbytes for layer in parked._layers) == 300 * per_slot
+    expected = to_numpy(verifier.verify(kept, more, len(more)).logits)
+    np.testing.assert_array_equal(to_numpy(verifier.verify(parked, more, len(more)).logits), expected)
