@@ -83,6 +83,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--speed-tokens", type=int, default=128, help="tokens generated per decode-speed round")
     p.add_argument("--budget-sessions", type=int, default=4, help="dense 2,048-token sessions the part-3 budget fits")
     p.add_argument("--max-sessions", type=int, default=40, help="most sessions part 3 creates per variant")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="CPU threads of the daemons (serve --threads; 0: the daemon's default). One thread leaves the other "
+        "core to this client, which keeps the decode-speed ratios steadier on a two-core machine",
+    )
     p.add_argument("--smoke", action="store_true", help="tiny sizes: a seconds-long run for tests")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
@@ -203,6 +210,10 @@ def _label(variant: tuple[str, int]) -> str:
     return variant[0] if variant[0] == "none" else f"{variant[0]}:{variant[1]}"
 
 
+def _thread_flags(args: argparse.Namespace) -> list[str]:
+    return ["--threads", str(args.threads)] if args.threads else []
+
+
 def _cpu_seconds(pid: int) -> float | None:
     """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
     try:
@@ -307,7 +318,7 @@ def sessions_under_budget(
     """2,048-token sessions a daemon holds under `budget` KV bytes before it evicts the first, and the bytes one
     of them holds parked."""
     length = SESSION_TOKENS if not args.smoke else 128
-    flags = ["--model", str(args.model), "--dtype", args.dtype, "--kv-budget-bytes", str(budget)]
+    flags = ["--model", str(args.model), "--dtype", args.dtype, "--kv-budget-bytes", str(budget), *_thread_flags(args)]
     if variant[0] != "none":
         flags += ["--kv-compressor", variant[0], "--kv-q-range", str(variant[1])]
     text = [t for line in lines for t in line]
@@ -400,6 +411,10 @@ def summarize(
             "niah_discordant_with_none": discordant.get(label, {}),
             "sessions_held_under_budget": budget_row["held"] if budget_row else None,
             "budget": budget_row,
+            # The session growth over the compression ratio of the bytes held per token (1.0: growth equals it).
+            "budget_growth_vs_compression_ratio": (
+                budget_row["growth_vs_none"] / (base["bytes_per_token"] / g["bytes_per_token"]) if budget_row else None
+            ),
         }
     return {
         "bf16_bytes_per_token": bf16_bytes_per_token,
@@ -444,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = heldout_lines(tokenizer)
     capture = [t for line in lines[-600:] for t in line][: args.capture_tokens]
     rd = rate_distortion(args, capture_kv(args.model, capture))
-    daemon = Daemon(["--model", str(args.model), "--dtype", args.dtype])
+    daemon = Daemon(["--model", str(args.model), "--dtype", args.dtype, *_thread_flags(args)])
     try:
         with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
             runs = daemon_runs(args, client, daemon.process.pid, tokenizer, lines)
