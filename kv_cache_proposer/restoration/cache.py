@@ -79,6 +79,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._restoring = strategy
         self._model = model  # a CausalLM: runs the forwards of `tokens` and `recompute` layers
         self._setup = setup
+        self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
         self._plan = setup.plan_for(num_layers)
         # Kept layers go through the session's compressor when it has one, else through the plan's.
         self._kept_factory: LayerStoreFactory[A] = layer_store or setup.kept_store or DenseLayerStore
@@ -379,15 +380,16 @@ class RestoringSessionCache(KVSessionCache[A]):
             ops=self._ops,
             model=self._model,
             setup=self._setup,
-            layer_store=self._layer_store,
+            layer_store=self._session_store,
         )
         twin._restore(resident.state, np.asarray(meta["positions"], dtype=np.int64), length)
         resident.release()
         evicted = self._restoring.evicted_positions(length).size
         twin._reserve_kept(evicted)
+        slots = np.arange(evicted, dtype=np.int64)
         for layer, store in self._kept.items():
-            if evicted:
-                twin._kept[layer].load(np.arange(evicted, dtype=np.int64), *gather_all(store, evicted))
+            if evicted:  # in the form the store holds them: packed codes are copied, not decoded and encoded again
+                twin._kept[layer].load_from(store, slots, slots)
             twin._kept[layer].held = evicted
         if self._plan.needs_tokens:
             twin._tokens = self._tokens[:length].copy()

@@ -174,6 +174,14 @@ def test_a_plan_kept_compressor_packs_the_kept_layers_of_an_uncompressed_session
     assert packed.resident_bytes == dense.resident_bytes  # the resident K/V stay dense
     assert 0 < packed.restoration_state_bytes < dense.restoration_state_bytes / 3
     assert len(packed_tokens) == len(dense_tokens)
+    # A fork keeps the kept layers packed, with their codes as they are (not decoded and coded again).
+    packed.park()
+    fork = packed.clone(packed.next_position)
+    fork.park()
+    assert fork.restoration_state_bytes == packed.restoration_state_bytes
+    for layer, store in packed._kept.items():
+        assert np.array_equal(fork._kept[layer]._codes, store._codes)
+        assert np.array_equal(fork._kept[layer]._qmax, store._qmax)
 
 
 def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(verifiers):
