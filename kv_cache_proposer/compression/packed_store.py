@@ -1,14 +1,13 @@
 """The packed layer store: committed K/V held as bit-packed KakeyaLattice codes plus fp16 norm and scale.
 
-Resident entries live on the host as `[2 (K, V), slots, B·H, code_bytes]` uint8 codes and `[2, slots, B·H]`
-fp16 norms and scales, addressed by the session cache's slots; vectors the lattice cannot index after clamping live
-in a side table of escaped blocks (see `lattice.py`). The stage is dense, as for every store.
+Resident entries live on the host in a `PackedCodes` (codes, fp16 norms and scales, escapes), addressed by the
+session cache's slots. The stage is dense, as for every store.
 
 While a session generates, a dense working copy holds the decoded resident entries next to the stage, so
 attention reads a plain buffer and nothing packed is decoded per step. A forward codes its block on the backend
 (the stage holds what the codes decode to, so later forwards read the block as they will read it once resident);
 a commit keeps the coding of the accepted entries only, and those are bit-packed in bulk, `PACK_EVERY` entries at
-a time, since packing is a fixed cost per call that one token at a time would pay every step. `park()` packs what
+a time, since packing is a fixed cost per call that one token at a time would pay every step. `park` packs what
 is left and drops the working copy: between generations the layer holds packed bytes only, and the next forward
 decodes them again.
 """
@@ -24,7 +23,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, StoreFootprint
 from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding, StagedCoding
-from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
+from kv_cache_proposer.compression.packed_codes import PackedCodes
 from kv_cache_proposer.errors import InvariantViolation
 
 CodecFactory = Callable[[A], LatticeCodec[A]]
@@ -46,11 +45,7 @@ class PackedLayerStore(Generic[A]):
         self._capacity = 0
         self._batch = self._heads = self._itemsize = 0
         self._model_dtype: Any = None
-        self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)  # [2, slots, B·H, code_bytes]
-        self._norms = np.zeros((2, 0, 0), dtype=np.float16)  # [2, slots, B·H]
-        self._qmax = np.zeros((2, 0, 0), dtype=np.float16)  # [2, slots, B·H]
-        self._escape_keys = np.zeros((0, 4), dtype=np.int32)  # [E, (tensor, slot, row, block)]
-        self._escape_points = np.zeros((0, 0), dtype=np.int16)  # [E, block_dim]: doubled coordinates
+        self._packed: PackedCodes | None = None  # the resident entries, once the layer knows its shapes
         self._staged: list[tuple[int, StagedCoding[A]]] = []  # (first stage slot, coding) of each staged piece
         self._unpacked: list[tuple[np.ndarray, StagedCoding[A]]] = []  # committed, not yet packed: (slots, coding)
         self._unpacked_count = 0
@@ -66,8 +61,12 @@ class PackedLayerStore(Generic[A]):
     @property
     def packed_nbytes(self) -> int:
         """Bytes of the packed form: codes, norms, scales and escapes."""
-        escapes = self._escape_keys.nbytes + self._escape_points.nbytes
-        return int(self._codes.nbytes + self._norms.nbytes + self._qmax.nbytes + escapes)
+        return 0 if self._packed is None else self._packed.nbytes
+
+    @property
+    def packed(self) -> PackedCodes | None:
+        """The packed resident entries (None until the layer holds K/V)."""
+        return self._packed
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +84,7 @@ class PackedLayerStore(Generic[A]):
         dense = 2 * self.held * self._batch * self._heads * dim * self._itemsize
         # Codings of entries committed since the last pack count as compressed bytes too (at most `PACK_EVERY`).
         compressed = self.packed_nbytes + self._coding_bytes
-        return StoreFootprint(compressed, dense, int(self._escape_keys.shape[0]))
+        return StoreFootprint(compressed, dense, self._packed_of().escaped_blocks)
 
     def arrays(self) -> list[A]:
         # The codings of earlier commits were settled after those commits: listing them again would make every
@@ -148,12 +147,11 @@ class PackedLayerStore(Generic[A]):
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         self._start(keys)
         self._pack_unpacked()  # earlier commits to these slots must not overwrite the loaded entries later
-        self._reserve_slots(int(slots.max()) + 1 if slots.size else 0)
         rows = self._batch * self._heads
         codings = [self._codec_of().encode(array) for array in (keys, values)]
         parts = [_by_slot(coding, rows, slots.size) for coding in codings]
         doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
-        self._pack(slots, doubled, norms, qmax)
+        self._packed_of().write(slots, doubled, norms, qmax)
         if self._working:
             shape = self._shape(slots.size)
             decoded = [self._codec_of().decode(coding, shape, self._model_dtype) for coding in codings]
@@ -168,25 +166,8 @@ class PackedLayerStore(Generic[A]):
         source._pack_unpacked()
         self._adopt_layout(source)
         self._pack_unpacked()
-        if not slots.size:
-            return
-        self._reserve_slots(int(slots.max()) + 1)
-        self._codes[:, slots] = source._codes[:, source_slots]
-        self._norms[:, slots] = source._norms[:, source_slots]
-        self._qmax[:, slots] = source._qmax[:, source_slots]
-        keys = source._escape_keys
-        stale = np.isin(self._escape_keys[:, 1], slots)
-        own_keys, own_points = self._escape_keys[~stale], self._escape_points[~stale]
-        if keys.size:
-            target = np.full(max(int(keys[:, 1].max()), int(source_slots.max())) + 1, -1, dtype=np.int64)
-            target[source_slots] = slots  # source slot -> slot here
-            hit = target[keys[:, 1]] >= 0
-            copied = keys[hit].copy()
-            copied[:, 1] = target[copied[:, 1]]
-            own_keys = np.concatenate([own_keys, copied])
-            own_points = np.concatenate([own_points, source._escape_points[hit]])
-        self._escape_keys, self._escape_points = own_keys, own_points
-        if self._working:
+        self._packed_of().copy_from(source._packed_of(), source_slots, slots)
+        if self._working and slots.size:
             self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
 
     def park(self, slots: int) -> None:
@@ -196,8 +177,8 @@ class PackedLayerStore(Generic[A]):
         self._work.release()
         self._work.reserve(self._capacity)
         self._working = False
-        occupied = np.flatnonzero(self._occupied())
-        self._resize(int(occupied[-1]) + 1 if occupied.size else 0)
+        if self._packed is not None:
+            self._packed.trim()
 
     def release(self) -> None:
         self._work.release()
@@ -206,11 +187,8 @@ class PackedLayerStore(Generic[A]):
         self._unpacked.clear()
         self._unpacked_count = self._coding_bytes = 0
         self._committed = []
-        self._codes = np.zeros((2, 0, 0, 0), dtype=np.uint8)
-        self._norms = np.zeros((2, 0, 0), dtype=np.float16)
-        self._qmax = np.zeros((2, 0, 0), dtype=np.float16)
-        self._escape_keys = np.zeros((0, 4), dtype=np.int32)
-        self._escape_points = np.zeros((0, 0), dtype=np.int16)
+        if self._packed is not None:
+            self._packed = PackedCodes(self._packed.spec, self._packed.rows)
         self._capacity = 0
         self.held = 0
 
@@ -224,11 +202,7 @@ class PackedLayerStore(Generic[A]):
         self._codec = self._codec_for(like)
         self._model_dtype = self._ops.dtype(like)
         self._itemsize = self._ops.nbytes(like) // max(1, self._batch * self._heads * count * dim)
-        rows, code_bytes = self._batch * self._heads, self._codec.spec.code_bytes
-        self._codes = np.zeros((2, 0, rows, code_bytes), dtype=np.uint8)
-        self._norms = np.zeros((2, 0, rows), dtype=np.float16)
-        self._qmax = np.zeros((2, 0, rows), dtype=np.float16)
-        self._escape_points = np.zeros((0, self._codec.spec.block_dim), dtype=np.int16)
+        self._packed = PackedCodes(self._codec.spec, self._batch * self._heads)
 
     def _adopt_layout(self, source: PackedLayerStore[A]) -> None:
         """Take the codec, shapes and dtype of `source` (a layer of the same model) if this layer has none yet."""
@@ -237,17 +211,14 @@ class PackedLayerStore(Generic[A]):
         self._codec = source._codec
         self._batch, self._heads, self._itemsize = source._batch, source._heads, source._itemsize
         self._model_dtype = source._model_dtype
-        self._codes = np.zeros((2, 0, *source._codes.shape[2:]), dtype=np.uint8)
-        self._norms = np.zeros((2, 0, source._norms.shape[2]), dtype=np.float16)
-        self._qmax = np.zeros((2, 0, source._qmax.shape[2]), dtype=np.float16)
-        self._escape_points = np.zeros((0, source._escape_points.shape[1]), dtype=np.int16)
+        self._packed = PackedCodes(source._packed_of().spec, source._packed_of().rows)
 
     def _ensure_working(self) -> None:
         """Decode the resident entries into a dense working copy, once per generation."""
         if self._working:
             return
         self._working = True
-        slots = np.flatnonzero(self._occupied())
+        slots = np.flatnonzero(self._packed_of().occupied())
         if slots.size:
             self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
 
@@ -318,31 +289,12 @@ class PackedLayerStore(Generic[A]):
         keep = slots.size - 1 - first_from_end
         rows = self._batch * self._heads
         dim = doubled.shape[-1]
-        self._pack(
+        self._packed_of().write(
             last_first,
             doubled.reshape(2, rows, -1, dim)[:, :, keep].transpose(0, 2, 1, 3),  # [2, m, B·H, D]
             norms.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),  # [2, m, B·H]
             qmax.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),
         )
-
-    def _resize(self, slots: int) -> None:
-        def resized(array: np.ndarray) -> np.ndarray:
-            out = np.zeros((2, slots, *array.shape[2:]), dtype=array.dtype)
-            kept = min(slots, array.shape[1])
-            out[:, :kept] = array[:, :kept]
-            return out
-
-        self._codes, self._norms, self._qmax = resized(self._codes), resized(self._norms), resized(self._qmax)
-
-    def _occupied(self) -> np.ndarray:
-        """Whether each packed slot holds an entry `[slots]`: a written entry's fp16 scale is never 0 (the codec
-        clamps it to float32 eps, which fp16 keeps as a subnormal)."""
-        return self._qmax[0, :, 0] > 0
-
-    def _reserve_slots(self, needed: int) -> None:
-        slots = self._qmax.shape[1]
-        if needed > slots:
-            self._resize(max(needed, slots + slots // 2))
 
     def _codec_of(self) -> LatticeCodec[A]:
         if self._codec is None:
@@ -353,55 +305,15 @@ class PackedLayerStore(Generic[A]):
         assert self._codec is not None
         return (self._batch, self._heads, count, self._codec.spec.head_dim)
 
-    def _pack(self, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray) -> None:
-        """Write slot-major codings of K and V (`doubled` `[2, m, B·H, D]`, `norms`/`qmax` `[2, m, B·H]`) into
-        `slots` (distinct)."""
-        spec = self._codec_of().spec
-        _, count, rows = norms.shape
-        if count == 0:
-            return
-        self._reserve_slots(int(slots.max()) + 1)
-        flat_doubled = doubled.reshape(2 * count * rows, spec.head_dim)
-        indices, escaped = block_indices(spec, flat_doubled)  # [2·m·B·H, blocks] x2
-        self._codes[:, slots] = pack_codes(spec, indices).reshape(2, count, rows, -1)
-        self._norms[:, slots] = norms
-        self._qmax[:, slots] = qmax
-        # The new entries replace whatever escapes the slots held.
-        stale = np.isin(self._escape_keys[:, 1], slots)
-        keys, points = self._escape_keys[~stale], self._escape_points[~stale]
-        flat, block = np.nonzero(escaped)
-        if flat.size:
-            tensor, vector = np.divmod(flat, count * rows)
-            i, row = np.divmod(vector, rows)
-            new_keys = np.stack([tensor, slots[i], row, block], axis=1).astype(np.int32)
-            blocks = flat_doubled.reshape(-1, spec.blocks, spec.block_dim)
-            keys = np.concatenate([keys, new_keys])
-            points = np.concatenate([points, blocks[flat, block]])
-        self._escape_keys, self._escape_points = keys, points
+    def _packed_of(self) -> PackedCodes:
+        if self._packed is None:
+            raise ValueError("the layer holds no K/V")
+        return self._packed
 
     def _decode(self, tensor: int, slots: np.ndarray) -> A:
         """Dense `[B, H, len(slots), D]` of the packed entries of `slots`, in the model's dtype."""
-        assert self._codec is not None
-        spec = self._codec.spec
-        rows, count = self._batch * self._heads, slots.size
-        codes = self._codes[tensor, slots].transpose(1, 0, 2).reshape(rows * count, -1)  # [B·H·m, bytes]
-        doubled = block_points(spec, unpack_codes(spec, codes))
-        if self._escape_keys.size and count:
-            keys = self._escape_keys
-            order = np.full(max(int(slots.max()), int(keys[:, 1].max())) + 1, -1, dtype=np.int64)
-            order[slots] = np.arange(count)  # slot -> its column in this read
-            hit = (keys[:, 0] == tensor) & (order[keys[:, 1]] >= 0)
-            if hit.any():
-                blocks = doubled.reshape(rows * count, spec.blocks, spec.block_dim)
-                vector = keys[hit, 2] * count + order[keys[hit, 1]]
-                blocks[vector, keys[hit, 3]] = self._escape_points[hit]
-                doubled = blocks.reshape(rows * count, spec.head_dim)
-        coding = LatticeCoding(
-            doubled=doubled,
-            norms=self._norms[tensor, slots].transpose(1, 0).reshape(-1),
-            qmax=self._qmax[tensor, slots].transpose(1, 0).reshape(-1),
-        )
-        return self._codec.decode(coding, self._shape(count), self._model_dtype)
+        coding = self._packed_of().read(tensor, slots)
+        return self._codec_of().decode(coding, self._shape(slots.size), self._model_dtype)
 
 
 def _by_slot(coding: LatticeCoding, rows: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -102,9 +102,9 @@ def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, back
     rows = 2  # batch 1 x 2 KV heads in the tiny checkpoints
     slots = resident  # full: one slot per position; sink_window: sink + window slots, all occupied
     per_layer = 2 * slots * rows * (spec.code_bytes + 4)  # K and V codes, fp16 norm + qmax
-    escapes = sum(layer._escape_keys.nbytes + layer._escape_points.nbytes for layer in layers)
+    escapes = sum(layer.packed.escape_keys.nbytes + layer.packed.escape_points.nbytes for layer in layers)
     assert cache.nbytes == cache._positions.nbytes + len(layers) * per_layer + escapes
-    assert cache.escaped_vectors == sum(layer._escape_keys.shape[0] for layer in layers) == 0  # D4: none here
+    assert cache.escaped_vectors == sum(layer.packed.escape_keys.shape[0] for layer in layers) == 0  # D4: none here
     # The packed arrays live in host memory that numpy reports to tracemalloc: what the cache claims it holds
     # is what was measured (minus small Python objects).
     packed = cache.nbytes - cache._positions.nbytes
@@ -182,9 +182,10 @@ def test_a_fork_copies_the_packed_codes_and_continues_with_the_tokens_of_its_par
     assert _layer_bytes(fork) == _layer_bytes(parent) and fork.compressed_bytes == parent.compressed_bytes
     assert fork.escaped_vectors == parent.escaped_vectors
     for mine, theirs in zip(fork._layers, parent._layers, strict=True):
-        assert np.array_equal(mine._codes, theirs._codes)
-        assert np.array_equal(mine._norms, theirs._norms) and np.array_equal(mine._qmax, theirs._qmax)
-        assert np.array_equal(mine._escape_keys, theirs._escape_keys)
+        assert np.array_equal(mine.packed.codes, theirs.packed.codes)
+        assert np.array_equal(mine.packed.norms, theirs.packed.norms)
+        assert np.array_equal(mine.packed.qmax, theirs.packed.qmax)
+        assert np.array_equal(mine.packed.escape_keys, theirs.packed.escape_keys)
     # Both continue from the same history; the pending last token is fed to each.
     continued = []
     for cache in (parent, fork):

@@ -180,8 +180,8 @@ def test_a_plan_kept_compressor_packs_the_kept_layers_of_an_uncompressed_session
     fork.park()
     assert fork.restoration_state_bytes == packed.restoration_state_bytes
     for layer, store in packed._kept.items():
-        assert np.array_equal(fork._kept[layer]._codes, store._codes)
-        assert np.array_equal(fork._kept[layer]._qmax, store._qmax)
+        assert np.array_equal(fork._kept[layer].packed.codes, store.packed.codes)
+        assert np.array_equal(fork._kept[layer].packed.qmax, store.packed.qmax)
 
 
 def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(verifiers):
