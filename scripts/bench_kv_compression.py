@@ -6,16 +6,16 @@ KakeyaLattice compressor and Q of `--d4-q` / `--e8-q` it measures bits per value
 the common alternatives on the same tensors: affine 4- and 8-bit group-64 quantisation (mlx's `mx.quantize`, as
 mlx-lm's quantised KV cache does it), fp8 e4m3 with a per-tensor scale (as vLLM's fp8 KV cache does it) and bf16.
 
-Part 2 (one daemon on 127.0.0.1, each session choosing its compressor): for every `--variants` entry and `none`,
-in the same run: bytes per token held by a parked session, NIAH recall at each `--lengths` rung (documents and
-scoring of `scripts/eval_niah.py`, the same `--samples` documents for every variant, so the documents on which a
-variant and `none` disagree are counted too), greedy-token agreement with `none` over `--agreement-tokens` tokens,
-and time to first token of a parked session (a one-token append to a parked 2,048-token session). Decode speed:
-`--speed-rounds` rounds, each generating `--speed-tokens` tokens after a 2,048-token prefill with every variant in
-turn (interleaved, so load from other processes spreads over all of them); the median of the rounds, as wall-clock
-tokens/s and as the daemon's CPU seconds per token (read from /proc, less sensitive to a shared machine), both
-counted from the first token on: the first token of a generation resumes a parked session (a compressed one decodes
-its packed K/V then), which the time to first token of a parked session measures apart.
+Part 2 (one daemon on 127.0.0.1 on `--backend`, each session choosing its compressor): for every `--variants` entry
+and `none`, in the same run: bytes per token held by a parked session, NIAH recall at each `--lengths` rung
+(documents and scoring of `scripts/eval_niah.py`, the same `--samples` documents for every variant, so the documents
+on which a variant and `none` disagree are counted too), greedy-token agreement with `none` over
+`--agreement-tokens` tokens, and time to first token of a parked session (a one-token append to a parked 2,048-token
+session). Decode speed: `--speed-rounds` rounds, each generating `--speed-tokens` tokens after a 2,048-token prefill
+with every variant in turn (interleaved, so load from other processes spreads over all of them); the median of the
+rounds, as wall-clock tokens/s and as the daemon's CPU seconds per token (read from /proc, less sensitive to a
+shared machine), both counted from the first token on: the first token of a generation resumes a parked session (a
+compressed one decodes its packed K/V then), which the time to first token of a parked session measures apart.
 
 Part 3: one daemon per variant with the same `--kv-budget-bytes` (`--budget-sessions` dense 2,048-token sessions
 and a quarter more, so the dense count is not on an edge) and 2,048-token sessions created until the first is
@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory")
     p.add_argument("--dtype", default="float32", help="dtype the daemon serves in (float32 is fast on CPU)")
+    p.add_argument(
+        "--backend", choices=("torch", "mlx"), default="torch", help="backend of the daemons (parts 2 and 3)"
+    )
     p.add_argument("--capture-tokens", type=int, default=1024, help="tokens of K/V captured for part 1")
     p.add_argument("--d4-q", default="2,5,10,19,38,76", help="D4 q_range values of the rate–distortion sweep")
     p.add_argument("--e8-q", default="2,5,10,19,37,76", help="E8 q_range values of the rate–distortion sweep")
@@ -114,8 +117,9 @@ def _label(variant: tuple[str, int]) -> str:
     return variant[0] if variant[0] == "none" else f"{variant[0]}:{variant[1]}"
 
 
-def _thread_flags(args: argparse.Namespace) -> list[str]:
-    return ["--threads", str(args.threads)] if args.threads else []
+def _daemon_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", str(args.model), "--backend", args.backend, "--dtype", args.dtype]
+    return flags + (["--threads", str(args.threads)] if args.threads else [])
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -229,7 +233,7 @@ def sessions_under_budget(
     """2,048-token sessions a daemon holds under `budget` KV bytes before it evicts the first, and the bytes one
     of them holds parked."""
     length = SESSION_TOKENS if not args.smoke else 128
-    flags = ["--model", str(args.model), "--dtype", args.dtype, "--kv-budget-bytes", str(budget), *_thread_flags(args)]
+    flags = [*_daemon_flags(args), "--kv-budget-bytes", str(budget)]
     if variant[0] != "none":
         flags += ["--kv-compressor", variant[0], "--kv-q-range", str(variant[1])]
     text = [t for line in lines for t in line]
@@ -370,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = heldout_lines(tokenizer)
     capture = [t for line in lines[-600:] for t in line][: args.capture_tokens]
     rd = rate_distortion(capture_kv(args.model, capture), args.d4_q, args.e8_q)
-    daemon = Daemon(["--model", str(args.model), "--dtype", args.dtype, *_thread_flags(args)])
+    daemon = Daemon(_daemon_flags(args))
     try:
         with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
             runs = daemon_runs(args, client, daemon.process.pid, tokenizer, lines)
