@@ -20,27 +20,28 @@ def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
     return Runtime(verifier, config, Metrics(), model_facts=ModelFacts.read(model_dir))
 
 
-def test_the_next_step_is_queued_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
+def test_the_next_step_is_under_way_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
     runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
 
     async def run() -> tuple[list[int], list[int], DoneEvent]:
         session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
-        queued_at_token, tokens, done = [], [], None
+        started_at_token, tokens, done = [], [], None
         async for event in runtime.generate(session_id, GenerateParams(max_tokens=4)):
             if isinstance(event, TokenEvent):
-                queued_at_token.append(runtime.batcher.queued_steps)
+                started_at_token.append(runtime.batcher.started_steps)
                 tokens.append(event.token_id)
             elif isinstance(event, DoneEvent):
                 done = event
         assert done is not None
-        return queued_at_token, tokens, done
+        return started_at_token, tokens, done
 
     try:
-        queued_at_token, tokens, done = asyncio.run(run())
+        started_at_token, tokens, done = asyncio.run(run())
     finally:
         runtime.shutdown()
-    # Every token but the last is handed out while its successor step waits for the worker; the last has none.
-    assert queued_at_token == [1, 1, 1, 0]
+    # Every token but the last is handed out once its successor step is queued or already running (chained by
+    # the worker); the last has none. One step per token: the prompt fits one forward.
+    assert started_at_token == [2, 3, 4, 4]
     assert len(tokens) == done.stats.generated_token_count == 4
 
 
