@@ -62,7 +62,7 @@ class _Queued:
 
 
 StepTicket = _Queued
-"""A submitted step (`StepBatcher.submit`)."""
+"""A submitted step (`StepBatcher.submit`), or one the worker chained after it (`StepTicket.chained`)."""
 
 
 class StepBatcher:
@@ -221,9 +221,12 @@ class StepBatcher:
             queued, result = batch[0], results[0]
             while (successor := self._successor(queued, result)) is not None:
                 self._loop.call_soon_threadsafe(self._deliver, queued, result, successor)
-                queued, result = successor, self._decoder.step_batch([successor.request])[0]
-            results = [result]
-            batch = [queued]
+                queued = successor
+                try:
+                    result = self._decoder.step_batch([queued.request])[0]
+                except Exception as exc:  # its generation gets the error, as for a batch whose forward failed
+                    result = exc
+            batch, results = [queued], [result]
         for queued, result in zip(batch, results, strict=True):
             self._loop.call_soon_threadsafe(self._deliver, queued, result, None)
 
