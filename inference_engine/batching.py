@@ -16,13 +16,25 @@ Batch forming, in order:
   chunk's work, and decode steps never wait behind a prefill.
 
 With `max_batch_size` 1 every step runs alone, in arrival order, with no gathering (one forward per step).
+
+Chaining: a generation that steps alone (no other generation running, no other step queued, no other call waiting
+for the model worker) has its next step started by the worker as soon as the current one returns, without a round
+trip through the event loop: the step's result goes to the event loop, and the worker runs its successor meanwhile.
+The worker chains only after a step whose generation submitted it with its cancel event and already awaits its
+result (`StepTicket.chain`: it has handed out every earlier token), and not when the step ended the generation (a
+stop rule, an error), when the event is set, or when another generation or call needs the worker. So a generation
+is one step ahead of its stream at most, as without chaining: a slow reader does not let the history run ahead of
+what it streamed, and a cancellation stops it after the step under way. A generation's first token step is not
+chained, since the generation then reads its session's cache.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from inference_engine.metrics import Metrics
@@ -35,8 +47,13 @@ _GATHER_S = 0.005
 @dataclass(slots=True, eq=False)
 class _Queued:
     request: StepRequest
-    future: asyncio.Future[StepResult]
+    future: asyncio.Future[StepResult]  # awaited by the generation; cancelled with its task or when withdrawn
     queued_at: float = field(default_factory=time.perf_counter)
+    cancel: asyncio.Event | None = None  # the generation's cancel event; None: never chained
+    chain: bool = False  # whether the worker may start this step's successor right after it (`result` sets it)
+    chained: _Queued | None = None  # the successor the worker started (set before this step's result)
+    outcome: StepResult | BaseException | None = None  # set once the step ran, or will never run
+    settled: asyncio.Future[None] | None = None  # made by a caller waiting for `outcome`, resolved with it
 
     @property
     def prefill_tokens(self) -> int:
@@ -45,7 +62,7 @@ class _Queued:
 
 
 StepTicket = _Queued
-"""A submitted step (`StepBatcher.submit`)."""
+"""A submitted step (`StepBatcher.submit`), or one the worker chained after it (`StepTicket.chained`)."""
 
 
 class StepBatcher:
@@ -73,6 +90,9 @@ class StepBatcher:
         self._arrived: asyncio.Event | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._generations = 0  # generations between their first and last step (queued or streaming)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
+        self.started_steps = 0  # steps submitted or chained so far
 
     @property
     def queued_steps(self) -> int:
@@ -97,32 +117,52 @@ class StepBatcher:
         """
         return await self.result(self.submit(request), on_cancel)
 
-    def submit(self, request: StepRequest) -> StepTicket:
-        """Queue one step now; `result` awaits it, `withdraw` takes it back while it waits."""
+    def submit(self, request: StepRequest, cancel: asyncio.Event | None = None) -> StepTicket:
+        """Queue one step now; `result` awaits it, `withdraw` takes it back while it waits. With the generation's
+        `cancel` event, the worker may chain the generation's next steps after it (see the module doc)."""
         loop = asyncio.get_running_loop()
+        self._loop = loop
         if self._arrived is None:
             self._arrived = asyncio.Event()
         if self._dispatcher is None or self._dispatcher.done():
             self._dispatcher = loop.create_task(self._dispatch(), name="kakeya-step-batcher")
-        queued = _Queued(request, loop.create_future())
+        queued = _Queued(request, loop.create_future(), cancel=cancel)
         self._queue.append(queued)
+        self.started_steps += 1
         self._arrived.set()
         return queued
 
     async def result(self, queued: StepTicket, on_cancel: asyncio.Event) -> StepResult:
-        """The result of a submitted step (see `step`)."""
+        """The result of a submitted or chained step (see `step`); the step's `chained` successor, if any, is set
+        by the time it returns. Awaiting it lets the worker chain the step's successor: the caller is done with the
+        results before it."""
+        queued.chain = queued.cancel is not None
+        # The step's future is awaited directly (no shield, no task around it): the generation wakes in the event
+        # loop's next pass after the result comes, and each pass costs the model worker a turn of the GIL.
         try:
-            return await asyncio.shield(queued.future)
+            return await queued.future
         except asyncio.CancelledError:
             on_cancel.set()
-            if queued in self._queue:
-                self._queue.remove(queued)
-                queued.future.cancel()
-            else:
-                await asyncio.wait([queued.future])
-                if not queued.future.cancelled():
-                    queued.future.exception()  # retrieved: the caller is gone
+            if not self.withdraw(queued):
+                with contextlib.suppress(Exception):  # the caller is gone; the step's error goes with it
+                    await self.settled(queued)
             raise
+
+    async def settled(self, queued: StepTicket) -> StepResult | None:
+        """Wait until the step ran (or will never run); its result, None when it never ran, raising what it
+        raised. The awaiting task's own cancellation is not passed on to the step."""
+        if queued.outcome is None:
+            assert self._loop is not None
+            queued.settled = queued.settled or self._loop.create_future()
+            await asyncio.wait([queued.settled])
+        outcome = queued.outcome
+        if queued.future.done() and not queued.future.cancelled():
+            queued.future.exception()  # retrieved here, whether or not `result` was awaited
+        if isinstance(outcome, asyncio.CancelledError):
+            return None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     def withdraw(self, queued: StepTicket) -> bool:
         """Take a submitted step out of the queue if it has not reached a forward (its `result` then raises
@@ -130,15 +170,17 @@ class StepBatcher:
         if queued not in self._queue:
             return False
         self._queue.remove(queued)
-        queued.future.cancel()
+        self._settle(queued, asyncio.CancelledError())
         return True
 
     def close(self) -> None:
-        """Stop the dispatcher (the batch in flight completes on the worker) and cancel the steps still queued."""
+        """Stop the dispatcher (the batch in flight completes on the worker, and chains no further) and cancel the
+        steps still queued."""
+        self._closed = True
         if self._dispatcher is not None:
             self._dispatcher.cancel()
         for queued in self._queue:
-            queued.future.cancel()
+            self._settle(queued, asyncio.CancelledError())
         self._queue.clear()
 
     async def _dispatch(self) -> None:
@@ -158,23 +200,73 @@ class StepBatcher:
             self._metrics.batch_size.observe(len(batch))
             self._metrics.batch_forwards.inc()
             try:
-                results = await self._worker.run(self._decoder.step_batch, [queued.request for queued in batch])
+                await self._worker.run(self._run, batch)
             except asyncio.CancelledError:
                 for queued in batch:
-                    queued.future.cancel()
+                    if queued.outcome is None:
+                        self._settle(queued, asyncio.CancelledError())
                 raise
             except Exception as exc:  # the worker itself failed (shut down): every step of the batch fails
                 for queued in batch:
-                    if not queued.future.done():
-                        queued.future.set_exception(exc)
+                    if queued.outcome is None:
+                        self._settle(queued, exc)
                 continue
-            for queued, result in zip(batch, results, strict=True):
-                if queued.future.done():
-                    continue
-                if isinstance(result, Exception):
-                    queued.future.set_exception(result)
-                else:
-                    queued.future.set_result(result)
+
+    def _run(self, batch: Sequence[_Queued]) -> None:
+        """On the worker: one forward for the batch, then, for a step that may chain, its successors one by one;
+        every result goes to the event loop as soon as it is known."""
+        assert self._loop is not None
+        results = self._decoder.step_batch([queued.request for queued in batch])
+        if len(batch) == 1:
+            queued, result = batch[0], results[0]
+            while (successor := self._successor(queued, result)) is not None:
+                self._loop.call_soon_threadsafe(self._deliver, queued, result, successor)
+                queued = successor
+                try:
+                    result = self._decoder.step_batch([queued.request])[0]
+                except Exception as exc:  # its generation gets the error, as for a batch whose forward failed
+                    result = exc
+            batch, results = [queued], [result]
+        for queued, result in zip(batch, results, strict=True):
+            self._loop.call_soon_threadsafe(self._deliver, queued, result, None)
+
+    def _successor(self, queued: _Queued, result: StepResult | Exception) -> _Queued | None:
+        """On the worker: the step to chain after `queued`, or None (see the module doc)."""
+        if not queued.chain or queued.cancel is None or queued.cancel.is_set() or self._closed:
+            return None
+        if isinstance(result, Exception) or result.stop is not None:
+            return None
+        if result.tokens and queued.request.generated == 0:
+            return None  # the generation's first token: it reads the session's cache before its next step runs
+        if self._queue or self._generations > 1 or self._worker.backlog:
+            return None  # another generation or call needs the worker: back to the dispatcher
+        assert self._loop is not None
+        request = dataclasses.replace(queued.request, generated=queued.request.generated + len(result.tokens))
+        return _Queued(request, self._loop.create_future(), cancel=queued.cancel)
+
+    def _deliver(self, queued: _Queued, result: StepResult | Exception, successor: _Queued | None) -> None:
+        """On the event loop: a step's result, and the successor chained after it."""
+        if successor is not None:
+            queued.chained = successor
+            self.started_steps += 1
+            self._metrics.batch_queue_wait_seconds.observe(0.0)
+            self._metrics.batch_size.observe(1)
+            self._metrics.batch_forwards.inc()
+        self._settle(queued, result)
+
+    @staticmethod
+    def _settle(queued: _Queued, outcome: StepResult | BaseException) -> None:
+        """Record what became of a step and wake whoever waits for it."""
+        queued.outcome = outcome
+        if not queued.future.done():
+            if isinstance(outcome, asyncio.CancelledError):
+                queued.future.cancel()
+            elif isinstance(outcome, BaseException):
+                queued.future.set_exception(outcome)
+            else:
+                queued.future.set_result(outcome)
+        if queued.settled is not None and not queued.settled.done():
+            queued.settled.set_result(None)
 
     async def _gather(self) -> None:
         """Wait (up to the gather time) until every running generation has queued a step, or the batch is full."""

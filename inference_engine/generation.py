@@ -2,10 +2,13 @@
 
 The loop queues a step's successor as soon as the step returns, before its tokens are streamed: the model worker
 computes the next step while the event loop journals, counts and streams this one's tokens, so the per-token work
-of the transport never sits between two forwards. A step that ends the generation (a stop, the token budget) has
-no successor. When the generation ends otherwise (the client goes away, a cancellation, an error), a successor
-already in a forward completes — its tokens are in the session's history, as any completed step's are — and is
-journaled before the generation lets go of the session, so the journal and the history never disagree.
+of the transport never sits between two forwards. While the generation steps alone, the worker starts that
+successor itself as the step returns (the step batcher's chaining), and the loop takes it over instead of queueing
+one. A step that ends the generation (a stop, the token budget) has no successor. When the generation ends
+otherwise (the client goes away, a cancellation, an error), a successor already in a forward completes — its
+tokens are in the session's history, as any completed step's are — and is streamed (on a cancellation) or
+journaled (otherwise) before the generation lets go of the session, so the journal, the stream and the history
+never disagree; so is a step the worker chained after it.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from inference_engine.batching import StepBatcher
+from inference_engine.batching import StepBatcher, StepTicket
 from inference_engine.domain import (
     DoneEvent,
     GenerateEvent,
@@ -88,25 +91,38 @@ class Tally:
 
 
 class _Successor:
-    """A generation's next step, queued on the step batcher before the current step's tokens are streamed."""
+    """A generation's next step: queued on the step batcher before the current step's tokens are streamed, or
+    chained by the worker after the current step."""
 
-    def __init__(self, batcher: StepBatcher, request: StepRequest, cancel: asyncio.Event) -> None:
+    def __init__(self, batcher: StepBatcher, ticket: StepTicket, cancel: asyncio.Event) -> None:
         self._batcher = batcher
-        self._ticket = batcher.submit(request)
-        self.task = asyncio.ensure_future(batcher.result(self._ticket, cancel))
+        self._ticket = ticket
+        self._cancel = cancel
+
+    @classmethod
+    def submit(cls, batcher: StepBatcher, request: StepRequest, cancel: asyncio.Event) -> _Successor:
+        """Queue `request` as the generation's next step."""
+        return cls(batcher, batcher.submit(request, cancel), cancel)
+
+    def chained(self) -> _Successor | None:
+        """The step the worker chained after this one (known once this one's result is in), taken over by the
+        generation."""
+        ticket = self._ticket.chained
+        return None if ticket is None else _Successor(self._batcher, ticket, self._cancel)
 
     async def result(self) -> StepResult:
-        """The step's result; raises what the step raised."""
-        return await self.task
+        """The step's result; raises what the step raised. A cancelled task marks the generation cancelled at
+        once; a step already in a forward completes first (see `StepBatcher.step`)."""
+        return await self._batcher.result(self._ticket, self._cancel)
 
     async def withdraw(self) -> StepResult | None:
         """Drop the step if it has not reached a forward (None); else wait for it and return its result, so the
-        caller accounts for the tokens it added to the history. Raises what the step raised."""
-        withdrawn = self._batcher.withdraw(self._ticket)
-        await asyncio.wait([self.task])
-        if withdrawn or self.task.cancelled():
+        caller accounts for the tokens it added to the history. Raises what the step raised. The worker chains
+        no step after it (one it already chained is still found by `chained`)."""
+        self._ticket.chain = False
+        if self._batcher.withdraw(self._ticket):
             return None
-        return self.task.result()
+        return await self._batcher.settled(self._ticket)
 
 
 async def run_generation(
@@ -129,24 +145,26 @@ async def run_generation(
     successor: _Successor | None = None
     batcher.begin_generation()
     try:
-        while reason is None:
+        while reason is None or successor is not None:
             try:
                 if cancel.is_set():
-                    # A successor already in a forward still delivers its tokens: they are history now.
+                    # A successor already in a forward (and one chained after it) still delivers its tokens:
+                    # they are history now.
                     reason = StopReason.CANCELLED
-                    found = await successor.withdraw() if successor is not None else None
-                    successor = None
+                    if successor is None:
+                        break
+                    found = await successor.withdraw()
                     if found is None:
+                        successor = None
                         break
                     step = found
                 else:
                     if successor is None:
                         request = StepRequest(seq, sampling, budget, tally.generated, controls)
-                        successor = _Successor(batcher, request, cancel)
-                    # A cancelled task marks the generation cancelled at once, so GetSessionInfo can tell; a step
-                    # already in a forward completes first (see `StepBatcher.step`).
+                        successor = _Successor.submit(batcher, request, cancel)
                     step = await successor.result()
-                    successor = None
+                # A step the worker chained after this one is the generation's from now on (settled if it ends).
+                successor = successor.chained()
             except InvariantViolation as exc:
                 successor = None
                 outcome = "failed"
@@ -165,9 +183,9 @@ async def run_generation(
             except JournalError as exc:
                 outcome = "failed"
                 raise runtime.fail_unjournaled(session, exc) from exc
-            if step.stop is None and reason is None:
+            if successor is None and step.stop is None and reason is None:
                 request = StepRequest(seq, sampling, budget, tally.generated + len(step.tokens), controls)
-                successor = _Successor(batcher, request, cancel)
+                successor = _Successor.submit(batcher, request, cancel)
             metrics.generate_tokens.inc(len(step.tokens))
             for index, token in enumerate(step.tokens):
                 now = clock()
@@ -213,24 +231,28 @@ async def run_generation(
         metrics.generate_requests.labels(outcome=outcome).inc()
 
 
-async def settle_successor(runtime: Runtime, session: Session, successor: _Successor) -> None:
+async def settle_successor(runtime: Runtime, session: Session, successor: _Successor | None) -> None:
     """The successor of a generation that ended early (its client went away, an error): dropped if it has not
-    reached a forward; if it has, it completes and its tokens, now in the history, are journaled."""
-    try:
-        step = await successor.withdraw()
-    except InvariantViolation as exc:
-        runtime.fail_session(session, exc)
-        return
-    except Exception:  # the generation already ends with its own error; this step's is the same session's
-        log.debug("the successor step of an ended generation failed", exc_info=True)
-        return
-    if step is None:
-        return
-    record_step(runtime, step)
-    try:
-        await journal_tokens(runtime, session, step)
-    except JournalError as exc:
-        runtime.fail_unjournaled(session, exc)
+    reached a forward; if it has, it completes and its tokens, now in the history, are journaled (and so are those
+    of a step the worker chained after it)."""
+    while successor is not None:
+        try:
+            step = await successor.withdraw()
+        except InvariantViolation as exc:
+            runtime.fail_session(session, exc)
+            return
+        except Exception:  # the generation already ends with its own error; this step's is the same session's
+            log.debug("the successor step of an ended generation failed", exc_info=True)
+            return
+        if step is None:
+            return
+        record_step(runtime, step)
+        try:
+            await journal_tokens(runtime, session, step)
+        except JournalError as exc:
+            runtime.fail_unjournaled(session, exc)
+            return
+        successor = successor.chained()
 
 
 async def journal_tokens(runtime: Runtime, session: Session, step: StepResult) -> None:

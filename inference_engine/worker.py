@@ -17,6 +17,14 @@ class ModelWorker:
 
     def __init__(self, name: str = "kakeya-model") -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        # Each counter is written by one thread only (submitted: the event loop; started: the worker).
+        self._submitted = 0
+        self._started = 0
+
+    @property
+    def backlog(self) -> int:
+        """Calls submitted and not yet started on the worker thread."""
+        return self._submitted - self._started
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
         """Run `fn` on the worker thread and return its result.
@@ -31,7 +39,8 @@ class ModelWorker:
     ) -> T:
         """`run`, calling `on_cancel` as soon as the awaiting task is cancelled (before the call completes)."""
         loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+        self._submitted += 1
+        future = loop.run_in_executor(self._executor, functools.partial(self._call, fn, *args, **kwargs))
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -39,6 +48,10 @@ class ModelWorker:
                 on_cancel()
             await asyncio.wait([future])
             raise
+
+    def _call(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        self._started += 1
+        return fn(*args, **kwargs)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True, cancel_futures=True)

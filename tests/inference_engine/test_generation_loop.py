@@ -8,6 +8,7 @@ from pathlib import Path
 
 from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, DoneEvent, GenerateParams, TokenEvent
+from inference_engine.journal import open_journal
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
 from inference_engine.runtime import Runtime
@@ -20,27 +21,28 @@ def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
     return Runtime(verifier, config, Metrics(), model_facts=ModelFacts.read(model_dir))
 
 
-def test_the_next_step_is_queued_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
+def test_the_next_step_is_under_way_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
     runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
 
     async def run() -> tuple[list[int], list[int], DoneEvent]:
         session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
-        queued_at_token, tokens, done = [], [], None
+        started_at_token, tokens, done = [], [], None
         async for event in runtime.generate(session_id, GenerateParams(max_tokens=4)):
             if isinstance(event, TokenEvent):
-                queued_at_token.append(runtime.batcher.queued_steps)
+                started_at_token.append(runtime.batcher.started_steps)
                 tokens.append(event.token_id)
             elif isinstance(event, DoneEvent):
                 done = event
         assert done is not None
-        return queued_at_token, tokens, done
+        return started_at_token, tokens, done
 
     try:
-        queued_at_token, tokens, done = asyncio.run(run())
+        started_at_token, tokens, done = asyncio.run(run())
     finally:
         runtime.shutdown()
-    # Every token but the last is handed out while its successor step waits for the worker; the last has none.
-    assert queued_at_token == [1, 1, 1, 0]
+    # Every token but the last is handed out once its successor step is queued or already running (chained by
+    # the worker); the last has none. One step per token: the prompt fits one forward.
+    assert started_at_token == [2, 3, 4, 4]
     assert len(tokens) == done.stats.generated_token_count == 4
 
 
@@ -69,3 +71,37 @@ def test_a_cancelled_generation_streams_every_token_its_history_gained(verifiers
     assert done.stats.stop_reason.value == "cancelled"
     assert 3 <= len(tokens) <= 4 and done.stats.generated_token_count == len(tokens)
     assert history == [*PROMPT, *tokens], "the history holds exactly the prompt and the streamed tokens"
+
+
+def test_a_client_that_goes_away_mid_stream_leaves_every_history_token_journaled(
+    verifiers, verifier_pool, backend, tmp_path
+):
+    runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
+    opened = open_journal(tmp_path, runtime.model_identity(), sync="normal", recovery="refuse")
+    runtime.attach_journal(opened.journal)
+
+    async def run() -> tuple[str, list[int], list[int]]:
+        session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
+        events = runtime.generate(session_id, GenerateParams(max_tokens=200))
+        streamed: list[int] = []
+        async for event in events:
+            if isinstance(event, TokenEvent):
+                streamed.append(event.token_id)
+                if len(streamed) == 6:
+                    break  # the client goes away with a step under way (queued or chained by the worker)
+        await events.aclose()
+        history = runtime.session_info(session_id, history_tail_tokens=1000).history_tail
+        return session_id, streamed, list(history)
+
+    try:
+        session_id, streamed, history = asyncio.run(run())
+    finally:
+        runtime.shutdown()
+        opened.journal.close()
+    journaled = {
+        r.header.session_id: r.tokens
+        for r in open_journal(tmp_path, runtime.model_identity(), sync="normal", recovery="refuse").records
+    }
+    assert history[: len(PROMPT) + len(streamed)] == [*PROMPT, *streamed]
+    assert len(history) <= len(PROMPT) + len(streamed) + 1, "at most the step under way ran past the stream"
+    assert journaled[session_id] == history, "the journal holds exactly the history"

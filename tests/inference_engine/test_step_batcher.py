@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 
 from inference_engine.batching import StepBatcher, _Queued
 from inference_engine.metrics import Metrics
@@ -136,3 +137,106 @@ def test_a_step_cancelled_while_queued_is_dropped_and_the_others_run(verifiers):
     assert cancelled and flagged
     assert len(tokens) == 1 and untouched == 0, "the cancelled step never ran"
     assert _sample(metrics, "kakeya_batch_size_sum") == 1
+
+
+def _decode_request(verifier, seed: int, *, max_new_tokens: int = 8) -> StepRequest:
+    """A decode step of a generation past its first token (a prefilled sequence with one pending token)."""
+    seq = _seq(verifier, 5, seed)
+    Decoder(verifier, prefill_chunk_tokens=CHUNK).step(seq, SamplingParams(), GenerationBudget(8), 0)
+    return StepRequest(seq, SamplingParams(), GenerationBudget(max_new_tokens), 1)
+
+
+def _expected_tokens(verifier, seed: int, steps: int) -> list[int]:
+    request = _decode_request(verifier, seed)
+    decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK)
+    tokens: list[int] = []
+    for i in range(steps):
+        tokens += decoder.step(request.seq, request.params, request.budget, 1 + i).tokens
+    return tokens
+
+
+def test_a_lone_generation_awaiting_its_step_gets_the_next_step_chained_by_the_worker(verifiers):
+    verifier = verifiers["qwen3"]
+    expected = _expected_tokens(verifier, 3, 2)
+    batcher, metrics, worker = _batcher(verifier, max_batch_size=4)
+
+    async def run() -> tuple[list[int], int]:
+        cancel = asyncio.Event()
+        batcher.begin_generation()
+        try:
+            ticket = batcher.submit(_decode_request(verifier, 3), cancel)
+            first = await batcher.result(ticket, cancel)
+            assert ticket.chained is not None, "the worker started the next step as this one returned"
+            second = await batcher.result(ticket.chained, cancel)
+            return first.tokens + second.tokens, ticket.chained.request.generated
+        finally:
+            batcher.end_generation()
+
+    try:
+        tokens, generated = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert tokens == expected, "a chained step continues the sequence as a queued one would"
+    assert generated == 2
+    assert batcher.started_steps >= 2
+    assert _sample(metrics, "kakeya_batch_forwards_total") >= 2
+
+
+def test_the_worker_chains_no_step_after_a_stop_a_cancellation_or_while_others_need_it(verifiers):
+    verifier = verifiers["qwen3"]
+    batcher, _, worker = _batcher(verifier, max_batch_size=4)
+
+    async def chained_after(
+        request: StepRequest, *, cancelled: bool = False, other_generation: bool = False, worker_call: bool = False
+    ) -> bool:
+        cancel = asyncio.Event()
+        if cancelled:
+            cancel.set()
+        generations = 2 if other_generation else 1
+        for _ in range(generations):
+            batcher.begin_generation()
+        gate = threading.Event()
+        try:
+            # With `worker_call`, another call is waiting for the worker while the step runs: the worker is held
+            # until the step is queued behind the holding call, then the other call queues behind the step.
+            holding = asyncio.ensure_future(worker.run(gate.wait, 30)) if worker_call else None
+            ticket = batcher.submit(request, cancel)
+            waiting = None
+            if worker_call:
+                async with asyncio.timeout(30):
+                    while worker.backlog < 1:
+                        await asyncio.sleep(0.001)
+                waiting = asyncio.ensure_future(worker.run(lambda: "ran"))
+                await asyncio.sleep(0)
+            gate.set()
+            await batcher.result(ticket, cancel)
+            if holding is not None and waiting is not None:
+                assert await holding and await waiting == "ran"
+            if ticket.chained is not None:  # settle it before the next case
+                await batcher.result(ticket.chained, asyncio.Event())
+            return ticket.chained is not None
+        finally:
+            gate.set()
+            for _ in range(generations):
+                batcher.end_generation()
+
+    async def run() -> dict[str, bool]:
+        return {
+            "stop": await chained_after(_decode_request(verifier, 4, max_new_tokens=2)),
+            "cancelled": await chained_after(_decode_request(verifier, 5), cancelled=True),
+            "other generation": await chained_after(_decode_request(verifier, 6), other_generation=True),
+            "worker call waiting": await chained_after(_decode_request(verifier, 7), worker_call=True),
+            "alone": await chained_after(_decode_request(verifier, 8)),
+        }
+
+    try:
+        chained = asyncio.run(run())
+    finally:
+        worker.shutdown()
+    assert chained == {
+        "stop": False,
+        "cancelled": False,
+        "other generation": False,
+        "worker call waiting": False,
+        "alone": True,
+    }
