@@ -49,10 +49,11 @@ class Session:
 
     @property
     def kv_budget_bytes(self) -> int:
-        """What the session counts against the KV byte budget: `kv_bytes` less the working copy that only a
-        generating session holds (a compressed cache's decoded K/V, freed when it parks). Between generations the
-        two are equal; while it generates, the working copy is bounded by the sessions generating at once, not by
-        the sessions held, so charging it would shrink every compressed session's share of the budget."""
+        """What the session counts against the KV byte budget: `kv_bytes` less what only a generating session
+        holds (a compressed cache's decoded K/V, the growth room of its buffers; freed when it parks). Between
+        generations the two are equal; while it generates, that part is bounded by the sessions generating at once,
+        not by the sessions held, so charging it would shrink every session's share of the budget (and refuse a
+        generation whose session fits the budget parked)."""
         return self.kv_bytes - int(self.seq.cache.working_bytes)
 
     def release(self) -> None:

@@ -59,9 +59,9 @@ class LayerStore(Protocol[A]):
         """Bytes the layer holds now."""
         ...
 
-    @property
-    def working_nbytes(self) -> int:
-        """The part of `nbytes` that only speeds up forwards while the session generates (`park()` frees it)."""
+    def working_nbytes(self, slots: int) -> int:
+        """The part of `nbytes` held only while the session generates, which `park(slots)` frees: what only speeds
+        up forwards, and the room beyond the first `slots` slots."""
         ...
 
     def footprint(self) -> StoreFootprint:
@@ -136,9 +136,10 @@ class DenseLayerStore(Generic[A]):
             return 0
         return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
 
-    @property
-    def working_nbytes(self) -> int:
-        return 0
+    def working_nbytes(self, slots: int) -> int:
+        if self._capacity <= slots:
+            return 0
+        return self.nbytes - self.nbytes * slots // self._capacity
 
     def footprint(self) -> StoreFootprint:
         if self._keys is None or self._capacity == 0:

@@ -96,9 +96,10 @@ class KVSessionCache(Generic[A]):
 
     @property
     def working_bytes(self) -> int:
-        """The part of `nbytes` held only while the session generates (a compressed store's decoded working copy);
-        `park()` frees it."""
-        return sum(layer.working_nbytes for layer in self._layers)
+        """The part of `nbytes` held only while the session generates, which `park()` frees: a compressed store's
+        decoded working copy, and the growth room of an unbounded cache's buffers."""
+        used = self._parked_slots()
+        return sum(layer.working_nbytes(used) for layer in self._layers)
 
     @property
     def restored_bytes(self) -> int:
@@ -143,14 +144,17 @@ class KVSessionCache(Generic[A]):
     def park(self) -> None:
         """Between generations: every layer drops what only speeds up forwards and, unless the strategy bounds
         the slots, the cache its spare capacity (the next forward grows it again)."""
-        used = max(self.stage_offset, 1)
-        if self._strategy.bounded_slots is not None:
-            used = self._capacity  # a bounded cache's room is its window and one block: kept
+        used = self._parked_slots()
         for layer in self._layers:
             layer.park(used)
         if self._capacity > used:
             self._positions = self._positions[:used].copy()
             self._capacity = used
+
+    def _parked_slots(self) -> int:
+        """The slots a parked cache keeps room for: its resident slots, or all of them when the strategy bounds
+        the slots (a bounded cache's room is its window and one block)."""
+        return self._capacity if self._strategy.bounded_slots is not None else max(self.stage_offset, 1)
 
     @property
     def stage_offset(self) -> int:

@@ -41,6 +41,11 @@ class PackedCodes:
         to float32 eps, which fp16 keeps as a subnormal)."""
         return self.qmax[0, :, 0] > 0
 
+    def room_nbytes(self, slots: int) -> int:
+        """Bytes of the room after the first `slots` slots (what `trim` drops when they hold every entry)."""
+        spare = self.qmax.shape[1] - slots
+        return 0 if spare <= 0 else spare * 2 * self.rows * (self.spec.code_bytes + 4)
+
     def reserve(self, needed: int) -> None:
         """Room for `needed` slots, growing by half at least (appends stay amortised O(1))."""
         slots = self.qmax.shape[1]

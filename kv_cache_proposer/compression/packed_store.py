@@ -72,10 +72,11 @@ class PackedLayerStore(Generic[A]):
     def nbytes(self) -> int:
         return self.packed_nbytes + self._coding_bytes + self._work.nbytes
 
-    @property
-    def working_nbytes(self) -> int:
-        """The dense buffer: the stage and, while generating, the decoded resident entries."""
-        return self._work.nbytes
+    def working_nbytes(self, slots: int) -> int:
+        """The dense buffer (the stage and, while generating, the decoded resident entries) and the packed arrays'
+        room beyond `slots`."""
+        room = 0 if self._packed is None else self._packed.room_nbytes(slots)
+        return self._work.nbytes + room
 
     def footprint(self) -> StoreFootprint:
         if self._codec is None:

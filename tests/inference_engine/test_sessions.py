@@ -102,11 +102,13 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
     a, empty, b = _session(store, verifier, 10), _session(store), _session(store, verifier, 10)
     grower = _session(store, verifier, 10)
-    one = a.kv_bytes
+    one = a.kv_budget_bytes
+    assert 0 < one < a.kv_bytes  # the growth room of a cache that has not parked is not charged
     store.kv_budget_bytes = 3 * one
     assert store.enforce_budget(protect=grower)
     verifier.verify(grower.seq.cache, [t % 100 for t in range(300)], 1)
     verifier.commit(grower.seq.cache, 300)  # the protected session grows past one session's worth
+    store.kv_budget_bytes = grower.kv_budget_bytes + one  # room for one of the two idle holders
     assert store.enforce_budget(protect=grower)
     assert a not in store.sessions() and empty in store.sessions() and b in store.sessions()
     assert a.kv_bytes == 0, "an evicted session's memory is freed"

@@ -59,9 +59,8 @@ class HalfPrecisionStore:
     def nbytes(self) -> int:
         return self._dense.nbytes
 
-    @property
-    def working_nbytes(self) -> int:
-        return 0
+    def working_nbytes(self, slots: int) -> int:
+        return self._dense.working_nbytes(slots)
 
     def load_from(self, source: Any, source_slots: np.ndarray, slots: np.ndarray) -> None:
         self.load(slots, *source.gather(source_slots))
