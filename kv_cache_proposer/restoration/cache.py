@@ -82,9 +82,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
         self._plan = setup.plan_for(num_layers)
         # Kept layers go through the session's compressor when it has one, else through the plan's.
-        self._kept_factory: LayerStoreFactory[A] = layer_store or setup.kept_store or DenseLayerStore
-        self._kept_dense = layer_store is None and setup.kept_store is None
-        self._kept: dict[int, LayerStore[A]] = {layer: self._kept_factory(ops) for layer in self._plan.kept_layers}
+        kept_store: LayerStoreFactory[A] = layer_store or setup.kept_store or DenseLayerStore
+        self._kept: dict[int, LayerStore[A]] = {layer: kept_store(ops) for layer in self._plan.kept_layers}
         self._kept_capacity = 0
         self._tokens = np.zeros(0, dtype=np.int32)  # committed token ids, when a layer is rebuilt from them
         self._stage_tokens: list[int] = []
@@ -158,9 +157,10 @@ class RestoringSessionCache(KVSessionCache[A]):
         """Drop the restored K/V and the spare capacity of the kept layers: a parked session holds its resident
         K/V and exactly the plan's state of its evicted positions."""
         self._drop_restored()
+        held = self.evicted_count
         for store in self._kept.values():
-            store.park(self._kept_capacity)  # a packed store trims its own arrays here; dense ones below
-        self._trim_kept()
+            store.park(held)  # each store drops its room beyond the evicted positions (one copy per generation)
+        self._kept_capacity = min(self._kept_capacity, held)
         if self._contexts is not None:
             self._contexts.trim()
         super().park()
@@ -239,22 +239,6 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._kept_capacity = max(needed, self._kept_capacity + max(self._kept_capacity // 2, 256))
         for store in self._kept.values():
             store.reserve(self._kept_capacity)
-
-    def _trim_kept(self) -> None:
-        """Copy dense kept K/V into buffers of exactly the evicted positions: between generations the growth room
-        of the last one is not held (one copy of the kept layers per generation)."""
-        held = self.evicted_count
-        if not self._kept_dense or self._kept_capacity <= held:
-            return
-        for layer, store in self._kept.items():
-            trimmed = self._kept_factory(self._ops)
-            if held:
-                trimmed.reserve(held)
-                trimmed.load(np.arange(held, dtype=np.int64), *gather_all(store, held))
-            trimmed.held = held
-            store.release()
-            self._kept[layer] = trimmed
-        self._kept_capacity = held
 
     def _extend_restored(self, captured: dict[int, tuple[A, A]], added: int) -> None:
         """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""
