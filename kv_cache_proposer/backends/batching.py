@@ -77,6 +77,11 @@ class BatchLayout(Generic[A]):
         return self.key_width - self.width
 
     @property
+    def own_keys(self) -> int:
+        """0: `keys_before_queries` counts every key beyond the queries, the rows' own keys included."""
+        return 0
+
+    @property
     def rows(self) -> int:
         """Batch rows of the model call: 1 when packed."""
         return 1 if self.packed else len(self.blocks)
@@ -118,7 +123,12 @@ class BatchLayout(Generic[A]):
         for index, block in enumerate(self.blocks):
             cache = block.cache
             allowed = visible_keys(
-                cache.strategy, cache.query_positions, cache.key_positions, causal=causal, window=window
+                cache.strategy,
+                cache.query_positions,
+                cache.key_positions,
+                causal=causal,
+                window=window,
+                own_keys=cache.own_keys,
             )
             row, start, end = self.query_span(index)
             key_start = self._key_starts[index]

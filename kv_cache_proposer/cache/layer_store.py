@@ -4,11 +4,18 @@ A layer store holds the K/V of a layer's slots: resident slots `[0, stage_offset
 cache's slot table, then the stage, where a forward writes the K/V of its block. Attention reads resident slots
 and stage together; a commit turns accepted staged entries into resident ones. A store may keep resident entries
 in any form (dense, packed) as long as `read` hands attention dense K/V; the stage is always written dense.
+
+A lossy store (one whose held entries differ from the K/V a forward computed) lets every query read its own
+position as computed and every other position as held, so a token's K/V read by a later position never depends on
+which forward computed it. A forward over one query stages its K/V as computed, and the store may turn them into
+their held form as late as the commit or the next forward (`finish_stages`: every layer of a cache at once). A
+forward over n > 1 queries stages the held form, for the later queries, and `read` appends the n entries as computed
+after the stage: attention reads those `own_keys`, each by its own query only (see `SessionCache.own_keys`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol
 
@@ -49,6 +56,16 @@ class LayerStore(Protocol[A]):
     held: int
     """Resident entries the layer holds; checked against the slot table after every commit (INV-1)."""
 
+    lossy: bool
+    """Whether held entries differ from the K/V a forward computed (then a forward over n > 1 queries reads its
+    block twice, see the module docstring)."""
+
+    @classmethod
+    def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        """Finish what `stores` (stores of this class, the layers of one cache) left of their forwards' work, all
+        together: before a commit, and before a forward that extends the stage."""
+        ...
+
     @property
     def active(self) -> bool:
         """Whether the layer has received any K/V (a model may leave some layers without a cache)."""
@@ -82,7 +99,8 @@ class LayerStore(Protocol[A]):
         ...
 
     def read(self, stage_offset: int, end: int) -> tuple[A, A]:
-        """Dense K/V `[B, H, end, D]` of slots `[0, end)`: resident slots before `stage_offset`, staged after."""
+        """Dense K/V `[B, H, end, D]` of slots `[0, end)`: resident slots before `stage_offset`, staged after (a lossy
+        store appends a multi-query forward's own entries as computed)."""
         ...
 
     def commit(self, plan: CommitPlan) -> None:
@@ -116,8 +134,19 @@ LayerStoreFactory = Callable[[ArrayOps[A]], LayerStore[A]]
 """Builds the store of one layer over a backend's array operations."""
 
 
+def finish_stages(stores: Sequence[LayerStore[A]]) -> None:
+    """Let every class of store among `stores` (a cache's layers) finish its forwards' deferred work in one call."""
+    by_class: dict[type, list[LayerStore[A]]] = {}
+    for store in stores:
+        by_class.setdefault(type(store), []).append(store)
+    for group in by_class.values():
+        group[0].finish_stages(group)
+
+
 class DenseLayerStore(Generic[A]):
     """Resident and staged K/V in one buffer per tensor, in the model's dtype: attention reads a view of it."""
+
+    lossy = False
 
     def __init__(self, ops: ArrayOps[A]) -> None:
         self._ops = ops
@@ -125,6 +154,10 @@ class DenseLayerStore(Generic[A]):
         self._values: A | None = None
         self._capacity = 0
         self.held = 0
+
+    @classmethod
+    def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        return None
 
     @property
     def active(self) -> bool:

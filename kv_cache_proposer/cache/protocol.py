@@ -145,6 +145,12 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
+    def own_keys(self) -> int:
+        """Keys the model call in flight reads after its own queries, the last of `key_positions`: the queries' K/V
+        as computed, each read by its own query only (a lossy cache's call over several queries; else 0)."""
+        ...
+
+    @property
     def prefix(self) -> AttentionPrefix[A] | None:
         """The parts read ahead of the cache's own slots, if any."""
         ...

@@ -11,6 +11,10 @@ slot order never matters:
 
 Either way, staged K/V of rejected drafts never overwrite a resident entry (no write on reject).
 
+With lossy layer stores (compressed K/V), a model call over n > 1 queries reads its own block twice: as held, at
+the stage, for the later queries, and after the stage as computed, each entry by its own query only (`own_keys`),
+so that every query reads its own position as computed and the others as held, whatever the block size.
+
 What attention reads may start with extra parts in front of the resident slots: an `AttentionPrefix` supplies K/V
 of positions that are not resident (for instance rebuilt evicted positions), with their global positions, and the
 mask treats them like any other key.
@@ -25,7 +29,13 @@ from typing import Any, Generic
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.layer_store import (
+    CommitPlan,
+    DenseLayerStore,
+    LayerStore,
+    LayerStoreFactory,
+    finish_stages,
+)
 from kv_cache_proposer.cache.protocol import AttentionPrefix
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
@@ -49,6 +59,7 @@ class KVSessionCache(Generic[A]):
         self._ops = ops
         self._layer_store = factory
         self._layers: list[LayerStore[A]] = [factory(ops) for _ in range(num_layers)]
+        self._lossy = any(layer.lossy for layer in self._layers)
         self._next_position = 0
         self._capacity = 0
         self._positions = np.full(0, -1, dtype=np.int64)  # [capacity]: slot positions, then stage positions
@@ -170,10 +181,19 @@ class KVSessionCache(Generic[A]):
 
     @property
     def key_positions(self) -> np.ndarray:
-        own = self._positions[: self.stage_offset + self._query_end]
-        if self._prefix is None:
-            return own
-        return np.concatenate([self._prefix.positions, own])
+        parts = [self._positions[: self.stage_offset + self._query_end]]
+        if self._prefix is not None:
+            parts.insert(0, self._prefix.positions)
+        if self.own_keys:
+            parts.append(self.query_positions)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    @property
+    def own_keys(self) -> int:
+        """Keys after the stage that only their own query reads: a lossy cache's model call over n > 1 queries
+        reads their K/V as computed there (0 otherwise)."""
+        count = self._query_end - self._query_start
+        return count if self._lossy and count > 1 else 0
 
     @property
     def query_offset(self) -> int:
@@ -197,6 +217,8 @@ class KVSessionCache(Generic[A]):
             raise RuntimeError("the cache was released")
         if block_len < 1:
             raise ValueError(f"a block holds at least one position, got {block_len}")
+        if extend:
+            self._finish_stage()
         kept = self._staged if extend else 0
         offset = self.stage_offset
         needed = offset + kept + block_len
@@ -244,6 +266,8 @@ class KVSessionCache(Generic[A]):
         if count and any(written != staged for written in self._staged_counts):
             missing = [i for i, written in enumerate(self._staged_counts) if written != staged]
             raise InvariantViolation("inv1", f"layers {missing} did not receive the K/V of the whole block")
+        if count:
+            self._finish_stage()
         plan = self._commit_plan(count)
         for layer in self._layers:
             if layer.active:
@@ -255,6 +279,12 @@ class KVSessionCache(Generic[A]):
         self._staged_counts = [0] * len(self._layers)
         self._ops.settle(self.arrays())
         self.check_invariants()
+
+    def _finish_stage(self) -> None:
+        """The layers finish their forwards' deferred work together (a lossy store codes one-token forwards' K/V:
+        one pass of the codec for every layer)."""
+        if self._lossy and self._staged:
+            finish_stages(self._layers)
 
     def _commit_plan(self, count: int) -> CommitPlan:
         offset = self.stage_offset

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
@@ -52,9 +53,10 @@ class LatticeCodec(Protocol[A]):
         they are the reference `roundtrip()` output of the encoded input."""
         ...
 
-    def code_block(self, keys: A, values: A, dtype: Any) -> tuple[A, A, StagedCoding[A]]:
-        """Encode a block's `keys` and `values` `[B, H, n, D]` together without leaving the backend: what they
-        decode to (in `dtype`, the values `decode` gives for the same coding) and their coding."""
+    def code_blocks(self, blocks: Sequence[tuple[A, A]], dtype: Any) -> list[tuple[A, A, StagedCoding[A]]]:
+        """Encode blocks' `keys` and `values` `[B, H, n, D]` (same H, n and D; several layers' blocks, say) in one
+        pass without leaving the backend: per block, what its K and V decode to (in `dtype`, the values `decode`
+        gives for the same coding) and their coding. Each vector is coded alone: batching changes no value."""
         ...
 
     def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

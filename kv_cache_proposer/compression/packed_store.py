@@ -4,9 +4,12 @@ Resident entries live on the host in a `PackedCodes` (codes, fp16 norms and scal
 session cache's slots. The stage is dense, as for every store.
 
 While a session generates, a dense working copy holds the decoded resident entries next to the stage, so
-attention reads a plain buffer and nothing packed is decoded per step. A forward codes its block on the backend
-(the stage holds what the codes decode to, so later forwards read the block as they will read it once resident);
-a commit keeps the coding of the accepted entries only, and those are bit-packed in bulk, `PACK_EVERY` entries at
+attention reads a plain buffer and nothing packed is decoded per step. The store is lossy (see `layer_store`): a
+query reads its own K/V as computed and every other position decoded. A one-token forward stages its K/V as
+computed and leaves their coding to `finish_stages`, which codes the pending entries of every layer of the cache
+in one pass (a decode step then codes once, not once per layer). A longer forward codes its block on the backend,
+stages what the codes decode to (what its later queries read) and appends the block as computed after the stage.
+A commit keeps the coding of the accepted entries only, and those are bit-packed in bulk, `PACK_EVERY` entries at
 a time, since packing is a fixed cost per call that one token at a time would pay every step. `park` packs what
 is left and drops the working copy: between generations the layer holds packed bytes only, and the next forward
 decodes them again.
@@ -14,7 +17,7 @@ decodes them again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any, Generic
 
@@ -36,6 +39,8 @@ PACK_EVERY = 64
 class PackedLayerStore(Generic[A]):
     """`LayerStore` that holds resident K/V as packed KakeyaLattice codes."""
 
+    lossy = True
+
     def __init__(self, ops: ArrayOps[A], codec_for: CodecFactory[A]) -> None:
         self._ops = ops
         self._codec_for = codec_for
@@ -51,6 +56,9 @@ class PackedLayerStore(Generic[A]):
         self._unpacked_count = 0
         self._coding_bytes = 0  # bytes of the staged and unpacked codings, kept as a sum: read every step
         self._committed: list[A] = []  # the coding the last commit selected, until the cache settles it
+        self._pending: tuple[int, A, A] | None = None  # (stage slot, K, V) of a one-token forward, not coded yet
+        self._own = 0  # entries appended after the stage as computed: the last forward's queries (n > 1)
+        self._room = 0  # slots of the dense buffer
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -96,27 +104,54 @@ class PackedLayerStore(Generic[A]):
     # -- the session cache's calls -------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         self._capacity = max(self._capacity, capacity)
-        self._work.reserve(capacity)
+        self._reserve_room(capacity)
 
     def stage(self, slot: int, keys: A, values: A) -> None:
         self._start(keys)
         self._ensure_working()
-        # The stage holds what its codes decode to, so a block reads its own earlier positions as later forwards
-        # will read them once resident: speculative and one-token decoding see the same K/V.
-        decoded_keys, decoded_values, coding = self._codec_of().code_block(keys, values, self._model_dtype)
+        if self._pending is not None and self._pending[0] >= slot:
+            self._pending = None  # this forward writes there again
+        self._code_pending()  # an earlier forward's entry is read decoded from now on
         self._forget_staged_from(slot)
+        count = self._ops.length(keys)
+        if count == 1:
+            self._work.stage(slot, keys, values)
+            self._pending = (slot, keys, values)
+            self._own = 0
+            return
+        decoded_keys, decoded_values, coding = self._codec_of().code_blocks([(keys, values)], self._model_dtype)[0]
         self._staged.append((slot, coding))
         self._coding_bytes += self._bytes_of(coding)
+        self._reserve_room(slot + 2 * count)
         self._work.stage(slot, decoded_keys, decoded_values)
+        self._work.stage(slot + count, keys, values)  # each query's own K/V, as computed
+        self._own = count
+
+    @classmethod
+    def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        """Code the pending one-token entries of every layer in one pass of the codec."""
+        pending = [store for store in stores if isinstance(store, PackedLayerStore) and store._pending is not None]
+        groups: dict[tuple[Any, ...], list[PackedLayerStore[A]]] = {}
+        for store in pending:
+            assert store._pending is not None and store._codec is not None
+            shape: Any = store._pending[1].shape
+            groups.setdefault((store._codec.spec, store._model_dtype, tuple(shape)), []).append(store)
+        for group in groups.values():
+            blocks = [(store._pending[1], store._pending[2]) for store in group if store._pending is not None]
+            coded = group[0]._codec_of().code_blocks(blocks, group[0]._model_dtype)
+            for store, (keys, values, coding) in zip(group, coded, strict=True):
+                store._take_coding(keys, values, coding)
 
     def read(self, stage_offset: int, end: int) -> tuple[A, A]:
-        return self._work.read(stage_offset, end)
+        return self._work.read(stage_offset, end + self._own)
 
     def commit(self, plan: CommitPlan) -> None:
         self._committed = []
         if not self._working or plan.count == 0:
             self._drop_staged()
             return
+        self._code_pending()
+        self._own = 0
         coding = self._staged_block(plan.stage_offset, plan.count)
         if plan.slots is None or plan.sources is None:
             slots = np.arange(plan.stage_offset, plan.stage_offset + plan.count, dtype=np.int64)
@@ -177,6 +212,7 @@ class PackedLayerStore(Generic[A]):
         self._drop_staged()
         self._work.release()
         self._work.reserve(self._capacity)
+        self._room = self._capacity
         self._working = False
         if self._packed is not None:
             self._packed.trim()
@@ -190,7 +226,8 @@ class PackedLayerStore(Generic[A]):
         self._committed = []
         if self._packed is not None:
             self._packed = PackedCodes(self._packed.spec, self._packed.rows)
-        self._capacity = 0
+        self._capacity = self._room = self._own = 0
+        self._pending = None
         self.held = 0
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -213,6 +250,27 @@ class PackedLayerStore(Generic[A]):
         self._batch, self._heads, self._itemsize = source._batch, source._heads, source._itemsize
         self._model_dtype = source._model_dtype
         self._packed = PackedCodes(source._packed_of().spec, source._packed_of().rows)
+
+    def _reserve_room(self, slots: int) -> None:
+        """Room for `slots` in the dense buffer, grown by half at least (a block's own entries need room too)."""
+        if slots > self._room:
+            self._room = max(slots, self._room + self._room // 2)
+            self._work.reserve(self._room)
+
+    def _code_pending(self) -> None:
+        """Code a one-token forward's entry on its own (`finish_stages` did not run since it was staged)."""
+        if self._pending is not None:
+            _, keys, values = self._pending
+            self._take_coding(*self._codec_of().code_blocks([(keys, values)], self._model_dtype)[0])
+
+    def _take_coding(self, keys: A, values: A, coding: StagedCoding[A]) -> None:
+        """Stage the decoded K/V and the coding of the pending entry in place of its computed K/V."""
+        assert self._pending is not None
+        slot = self._pending[0]
+        self._pending = None
+        self._work.stage(slot, keys, values)
+        self._staged.append((slot, coding))
+        self._coding_bytes += self._bytes_of(coding)
 
     def _ensure_working(self) -> None:
         """Decode the resident entries into a dense working copy, once per generation."""
@@ -243,7 +301,9 @@ class PackedLayerStore(Generic[A]):
         )
 
     def _bytes_of(self, coding: StagedCoding[A]) -> int:
-        return sum(self._ops.nbytes(array) for array in coding.arrays())
+        """Bytes of a coding's arrays: per entry, the K and V rows' int16 coordinates and fp16 norm and qmax."""
+        dim = self._codec_of().spec.head_dim
+        return 2 * self._batch * self._heads * (2 * dim + 4) * self._ops.length(coding.doubled)
 
     def _forget_staged_from(self, slot: int) -> None:
         """Forget the codes of stage slots from `slot` on: a forward writing there replaces them."""
@@ -261,6 +321,8 @@ class PackedLayerStore(Generic[A]):
     def _drop_staged(self) -> None:
         self._coding_bytes -= sum(self._bytes_of(coding) for _, coding in self._staged)
         self._staged.clear()
+        self._pending = None
+        self._own = 0
 
     @staticmethod
     def _select(coding: StagedCoding[A], pick: Callable[[A], A]) -> StagedCoding[A]:

@@ -190,6 +190,8 @@ class RestoringSessionCache(KVSessionCache[A]):
         if not 0 <= count <= self._staged:
             raise ValueError(f"cannot commit {count} of {self._staged} staged positions")
         before = self.next_position
+        if count:
+            self._finish_stage()  # the entries captured below are read as the layers hold them
         leaving = self._leaving(before, count)  # [m] positions this commit evicts, ascending
         captured = self._capture(leaving, before) if leaving.size else {}
         if count and self._plan.needs_tokens:

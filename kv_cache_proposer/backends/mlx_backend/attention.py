@@ -67,9 +67,10 @@ def attention_mask(
     queries = cache.query_positions
     if query_len != queries.size:
         raise InvariantViolation("inv1", f"a mask for {query_len} queries was asked for a call over {queries.size}")
-    if cache.strategy.bounded_slots is None and cache.prefix is None and window is None and not return_array:
+    own = cache.own_keys
+    if cache.strategy.bounded_slots is None and cache.prefix is None and window is None and not (own or return_array):
         return None if query_len == 1 else "causal"
-    return mx.array(visible_keys(cache.strategy, queries, cache.key_positions, window=window))
+    return mx.array(visible_keys(cache.strategy, queries, cache.key_positions, window=window, own_keys=own))
 
 
 def staging_layers(cache: SessionCache[mx.array], layer_windows: tuple[int | None, ...]) -> list[StagingLayer]:

@@ -4,7 +4,7 @@ Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import mlx.core as mx
@@ -86,30 +86,36 @@ class MlxLatticeCodec:
         decoded = self._decoded(mx.array(coding.doubled), mx.array(coding.norms), mx.array(coding.qmax))
         return decoded.reshape(shape).astype(dtype)
 
-    def code_block(
-        self, keys: mx.array, values: mx.array, dtype: mx.Dtype
-    ) -> tuple[mx.array, mx.array, StagedCoding[mx.array]]:
+    def code_blocks(
+        self, blocks: Sequence[tuple[mx.array, mx.array]], dtype: mx.Dtype
+    ) -> list[tuple[mx.array, mx.array, StagedCoding[mx.array]]]:
         compiled = self._compiled.get(dtype)
         if compiled is None:
             # One fused graph per dtype (mx.compile traces again for each new input shape): a decode step codes a
             # few vectors per layer, where launching some forty small kernels one by one costs three times more.
-            compiled = self._compiled[dtype] = mx.compile(partial(self._code_block, dtype=dtype))
-        decoded_keys, decoded_values, doubled, norms, qmax = compiled(keys, values)
-        return decoded_keys, decoded_values, StagedCoding(doubled, norms, qmax)
+            compiled = self._compiled[dtype] = mx.compile(partial(self._code_stacked, dtype=dtype))
+        both = mx.concatenate([part for pair in blocks for part in pair], axis=0)  # [R, H, n, D]
+        decoded, doubled, norms, qmax = compiled(both)
+        out = []
+        row = 0
+        for keys, _ in blocks:
+            batch = int(keys.shape[0])
+            mid, end = row + batch, row + 2 * batch
+            coding = StagedCoding(doubled[row:end], norms[row:end], qmax[row:end])
+            out.append((decoded[row:mid], decoded[mid:end], coding))
+            row = end
+        return out
 
-    def _code_block(
-        self, keys: mx.array, values: mx.array, dtype: mx.Dtype
-    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
-        batch, heads, count, dim = keys.shape
-        both = mx.concatenate([keys, values], axis=0)  # [2B, H, n, D]: one pass of the codec for K and V
+    def _code_stacked(self, both: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """Stacked K/V rows `[R, H, n, D]` in one pass: decoded (in `dtype`), doubled coordinates, norms, qmax."""
+        rows, heads, count, dim = both.shape
         doubled, norms, qmax = self._code(both)
-        decoded = self._decoded(doubled, norms, qmax).astype(dtype).reshape(2 * batch, heads, count, dim)
+        decoded = self._decoded(doubled, norms, qmax).astype(dtype).reshape(rows, heads, count, dim)
         return (
-            decoded[:batch],
-            decoded[batch:],
-            doubled.reshape(2 * batch, heads, count, dim),
-            norms.reshape(2 * batch, heads, count, 1),
-            qmax.reshape(2 * batch, heads, count, 1),
+            decoded,
+            doubled.reshape(rows, heads, count, dim),
+            norms.reshape(rows, heads, count, 1),
+            qmax.reshape(rows, heads, count, 1),
         )
 
     def to_host(self, coding: StagedCoding[mx.array]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -29,7 +29,7 @@ class _StagingLayer(CacheLayerMixin):
         return self._cache.stage_layer(self._layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.keys_before_queries + query_length, 0
+        return self._cache.keys_before_queries + query_length + self._cache.own_keys, 0
 
     def get_seq_length(self) -> int:
         return self._cache.keys_before_queries

@@ -4,13 +4,14 @@ so the lattice coordinates can be stored.
 The steps are the package's, op for op and in its dtypes (its closest-point search is Conway-Sloane's, written out
 here without the early return it takes when every block already has an even sum, which changes no output), so the
 decoded vectors are the package's `roundtrip()` output bit for bit. They are compiled with TorchScript: a decode
-step codes one or a few vectors per layer, where the time goes to dispatching some forty small ops from Python,
-and the interpreter halves that.
+step codes a few vectors per layer (or one per layer, for every layer at once), where the time goes to
+dispatching some forty small ops from Python, and the interpreter halves that.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from functools import cache
 from typing import Any
 
@@ -69,12 +70,11 @@ def _decoded(lattice: torch.Tensor, scale: torch.Tensor, norms: torch.Tensor, ha
     return (rotated @ hadamard) * norms.to(torch.float32)
 
 
-def _code_block(
-    keys: torch.Tensor, values: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
+def _code_stacked(
+    both: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K and V `[B, H, n, D]` coded in one pass: decoded `[2B, H, n, D]` float32, doubled coordinates
-    `[2B, H, n, D]` int16, norms and qmax `[2B, H, n, 1]` float16."""
-    both = torch.cat([keys, values], dim=0)  # [2B, H, n, D]
+    """K/V vectors `[R, H, n, D]` (blocks' K and V rows stacked) coded in one pass: decoded `[R, H, n, D]` float32,
+    doubled coordinates `[R, H, n, D]` int16, norms and qmax `[R, H, n, 1]` float16."""
     shape = both.shape
     lattice, norms, qmax, scale = _code(both, hadamard, q_range, block_dim, e8)
     decoded = _decoded(lattice, scale, norms, hadamard).reshape(shape)
@@ -90,7 +90,7 @@ def _compiled() -> tuple[Any, Any, Any]:
     toolchain and a long first call)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_block)
+        return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_stacked)
 
 
 class TorchLatticeCodec:
@@ -103,7 +103,7 @@ class TorchLatticeCodec:
         # The package runs on any torch device; "cuda" is only its default.
         self.reference = codec_class(D=spec.head_dim, q_range=spec.q_range, device=str(device))
         self._hadamard = self.reference.H  # [D, D], self-inverse
-        self._code, self._decoded, self._code_block = _compiled()
+        self._code, self._decoded, self._code_stacked = _compiled()
 
     def encode(self, vectors: torch.Tensor) -> LatticeCoding:
         spec = self.spec
@@ -126,16 +126,24 @@ class TorchLatticeCodec:
         blocks = lattice.reshape(n, spec.blocks, spec.block_dim)
         return self._decoded(blocks, scale, norms, self._hadamard).reshape(shape).to(dtype)
 
-    def code_block(
-        self, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor, StagedCoding[torch.Tensor]]:
+    def code_blocks(
+        self, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> list[tuple[torch.Tensor, torch.Tensor, StagedCoding[torch.Tensor]]]:
         spec = self.spec
-        decoded, doubled, norms, qmax = self._code_block(
-            keys, values, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8"
+        both = torch.cat([part for pair in blocks for part in pair], dim=0)  # [R, H, n, D]: K, V of each block
+        decoded, doubled, norms, qmax = self._code_stacked(
+            both, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8"
         )
         decoded = decoded.to(dtype)
-        batch = keys.shape[0]
-        return decoded[:batch], decoded[batch:], StagedCoding(doubled, norms, qmax)
+        out = []
+        row = 0
+        for keys, _ in blocks:
+            batch = int(keys.shape[0])
+            mid, end = row + batch, row + 2 * batch
+            coding = StagedCoding(doubled[row:end], norms[row:end], qmax[row:end])
+            out.append((decoded[row:mid], decoded[mid:end], coding))
+            row = end
+        return out
 
     def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (

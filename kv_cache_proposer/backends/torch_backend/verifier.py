@@ -148,12 +148,15 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         """The masks of the forward in flight; None where the library's own causal mask says the same (an unbounded
         cache read alone is in position order), which lets attention skip the mask for a single query."""
         strategy, query_positions, key_positions = cache.strategy, cache.query_positions, cache.key_positions
-        if strategy.bounded_slots is None and cache.prefix is None and self._all_full_attention:
+        own = cache.own_keys
+        if strategy.bounded_slots is None and cache.prefix is None and not own and self._all_full_attention:
             return None
-        masks = {"full_attention": visible_keys(strategy, query_positions, key_positions)}  # [n, K]
+        masks = {"full_attention": visible_keys(strategy, query_positions, key_positions, own_keys=own)}  # [n, K]
         if "sliding_attention" in self._layer_types:
             window = self._sliding_window or 0
-            masks["sliding_attention"] = visible_keys(strategy, query_positions, key_positions, window=window)
+            masks["sliding_attention"] = visible_keys(
+                strategy, query_positions, key_positions, window=window, own_keys=own
+            )
         formatted = {kind: self._format_mask(mask) for kind, mask in masks.items()}
         if self._per_type_masks:
             return formatted

@@ -42,7 +42,10 @@ def _greedy(verifier: Any, cache: Any, prompt: list[int], new_tokens: int) -> li
 
 class HalfPrecisionStore:
     """A layer store that holds every entry in float16 whatever the model's dtype, and hands attention the
-    model's dtype back: a storage class written here alone, over the public array seam."""
+    model's dtype back: a storage class written here alone, over the public array seam. It declares itself not
+    lossy: every query reads its own position in float16 too, as it reads the others."""
+
+    lossy = False
 
     def __init__(self, ops: ArrayOps[Any], *, half: Any) -> None:
         self._ops = ops
@@ -64,6 +67,10 @@ class HalfPrecisionStore:
 
     def load_from(self, source: Any, source_slots: np.ndarray, slots: np.ndarray) -> None:
         self.load(slots, *source.gather(source_slots))
+
+    @classmethod
+    def finish_stages(cls, stores: Any) -> None:
+        return None
 
     def arrays(self) -> list[Any]:
         return self._dense.arrays()

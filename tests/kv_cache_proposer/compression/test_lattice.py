@@ -80,14 +80,21 @@ def test_a_forwards_block_coding_decodes_to_the_reference_roundtrip_ties_and_zer
     vectors = torch.cat([_vectors(5, n=300), _tie_vectors()])
     half = vectors.shape[0] // 2
     keys, values = vectors[:half].reshape(1, 1, half, 64), vectors[half : 2 * half].reshape(1, 1, half, 64)
-    decoded_keys, decoded_values, coding = codec.code_block(keys, values, torch.float32)
+    ((decoded_keys, decoded_values, coding),) = codec.code_blocks([(keys, values)], torch.float32)
     reference = codec.reference.roundtrip(vectors[: 2 * half])
     assert torch.equal(torch.cat([decoded_keys, decoded_values]).reshape(-1, 64), reference)
     assert torch.equal(coding.doubled.reshape(-1, 64), torch.from_numpy(codec.encode(vectors[: 2 * half]).doubled))
-    for one in range(0, 2 * half, 37):  # a decode step codes one vector of K and V at a time: the same values
-        k, v = vectors[one].reshape(1, 1, 1, 64), vectors[(one + 1) % (2 * half)].reshape(1, 1, 1, 64)
-        step_keys, _, _ = codec.code_block(k, v, torch.float32)
+    # A decode step codes one vector of K and V per layer, every layer in one call: the same values and codes.
+    steps = [
+        (vectors[one].reshape(1, 1, 1, 64), vectors[(one + 1) % (2 * half)].reshape(1, 1, 1, 64))
+        for one in range(0, 2 * half, 37)
+    ]
+    coded = codec.code_blocks(steps, torch.float32)
+    for (k, v), (step_keys, step_values, step_coding) in zip(steps, coded, strict=True):
+        one = int(torch.nonzero((vectors == k.reshape(64)).all(dim=1))[0])
         assert torch.equal(step_keys.reshape(64), reference[one])
+        assert torch.equal(step_values.reshape(64), codec.reference.roundtrip(v.reshape(1, 64))[0])
+        assert torch.equal(step_coding.doubled[0].reshape(64), coding.doubled.reshape(-1, 64)[one])
 
 
 def _captured_kv() -> torch.Tensor:

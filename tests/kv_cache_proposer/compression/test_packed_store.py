@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -221,3 +222,61 @@ def test_a_block_staged_again_before_its_commit_replaces_the_codes_staged_first(
     assert _layer_bytes(restaged) == _layer_bytes(direct)
     for (rk, rv, rp), (dk, dv, dp) in zip(_resident(restaged), _resident(direct), strict=True):
         assert np.array_equal(rp, dp) and np.array_equal(rk, dk) and np.array_equal(rv, dv)
+
+
+def test_a_query_reads_its_own_kv_as_computed_and_earlier_positions_as_their_codes_decode(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    cache = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
+    verifier.verify(cache, _tokens(10, 6), 1)
+    verifier.commit(cache, 6)
+    seen: list[tuple[np.ndarray, np.ndarray, int, list[int]]] = []
+    stage_layer = cache.stage_layer
+
+    def spy(layer_idx: int, keys: Any, values: Any) -> Any:
+        read = stage_layer(layer_idx, keys, values)
+        if layer_idx == 0:
+            seen.append((to_numpy(keys), to_numpy(read[0]), cache.own_keys, cache.key_positions.tolist()))
+        return read
+
+    cache.stage_layer = spy
+    for block in ([5], [5, 6, 7]):
+        verifier.verify(cache, block, 1)
+        computed, read, own, key_positions = seen[-1]
+        n = len(block)
+        if n == 1:  # the one query reads its K as computed, right after the resident entries
+            assert own == 0 and read.shape[2] == 7
+            assert np.array_equal(read[:, :, 6:], computed)
+        else:  # the block as its codes decode (for the later queries), then as computed (each query its own)
+            assert own == n and read.shape[2] == 6 + 2 * n
+            assert not np.array_equal(read[:, :, 6 : 6 + n], computed)
+            assert np.array_equal(read[:, :, 6 + n :], computed)
+            assert key_positions == [*range(6 + n), *range(6, 6 + n)]
+            verifier.commit(cache, n)
+            cache.park()
+            assert np.array_equal(to_numpy(cache.resident_kv(0)[0])[:, :, 6:], read[:, :, 6 : 6 + n])
+        cache.commit(0)
+
+
+def test_one_token_steps_code_every_layers_new_kv_in_one_pass_at_the_commit(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    cache = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
+    verifier.verify(cache, _tokens(11, 9), 1)
+    verifier.commit(cache, 9)
+    codecs = {id(layer._codec): layer._codec for layer in cache._layers}
+    calls: list[int] = []
+
+    def counted(original: Any, blocks: Any, dtype: Any) -> Any:
+        calls.append(len(blocks))
+        return original(blocks, dtype)
+
+    for codec in codecs.values():
+        codec.code_blocks = partial(counted, codec.code_blocks)
+    verifier.verify(cache, _tokens(12, 1), 1)
+    assert calls == []  # the forward read its own K/V as computed: nothing was coded yet
+    verifier.commit(cache, 1)
+    assert calls == [cache.num_layers]
+    direct = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
+    verifier.verify(direct, _tokens(11, 9) + _tokens(12, 1), 1)
+    verifier.commit(direct, 10)
+    for (ck, cv, _), (dk, dv, _) in zip(_resident(cache), _resident(direct), strict=True):
+        assert np.array_equal(ck[:, :, 9], dk[:, :, 9]) and np.array_equal(cv[:, :, 9], dv[:, :, 9])
