@@ -36,10 +36,12 @@ def _cache(verifier: Any, backend: str, strategy: Any, compressor: KVCompressor)
     return verifier.new_cache(strategy, layer_store=compressor_layer_store(backend, compressor))
 
 
-def _generate(verifier: Any, cache: Any, prompt: list[int], new_tokens: int, *, speculate: bool = False) -> list[int]:
+def _generate(
+    verifier: Any, cache: Any, prompt: list[int], new_tokens: int, *, speculate: bool = False, chunk: int = 7
+) -> list[int]:
     draft = NgramProposer().open(cache.strategy) if speculate else None
     seq = SequenceState(cache=cache, tokens=list(prompt), **({"draft": draft} if draft else {}))
-    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    decoder = Decoder(verifier, prefill_chunk_tokens=chunk)
     budget = GenerationBudget(max_new_tokens=new_tokens)
     generated: list[int] = []
     while len(generated) < new_tokens:
@@ -80,6 +82,18 @@ def test_speculative_decoding_with_compression_gives_the_tokens_of_one_token_dec
     plain = _generate(verifier, _cache(verifier, backend, strategy, compressor), prompt, 24)
     speculative = _generate(verifier, _cache(verifier, backend, strategy, compressor), prompt, 24, speculate=True)
     assert speculative == plain
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_prompt_prefilled_in_chunks_of_any_size_is_followed_by_the_same_tokens(verifiers, backend, strategy):
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    prompt = _tokens(13, 40)
+    runs = [
+        _generate(verifier, _cache(verifier, backend, strategy, compressor), prompt, 16, chunk=chunk)
+        for chunk in (1, 6, 40)
+    ]
+    assert runs[0] == runs[1] == runs[2]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
