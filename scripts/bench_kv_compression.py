@@ -11,10 +11,11 @@ and `none`, in the same run: bytes per token held by a parked session, NIAH reca
 (documents and scoring of `scripts/eval_niah.py`, the same `--samples` documents for every variant, so the documents
 on which a variant and `none` disagree are counted too), greedy-token agreement with `none` over
 `--agreement-tokens` tokens, and time to first token of a parked session (a one-token append to a parked 2,048-token
-session). Decode speed: `--speed-rounds` rounds, each generating `--speed-tokens` tokens after a 2,048-token prefill
-with every variant in turn (interleaved, so load from other processes spreads over all of them); the median of the
-rounds, as wall-clock tokens/s and as the daemon's CPU seconds per token (read from /proc, less sensitive to a
-shared machine), both counted from the first token on: the first token of a generation resumes a parked session (a
+session). Decode speed: one session per variant over a 2,048-token prompt, then `--speed-rounds` short rounds in
+which every session in turn generates `--speed-tokens` tokens (the order reversed every other round), so each
+variant's round sits next to `none`'s in time: the speed ratio is the median of the per-round ratios to `none`,
+which cancels most of a shared machine's drift. Tokens/s and the daemon's CPU seconds per token (read from /proc)
+are counted from each round's first token on: the first token of a generation resumes a parked session (a
 compressed one decodes its packed K/V then), which the time to first token of a parked session measures apart.
 
 Part 3: one daemon per variant with the same `--kv-budget-bytes` (`--budget-sessions` dense 2,048-token sessions
@@ -27,7 +28,7 @@ Writes `results/bench_kv_compression_<stamp>.json` and a PNG (rate–distortion 
 
 Usage:
     python scripts/bench_kv_compression.py [--smoke] [--lengths 512,1024,2048] [--samples 2]
-        [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32] [--speed-rounds 3]
+        [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32] [--speed-rounds 16]
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lengths", default="512,1024,2048", help="NIAH context lengths (tokens)")
     p.add_argument("--samples", type=int, default=20, help="NIAH documents per length (depths spread evenly)")
     p.add_argument("--agreement-tokens", type=int, default=256, help="greedy tokens compared with none")
-    p.add_argument("--speed-rounds", type=int, default=3, help="interleaved decode-speed rounds (median reported)")
-    p.add_argument("--speed-tokens", type=int, default=128, help="tokens generated per decode-speed round")
+    p.add_argument(
+        "--speed-rounds", type=int, default=16, help="interleaved decode-speed rounds (median of per-round ratios)"
+    )
+    p.add_argument("--speed-tokens", type=int, default=64, help="tokens each session generates per speed round")
     p.add_argument("--budget-sessions", type=int, default=4, help="dense 2,048-token sessions the part-3 budget fits")
     p.add_argument("--max-sessions", type=int, default=40, help="most sessions part 3 creates per variant")
     p.add_argument(
@@ -134,38 +137,55 @@ def _cpu_seconds(pid: int) -> float | None:
 def decode_speed(
     args: argparse.Namespace, client: kakeya.Client, pid: int, prompt: list[int], variants: list[tuple[str, int]]
 ) -> dict[str, Any]:
-    """Interleaved rounds: each variant in turn prefills `prompt`, then generates `--speed-tokens` timed tokens."""
+    """One session per variant over `prompt`, then `--speed-rounds` rounds: in each, every session in turn generates
+    `--speed-tokens` timed tokens (the order reversed every other round). Rounds are short and each variant's
+    round is next to `none`'s in time, so the per-round ratio to `none` cancels most of the machine's drift."""
     rounds: dict[str, list[dict[str, float | None]]] = {_label(v): [] for v in variants}
-    for _ in tqdm(range(args.speed_rounds), desc="decode speed", unit="round", file=sys.stderr):
-        for variant in variants:
-            with client.create_session(initial_tokens=prompt, label="bench", **_create(variant)) as session:
-                list(session.generate(1))  # prefill, not timed
-                stream = session.generate(args.speed_tokens)
-                count, cpu_before = 0, None
-                for _ in stream:
-                    count += 1
-                    if count == 1:  # decode starts after the first token (the parked session's resume)
-                        cpu_before = _cpu_seconds(pid)
-                cpu_after = _cpu_seconds(pid)
-            assert stream.stats is not None
-            decode_s = stream.stats.total_duration_s - stream.stats.time_to_first_token_s
-            cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-            rounds[_label(variant)].append(
-                {
-                    "tokens_per_s": (count - 1) / decode_s,
-                    "cpu_s_per_token": cpu / (count - 1) if cpu is not None else None,
-                    "ttft_s": stream.stats.time_to_first_token_s,
-                }
-            )
+    sessions = {_label(v): client.create_session(initial_tokens=prompt, label="bench", **_create(v)) for v in variants}
+    try:
+        for session in sessions.values():
+            list(session.generate(1))  # prefill, not timed
+        for index in tqdm(range(args.speed_rounds), desc="decode speed", unit="round", file=sys.stderr):
+            order = list(sessions.items()) if index % 2 == 0 else list(sessions.items())[::-1]
+            for label, session in order:
+                rounds[label].append(_timed_generation(args, session, pid))
+    finally:
+        for session in sessions.values():
+            session.close()
+    base = np.array([r["tokens_per_s"] for r in rounds["none"]], dtype=float)
     out: dict[str, Any] = {}
     for label, rows in rounds.items():
         cpu_rows = [r["cpu_s_per_token"] for r in rows if r["cpu_s_per_token"] is not None]
+        speeds = np.array([r["tokens_per_s"] for r in rows], dtype=float)
+        ratios = (speeds / base).tolist()
         out[label] = {
             "rounds": rows,
-            "tokens_per_s": float(np.median([r["tokens_per_s"] for r in rows])),
+            "tokens_per_s": float(np.median(speeds)),
             "cpu_s_per_token": float(np.median(cpu_rows)) if cpu_rows else None,
+            "round_ratios_vs_none": ratios,
+            "speed_vs_none": float(np.median(ratios)),
         }
     return out
+
+
+def _timed_generation(args: argparse.Namespace, session: Any, pid: int) -> dict[str, float | None]:
+    """Generate `--speed-tokens` tokens: tokens/s and daemon CPU seconds per token from the first token on (the
+    first token resumes a parked session, which the time to first token measures apart)."""
+    stream = session.generate(args.speed_tokens)
+    count, cpu_before = 0, None
+    for _ in stream:
+        count += 1
+        if count == 1:
+            cpu_before = _cpu_seconds(pid)
+    cpu_after = _cpu_seconds(pid)
+    assert stream.stats is not None
+    decode_s = stream.stats.total_duration_s - stream.stats.time_to_first_token_s
+    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
+    return {
+        "tokens_per_s": (count - 1) / decode_s,
+        "cpu_s_per_token": cpu / (count - 1) if cpu is not None else None,
+        "ttft_s": stream.stats.time_to_first_token_s,
+    }
 
 
 def dense_session_bytes(client: kakeya.Client, text: list[int], length: int) -> int:
@@ -317,7 +337,7 @@ def summarize(
             "greedy_agreement": sum(agree) / len(agree) if agree else None,
             "first_divergence": first_diff,
             "decode_tokens_per_s": s["tokens_per_s"],
-            "decode_speed_vs_none": s["tokens_per_s"] / base_speed["tokens_per_s"],
+            "decode_speed_vs_none": s["speed_vs_none"],  # the median of the per-round ratios
             "decode_cpu_s_per_token": s["cpu_s_per_token"],
             "decode_cpu_speed_vs_none": cpu_ratio,
             "parked_ttft_s": g["parked_ttft_s"],
