@@ -34,7 +34,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import Any
 
 import kakeya
-import numpy as np
 import torch
 from tqdm import tqdm
 from transformers import AutoTokenizer
@@ -51,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_niah import heldout_lines
 from lib.daemon import Daemon
 from lib.niah import build_document
+from lib.paired_speed import paired_rounds
 from lib.rate_distortion import capture_kv, lattice_vs_affine4, rate_distortion
 from lib.results import RESULTS_DIR, write_results
 
@@ -125,67 +124,18 @@ def _daemon_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--threads", str(args.threads)] if args.threads else [])
 
 
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid` so far (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def decode_speed(
     args: argparse.Namespace, client: kakeya.Client, pid: int, prompt: list[int], variants: list[tuple[str, int]]
 ) -> dict[str, Any]:
-    """One session per variant over `prompt`, then `--speed-rounds` rounds: in each, every session in turn generates
-    `--speed-tokens` timed tokens (the order reversed every other round). Rounds are short and each variant's
-    round is next to `none`'s in time, so the per-round ratio to `none` cancels most of the machine's drift."""
-    rounds: dict[str, list[dict[str, float | None]]] = {_label(v): [] for v in variants}
+    """One session per variant over `prompt`, then `--speed-rounds` paired rounds of `--speed-tokens` tokens."""
     sessions = {_label(v): client.create_session(initial_tokens=prompt, label="bench", **_create(v)) for v in variants}
     try:
         for session in sessions.values():
             list(session.generate(1))  # prefill, not timed
-        for index in tqdm(range(args.speed_rounds), desc="decode speed", unit="round", file=sys.stderr):
-            order = list(sessions.items()) if index % 2 == 0 else list(sessions.items())[::-1]
-            for label, session in order:
-                rounds[label].append(_timed_generation(args, session, pid))
+        return paired_rounds(sessions, "none", rounds=args.speed_rounds, tokens=args.speed_tokens, pid=pid)
     finally:
         for session in sessions.values():
             session.close()
-    base = np.array([r["tokens_per_s"] for r in rounds["none"]], dtype=float)
-    out: dict[str, Any] = {}
-    for label, rows in rounds.items():
-        cpu_rows = [r["cpu_s_per_token"] for r in rows if r["cpu_s_per_token"] is not None]
-        speeds = np.array([r["tokens_per_s"] for r in rows], dtype=float)
-        ratios = (speeds / base).tolist()
-        out[label] = {
-            "rounds": rows,
-            "tokens_per_s": float(np.median(speeds)),
-            "cpu_s_per_token": float(np.median(cpu_rows)) if cpu_rows else None,
-            "round_ratios_vs_none": ratios,
-            "speed_vs_none": float(np.median(ratios)),
-        }
-    return out
-
-
-def _timed_generation(args: argparse.Namespace, session: Any, pid: int) -> dict[str, float | None]:
-    """Generate `--speed-tokens` tokens: tokens/s and daemon CPU seconds per token from the first token on (the
-    first token resumes a parked session, which the time to first token measures apart)."""
-    stream = session.generate(args.speed_tokens)
-    count, cpu_before = 0, None
-    for _ in stream:
-        count += 1
-        if count == 1:
-            cpu_before = _cpu_seconds(pid)
-    cpu_after = _cpu_seconds(pid)
-    assert stream.stats is not None
-    decode_s = stream.stats.total_duration_s - stream.stats.time_to_first_token_s
-    cpu = None if cpu_before is None or cpu_after is None else cpu_after - cpu_before
-    return {
-        "tokens_per_s": (count - 1) / decode_s,
-        "cpu_s_per_token": cpu / (count - 1) if cpu is not None else None,
-        "ttft_s": stream.stats.time_to_first_token_s,
-    }
 
 
 def dense_session_bytes(client: kakeya.Client, text: list[int], length: int) -> int:
@@ -337,7 +287,7 @@ def summarize(
             "greedy_agreement": sum(agree) / len(agree) if agree else None,
             "first_divergence": first_diff,
             "decode_tokens_per_s": s["tokens_per_s"],
-            "decode_speed_vs_none": s["speed_vs_none"],  # the median of the per-round ratios
+            "decode_speed_vs_none": s["speed_vs_baseline"],  # the median of the per-round ratios
             "decode_cpu_s_per_token": s["cpu_s_per_token"],
             "decode_cpu_speed_vs_none": cpu_ratio,
             "parked_ttft_s": g["parked_ttft_s"],

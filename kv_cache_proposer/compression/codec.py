@@ -62,3 +62,20 @@ class LatticeCodec(Protocol[A]):
     def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`coding` on the host: doubled `[2·B, H, n, D]` int16, norms and qmax `[2·B, H, n]` float16."""
         ...
+
+
+def split_stacked(
+    blocks: Sequence[tuple[A, A]], decoded: A, coding: StagedCoding[A]
+) -> list[tuple[A, A, StagedCoding[A]]]:
+    """Per block of `code_blocks`, its decoded K, decoded V and coding, from the stacked results (each block's K
+    rows, then its V rows, block after block on axis 0)."""
+    out = []
+    row = 0
+    stacked: Any = decoded
+    for keys, _ in blocks:
+        batch = int(keys.shape[0])  # type: ignore[attr-defined]
+        mid, end = row + batch, row + 2 * batch
+        part = StagedCoding(*(array[row:end] for array in coding.arrays()))  # type: ignore[index]
+        out.append((stacked[row:mid], stacked[mid:end], part))
+        row = end
+    return out

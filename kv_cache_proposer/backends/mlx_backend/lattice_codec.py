@@ -10,7 +10,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding
+from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding, split_stacked
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -96,15 +96,7 @@ class MlxLatticeCodec:
             compiled = self._compiled[dtype] = mx.compile(partial(self._code_stacked, dtype=dtype))
         both = mx.concatenate([part for pair in blocks for part in pair], axis=0)  # [R, H, n, D]
         decoded, doubled, norms, qmax = compiled(both)
-        out = []
-        row = 0
-        for keys, _ in blocks:
-            batch = int(keys.shape[0])
-            mid, end = row + batch, row + 2 * batch
-            coding = StagedCoding(doubled[row:end], norms[row:end], qmax[row:end])
-            out.append((decoded[row:mid], decoded[mid:end], coding))
-            row = end
-        return out
+        return split_stacked(blocks, decoded, StagedCoding(doubled, norms, qmax))
 
     def _code_stacked(self, both: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Stacked K/V rows `[R, H, n, D]` in one pass: decoded (in `dtype`), doubled coordinates, norms, qmax."""

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
-from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding
+from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding, split_stacked
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -134,16 +134,7 @@ class TorchLatticeCodec:
         decoded, doubled, norms, qmax = self._code_stacked(
             both, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8"
         )
-        decoded = decoded.to(dtype)
-        out = []
-        row = 0
-        for keys, _ in blocks:
-            batch = int(keys.shape[0])
-            mid, end = row + batch, row + 2 * batch
-            coding = StagedCoding(doubled[row:end], norms[row:end], qmax[row:end])
-            out.append((decoded[row:mid], decoded[mid:end], coding))
-            row = end
-        return out
+        return split_stacked(blocks, decoded.to(dtype), StagedCoding(doubled, norms, qmax))
 
     def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (
