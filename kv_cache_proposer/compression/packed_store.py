@@ -32,7 +32,7 @@ from kv_cache_proposer.errors import InvariantViolation
 CodecFactory = Callable[[A], LatticeCodec[A]]
 """Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
 
-PACK_EVERY = 64
+PACK_EVERY = 256
 """Committed entries a layer keeps as unpacked lattice coordinates (int16, on the backend) before packing them."""
 
 
