@@ -61,6 +61,13 @@ class LayerStore(Protocol[A]):
     block twice, see the module docstring)."""
 
     @classmethod
+    def start_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        """Begin what `stores` (stores of this class, the layers of one cache) leave of a forward's work, once the
+        forward's last layer has staged its K/V; it may run beside the rest of the forward, and changes nothing a
+        read returns until `finish_stages`."""
+        ...
+
+    @classmethod
     def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
         """Finish what `stores` (stores of this class, the layers of one cache) left of their forwards' work, all
         together: before a commit, and before a forward that extends the stage."""
@@ -134,13 +141,23 @@ LayerStoreFactory = Callable[[ArrayOps[A]], LayerStore[A]]
 """Builds the store of one layer over a backend's array operations."""
 
 
+def start_stages(stores: Sequence[LayerStore[A]]) -> None:
+    """Let every class of store among `stores` (a cache's layers) begin its forward's deferred work in one call."""
+    for group in _by_class(stores):
+        group[0].start_stages(group)
+
+
 def finish_stages(stores: Sequence[LayerStore[A]]) -> None:
     """Let every class of store among `stores` (a cache's layers) finish its forwards' deferred work in one call."""
+    for group in _by_class(stores):
+        group[0].finish_stages(group)
+
+
+def _by_class(stores: Sequence[LayerStore[A]]) -> list[list[LayerStore[A]]]:
     by_class: dict[type, list[LayerStore[A]]] = {}
     for store in stores:
         by_class.setdefault(type(store), []).append(store)
-    for group in by_class.values():
-        group[0].finish_stages(group)
+    return list(by_class.values())
 
 
 class DenseLayerStore(Generic[A]):
@@ -154,6 +171,10 @@ class DenseLayerStore(Generic[A]):
         self._values: A | None = None
         self._capacity = 0
         self.held = 0
+
+    @classmethod
+    def start_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        return None
 
     @classmethod
     def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:

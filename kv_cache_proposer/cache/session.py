@@ -35,6 +35,7 @@ from kv_cache_proposer.cache.layer_store import (
     LayerStore,
     LayerStoreFactory,
     finish_stages,
+    start_stages,
 )
 from kv_cache_proposer.cache.protocol import AttentionPrefix
 from kv_cache_proposer.errors import InvariantViolation
@@ -252,6 +253,8 @@ class KVSessionCache(Generic[A]):
         offset = self.stage_offset
         layer.stage(offset + self._query_start, keys, values)
         self._staged_counts[layer_idx] += count
+        if self._lossy and layer_idx == len(self._layers) - 1:
+            start_stages(self._layers)  # the forward's deferred work may run beside its last layer and head
         layer_keys, layer_values = layer.read(offset, offset + self._query_end)
         if self._prefix is None:
             return layer_keys, layer_values

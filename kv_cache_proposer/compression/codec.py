@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
@@ -38,6 +38,10 @@ class StagedCoding(Generic[A]):
         return [self.doubled, self.norms, self.qmax]
 
 
+CodedBlock = tuple[A, A, StagedCoding[A]]
+"""A block's decoded K, decoded V and coding, as `LatticeCodec.code_blocks` gives them."""
+
+
 class LatticeCodec(Protocol[A]):
     """KakeyaLattice encode / decode of `[N, D]` vectors on one backend (SPEC §6.6)."""
 
@@ -53,10 +57,15 @@ class LatticeCodec(Protocol[A]):
         they are the reference `roundtrip()` output of the encoded input."""
         ...
 
-    def code_blocks(self, blocks: Sequence[tuple[A, A]], dtype: Any) -> list[tuple[A, A, StagedCoding[A]]]:
+    def code_blocks(self, blocks: Sequence[tuple[A, A]], dtype: Any) -> list[CodedBlock[A]]:
         """Encode blocks' `keys` and `values` `[B, H, n, D]` (same H, n and D; several layers' blocks, say) in one
         pass without leaving the backend: per block, what its K and V decode to (in `dtype`, the values `decode`
         gives for the same coding) and their coding. Each vector is coded alone: batching changes no value."""
+        ...
+
+    def start_code_blocks(self, blocks: Sequence[tuple[A, A]], dtype: Any) -> Callable[[], list[CodedBlock[A]]]:
+        """`code_blocks` begun now and finished by calling the result (which returns the same list every time).
+        A backend whose ops run synchronously on the host may run the pass on a helper thread meanwhile."""
         ...
 
     def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -75,10 +75,11 @@ class LatticeSpec:
 
 
 def _mixed_radix(digits: np.ndarray, base: int) -> np.ndarray:
-    """`digits` `[..., k]` (each in `[0, base)`) read as one base-`base` number, most significant first."""
-    out = np.zeros(digits.shape[:-1], dtype=np.int64)
-    for i in range(digits.shape[-1]):
-        out = out * base + digits[..., i]
+    """`digits` `[k, ...]` (each in `[0, base)`) read as one base-`base` number, most significant first."""
+    out = digits[0].copy()
+    for digit in digits[1:]:
+        out *= base
+        out += digit
     return out
 
 
@@ -103,30 +104,31 @@ def block_indices(spec: LatticeSpec, doubled: np.ndarray) -> tuple[np.ndarray, n
     the first seven digits base 2Q, and the eighth digit's parity is fixed by the others, so it contributes b8 // 2.
     """
     q = spec.q_range
-    blocks = doubled.reshape(doubled.shape[0], spec.blocks, spec.block_dim).astype(np.int64)  # [N, K, b]
-    inside = (np.abs(blocks) <= 2 * q).all(axis=-1)
-    even = blocks % 2 == 0  # integer coordinate
-    all_int = even.all(axis=-1)
+    count = doubled.shape[0]
+    # Coordinate-major `[b, N·K]`: every test below is then a few passes over long rows, not reductions over
+    # blocks of 4 or 8 values. Digits of blocks that escape may be anything; their index is set to 0 at the end.
+    coords = np.ascontiguousarray(doubled.reshape(-1, spec.block_dim).T).astype(np.int64)
+    inside = (np.abs(coords) <= 2 * q).all(axis=0)
+    odd = coords & 1  # 1 where a coordinate is a half-integer
+    all_int = ~odd.any(axis=0)
     base = 2 * q + 1
+    int_coords = coords >> 1  # floor of the coordinate
+    int_valid = all_int & ((int_coords.sum(axis=0) & 1) == 0)
+    int_index = _mixed_radix(int_coords + q, base) >> 1
     if spec.kind == "d4":
-        coords = blocks // 2
-        valid = inside & all_int & (coords.sum(axis=-1) % 2 == 0)
-        index = _mixed_radix(np.where(valid[..., None], coords + q, 0), base) // 2
+        valid = inside & int_valid
+        index = int_index
     else:
-        all_half = (~even).all(axis=-1)
-        int_coords = blocks // 2
-        int_valid = all_int & (int_coords.sum(axis=-1) % 2 == 0)
         # Half-integer coordinate c = (doubled) / 2: digit b = c + Q − ½ = (doubled + 2Q − 1) / 2.
-        half_digits = (blocks + 2 * q - 1) // 2
-        half_sum = blocks.sum(axis=-1) // 2  # the sum of the coordinates (an integer for 8 half-integers)
-        half_valid = all_half & (half_sum % 2 == 0)
+        half_digits = (coords + (2 * q - 1)) >> 1
+        half_sum = coords.sum(axis=0) >> 1  # the sum of the coordinates (an integer for 8 half-integers)
+        half_valid = odd.all(axis=0) & ((half_sum & 1) == 0)
         valid = inside & (int_valid | half_valid)
-        int_index = _mixed_radix(np.where(int_valid[..., None], int_coords + q, 0), base) // 2
-        half_lead = _mixed_radix(np.where(half_valid[..., None], half_digits[..., :7], 0), 2 * q)
-        half_index = (base**8 + 1) // 2 + half_lead * q + np.where(half_valid, half_digits[..., 7], 0) // 2
+        half_index = (base**8 + 1) // 2 + _mixed_radix(half_digits[:7], 2 * q) * q + (half_digits[7] >> 1)
         index = np.where(int_valid, int_index, half_index)
     escaped = ~valid
-    return np.where(escaped, 0, index), escaped
+    index[escaped] = 0
+    return index.reshape(count, spec.blocks), escaped.reshape(count, spec.blocks)
 
 
 def block_points(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
@@ -150,17 +152,23 @@ def block_points(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
 
 
 def pack_codes(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
-    """`indices` `[N, blocks]` as `[N, code_bytes]` uint8: `bits_per_block` bits per block, little-endian."""
+    """`indices` `[N, blocks]` as `[N, code_bytes]` uint8: `bits_per_block` bits per block, little-endian.
+
+    Each index's bits are read from its little-endian bytes (an index has at most 63 bits), so the work is two
+    byte-level passes, not one shift per bit."""
     bits = spec.bits_per_block
-    shifts = np.arange(bits, dtype=np.int64)
-    planes = ((indices[..., None] >> shifts) & 1).astype(np.uint8)  # [N, K, bits]
-    flat = planes.reshape(indices.shape[0], spec.blocks * bits)
-    return np.packbits(flat, axis=-1, bitorder="little")
+    count = indices.shape[0]
+    as_bytes = indices.astype("<u8").view(np.uint8).reshape(count, spec.blocks, 8)
+    planes = np.unpackbits(as_bytes, axis=-1, count=bits, bitorder="little")  # [N, K, bits]
+    return np.packbits(planes.reshape(count, spec.blocks * bits), axis=-1, bitorder="little")
 
 
 def unpack_codes(spec: LatticeSpec, packed: np.ndarray) -> np.ndarray:
     """Inverse of `pack_codes`: `[N, blocks]` int64."""
     bits = spec.bits_per_block
-    flat = np.unpackbits(packed, axis=-1, count=spec.blocks * bits, bitorder="little")
-    planes = flat.reshape(packed.shape[0], spec.blocks, bits).astype(np.int64)
-    return (planes << np.arange(bits, dtype=np.int64)).sum(axis=-1)
+    count = packed.shape[0]
+    planes = np.unpackbits(packed, axis=-1, count=spec.blocks * bits, bitorder="little")
+    as_bytes = np.packbits(planes.reshape(count, spec.blocks, bits), axis=-1, bitorder="little")
+    words = np.zeros((count, spec.blocks, 8), dtype=np.uint8)
+    words[..., : as_bytes.shape[-1]] = as_bytes
+    return words.view("<u8")[..., 0].astype(np.int64)

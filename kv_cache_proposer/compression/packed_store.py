@@ -6,13 +6,14 @@ session cache's slots. The stage is dense, as for every store.
 While a session generates, a dense working copy holds the decoded resident entries next to the stage, so
 attention reads a plain buffer and nothing packed is decoded per step. The store is lossy (see `layer_store`): a
 query reads its own K/V as computed and every other position decoded. A one-token forward stages its K/V as
-computed and leaves their coding to `finish_stages`, which codes the pending entries of every layer of the cache
-in one pass (a decode step then codes once, not once per layer). A longer forward codes its block on the backend,
-stages what the codes decode to (what its later queries read) and appends the block as computed after the stage.
-A commit keeps the coding of the accepted entries only, and those are bit-packed in bulk, `PACK_EVERY` entries at
-a time, since packing is a fixed cost per call that one token at a time would pay every step. `park` packs what
-is left and drops the working copy: between generations the layer holds packed bytes only, and the next forward
-decodes them again.
+computed and leaves their coding to one pass of the codec over the pending entries of every layer of the cache (a
+decode step then codes once, not once per layer): `start_stages` begins it when the forward's last layer has
+staged, so it can run beside the rest of the forward, and `finish_stages` takes its result before the commit.
+A longer forward codes its block on the backend, stages what the codes decode to (what its later queries read) and
+appends the block as computed after the stage. A commit keeps the coding of the accepted entries only, and those
+are bit-packed in bulk, `PACK_EVERY` entries at a time, since packing is a fixed cost per call that one token at a
+time would pay every step. `park` packs what is left and drops the working copy: between generations the layer
+holds packed bytes only, and the next forward decodes them again.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, StoreFootprint
-from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding, StagedCoding
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.packed_codes import PackedCodes
 from kv_cache_proposer.errors import InvariantViolation
 
@@ -57,6 +58,8 @@ class PackedLayerStore(Generic[A]):
         self._coding_bytes = 0  # bytes of the staged and unpacked codings, kept as a sum: read every step
         self._committed: list[A] = []  # the coding the last commit selected, until the cache settles it
         self._pending: tuple[int, A, A] | None = None  # (stage slot, K, V) of a one-token forward, not coded yet
+        self._aside: tuple[object, Callable[[], list[CodedBlock[A]]], int] | None = None  # its coding, begun:
+        # (the pending entry it codes, the pass's result, this layer's index in it)
         self._own = 0  # entries appended after the stage as computed: the last forward's queries (n > 1)
         self._room = 0  # slots of the dense buffer
         self.held = 0
@@ -110,7 +113,7 @@ class PackedLayerStore(Generic[A]):
         self._start(keys)
         self._ensure_working()
         if self._pending is not None and self._pending[0] >= slot:
-            self._pending = None  # this forward writes there again
+            self._pending = self._aside = None  # this forward writes there again
         self._code_pending()  # an earlier forward's entry is read decoded from now on
         self._forget_staged_from(slot)
         count = self._ops.length(keys)
@@ -128,17 +131,25 @@ class PackedLayerStore(Generic[A]):
         self._own = count
 
     @classmethod
+    def start_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
+        """Begin coding the pending one-token entries of every layer, in one pass of the codec that may run beside
+        the rest of the forward (nothing here changes what a layer holds: `finish_stages` takes the result)."""
+        pending = [store for store in _pending_of(stores) if store._aside is None]
+        for group in _by_codec(pending):
+            blocks = [store._pending_block() for store in group]
+            result = group[0]._codec_of().start_code_blocks(blocks, group[0]._model_dtype)
+            for index, store in enumerate(group):
+                store._aside = (store._pending, result, index)
+
+    @classmethod
     def finish_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
-        """Code the pending one-token entries of every layer in one pass of the codec."""
-        pending = [store for store in stores if isinstance(store, PackedLayerStore) and store._pending is not None]
-        groups: dict[tuple[Any, ...], list[PackedLayerStore[A]]] = {}
+        """Code the pending one-token entries of every layer in one pass of the codec (or take the pass
+        `start_stages` began)."""
+        pending = _pending_of(stores)
         for store in pending:
-            assert store._pending is not None and store._codec is not None
-            shape: Any = store._pending[1].shape
-            groups.setdefault((store._codec.spec, store._model_dtype, tuple(shape)), []).append(store)
-        for group in groups.values():
-            blocks = [(store._pending[1], store._pending[2]) for store in group if store._pending is not None]
-            coded = group[0]._codec_of().code_blocks(blocks, group[0]._model_dtype)
+            store._take_aside()
+        for group in _by_codec([store for store in pending if store._pending is not None]):
+            coded = group[0]._codec_of().code_blocks([store._pending_block() for store in group], group[0]._model_dtype)
             for store, (keys, values, coding) in zip(group, coded, strict=True):
                 store._take_coding(keys, values, coding)
 
@@ -227,7 +238,7 @@ class PackedLayerStore(Generic[A]):
         if self._packed is not None:
             self._packed = PackedCodes(self._packed.spec, self._packed.rows)
         self._capacity = self._room = self._own = 0
-        self._pending = None
+        self._pending = self._aside = None
         self.held = 0
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -259,15 +270,26 @@ class PackedLayerStore(Generic[A]):
 
     def _code_pending(self) -> None:
         """Code a one-token forward's entry on its own (`finish_stages` did not run since it was staged)."""
+        self._take_aside()
         if self._pending is not None:
-            _, keys, values = self._pending
-            self._take_coding(*self._codec_of().code_blocks([(keys, values)], self._model_dtype)[0])
+            self._take_coding(*self._codec_of().code_blocks([self._pending_block()], self._model_dtype)[0])
+
+    def _pending_block(self) -> tuple[A, A]:
+        assert self._pending is not None
+        return self._pending[1], self._pending[2]
+
+    def _take_aside(self) -> None:
+        """Take the coding `start_stages` began, if it was begun for the entry still pending."""
+        aside, self._aside = self._aside, None
+        if aside is not None and aside[0] is self._pending:
+            self._take_coding(*aside[1]()[aside[2]])
 
     def _take_coding(self, keys: A, values: A, coding: StagedCoding[A]) -> None:
         """Stage the decoded K/V and the coding of the pending entry in place of its computed K/V."""
         assert self._pending is not None
         slot = self._pending[0]
         self._pending = None
+        self._aside = None
         self._work.stage(slot, keys, values)
         self._staged.append((slot, coding))
         self._coding_bytes += self._bytes_of(coding)
@@ -321,7 +343,7 @@ class PackedLayerStore(Generic[A]):
     def _drop_staged(self) -> None:
         self._coding_bytes -= sum(self._bytes_of(coding) for _, coding in self._staged)
         self._staged.clear()
-        self._pending = None
+        self._pending = self._aside = None
         self._own = 0
 
     @staticmethod
@@ -377,6 +399,19 @@ class PackedLayerStore(Generic[A]):
         """Dense `[B, H, len(slots), D]` of the packed entries of `slots`, in the model's dtype."""
         coding = self._packed_of().read(tensor, slots)
         return self._codec_of().decode(coding, self._shape(slots.size), self._model_dtype)
+
+
+def _pending_of(stores: Sequence[LayerStore[A]]) -> list[PackedLayerStore[A]]:
+    return [store for store in stores if isinstance(store, PackedLayerStore) and store._pending is not None]
+
+
+def _by_codec(stores: list[PackedLayerStore[A]]) -> list[list[PackedLayerStore[A]]]:
+    """`stores` grouped by what one codec pass can take together: lattice, dtype and K/V shape."""
+    groups: dict[tuple[Any, ...], list[PackedLayerStore[A]]] = {}
+    for store in stores:
+        key: Any = (store._codec_of().spec, store._model_dtype, tuple(store._pending_block()[0].shape))  # type: ignore[attr-defined]
+        groups.setdefault(key, []).append(store)
+    return list(groups.values())
 
 
 def _by_slot(coding: LatticeCoding, rows: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

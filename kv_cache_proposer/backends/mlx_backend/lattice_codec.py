@@ -10,7 +10,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
-from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding, split_stacked
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding, split_stacked
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -97,6 +97,12 @@ class MlxLatticeCodec:
         both = mx.concatenate([part for pair in blocks for part in pair], axis=0)  # [R, H, n, D]
         decoded, doubled, norms, qmax = compiled(both)
         return split_stacked(blocks, decoded, StagedCoding(doubled, norms, qmax))
+
+    def start_code_blocks(
+        self, blocks: Sequence[tuple[mx.array, mx.array]], dtype: mx.Dtype
+    ) -> Callable[[], list[CodedBlock[mx.array]]]:
+        coded = self.code_blocks(blocks, dtype)  # a lazy graph: MLX computes it when it is first evaluated
+        return lambda: coded
 
     def _code_stacked(self, both: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array, mx.array]:
         """Stacked K/V rows `[R, H, n, D]` in one pass: decoded (in `dtype`), doubled coordinates, norms, qmax."""

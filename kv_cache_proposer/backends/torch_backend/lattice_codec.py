@@ -11,7 +11,8 @@ dispatching some forty small ops from Python, and the interpreter halves that.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
-from kv_cache_proposer.compression.codec import LatticeCoding, StagedCoding, split_stacked
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -40,17 +41,20 @@ def _closest_even_sum(y: torch.Tensor) -> torch.Tensor:
 def _code(
     vectors: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Lattice coordinates `[N, D/b, b]` float32, norms and qmax `[N, 1]` float16, and the scale `[N, 1, 1]`
-    float32 (qmax as stored, over Q) of `vectors` `[..., D]`."""
-    dim = vectors.shape[-1]
-    flat = vectors.reshape(-1, dim).to(torch.float32)  # [N, D]
-    n = flat.shape[0]
+    """Lattice coordinates float32 (shaped as `vectors` `[..., D]`), norms and qmax `[..., 1]` float16, and the
+    scale `[..., 1]` float32 (qmax as stored, over Q) of `vectors`. Every value meets the ops and operands it meets
+    in the reference, whatever the leading axes (K/V `[B, H, n, D]` are coded as they come)."""
+    if vectors.dtype != torch.float32:
+        vectors = vectors.to(torch.float32)
+    shape = vectors.shape
+    dim = shape[-1]
     eps = 1.1920928955078125e-07  # float32 eps
-    norms = torch.linalg.vector_norm(flat, 2.0, [1], True).clamp(min=eps)  # [N, 1]
-    rotated = (flat / norms) @ hadamard
-    qmax = rotated.abs().amax(dim=1, keepdim=True).clamp(min=eps).to(torch.float16)  # [N, 1]
-    scale = (qmax.to(torch.float32) / float(q_range)).unsqueeze(-1)  # [N, 1, 1]
-    blocks = rotated.reshape(n, dim // block_dim, block_dim) / scale
+    norms = torch.linalg.vector_norm(vectors, 2.0, [-1], True).clamp(min=eps)
+    rotated = (vectors / norms) @ hadamard
+    qmax = rotated.abs().amax(dim=-1, keepdim=True).clamp(min=eps).to(torch.float16)
+    scale = qmax.to(torch.float32) / float(q_range)
+    blocks_shape = list(shape[:-1]) + [dim // block_dim, block_dim]  # noqa: RUF005 (TorchScript has no list unpacking)
+    blocks = (rotated / scale).reshape(blocks_shape)
     if e8:  # E8 = D8 ∪ (D8 + ½): the closer of the two cosets' points
         a = _closest_even_sum(blocks)
         half = torch.full_like(blocks[..., :1], 0.5)
@@ -60,27 +64,37 @@ def _code(
         lattice = torch.where(da <= db, a, b)
     else:
         lattice = _closest_even_sum(blocks)
-    return lattice.clamp(-q_range, q_range), norms.to(torch.float16), qmax, scale
+    return lattice.clamp(-q_range, q_range).reshape(shape), norms.to(torch.float16), qmax, scale
 
 
 def _decoded(lattice: torch.Tensor, scale: torch.Tensor, norms: torch.Tensor, hadamard: torch.Tensor) -> torch.Tensor:
-    """Float32 vectors `[N, D]` of lattice coordinates `[N, D/b, b]`, scales `[N, 1, 1]` float32 (stored qmax over
-    Q) and stored norms `[N, 1]` (fp16 values)."""
-    rotated = (lattice * scale).reshape(lattice.shape[0], -1)
-    return (rotated @ hadamard) * norms.to(torch.float32)
+    """Float32 vectors `[..., D]` of lattice coordinates `[..., D]`, scales `[..., 1]` float32 (stored qmax over Q)
+    and stored norms `[..., 1]` (fp16 values)."""
+    return ((lattice * scale) @ hadamard) * norms.to(torch.float32)
 
 
-def _code_stacked(
-    both: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V vectors `[R, H, n, D]` (blocks' K and V rows stacked) coded in one pass: decoded `[R, H, n, D]` float32,
-    doubled coordinates `[R, H, n, D]` int16, norms and qmax `[R, H, n, 1]` float16."""
-    shape = both.shape
-    lattice, norms, qmax, scale = _code(both, hadamard, q_range, block_dim, e8)
-    decoded = _decoded(lattice, scale, norms, hadamard).reshape(shape)
-    doubled = (lattice * 2).to(torch.int16).reshape(shape)
-    scalar_shape = [shape[0], shape[1], shape[2], 1]
-    return decoded, doubled, norms.reshape(scalar_shape), qmax.reshape(scalar_shape)
+def _code_blocks(
+    parts: list[torch.Tensor], hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool, dtype: torch.dtype
+) -> list[list[torch.Tensor]]:
+    """`code_blocks` in one compiled pass. `parts` holds each block's K `[B, H, n, D]` then its V, every block of
+    the same `B`; the result holds the decoded K and V of every block, in that order and in `dtype`, then per block
+    the doubled coordinates `[2·B, H, n, D]` int16, then the norms and then the qmax `[2·B, H, n, 1]` float16.
+    A decode step pays for each op it dispatches, so the stacking and splitting are done here, one op each."""
+    batch = parts[0].shape[0]
+    for part in parts:
+        if part.shape[0] != batch:
+            raise ValueError("every block coded together must have the same batch size")
+    lattice, norms, qmax, scale = _code(torch.cat(parts, 0), hadamard, q_range, block_dim, e8)
+    decoded = _decoded(lattice, scale, norms, hadamard)
+    if decoded.dtype != dtype:
+        decoded = decoded.to(dtype)
+    doubled = (lattice * 2).to(torch.int16)
+    return [
+        list(decoded.split(batch)),
+        list(doubled.split(2 * batch)),
+        list(norms.split(2 * batch)),
+        list(qmax.split(2 * batch)),
+    ]
 
 
 @cache
@@ -90,7 +104,22 @@ def _compiled() -> tuple[Any, Any, Any]:
     toolchain and a long first call)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_stacked)
+        return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_blocks)
+
+
+@cache
+def _helper() -> ThreadPoolExecutor:
+    """The thread that codes K/V beside the model thread on a CPU. The compiled pass runs without the interpreter
+    lock, so it overlaps what is left of the forward that staged the K/V; one thread serves every cache, as one
+    model thread drives them."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kakeya-codec", initializer=_single_threaded)
+
+
+def _single_threaded() -> None:
+    """Give the helper the process's thread count: OpenMP keeps that count per thread, and a new thread would start
+    with the library's default (every core) instead, whose busy workers then take the model thread's cores (a
+    decode step of the bundled model ran at three quarters of its speed so)."""
+    torch.set_num_threads(torch.get_num_threads())
 
 
 class TorchLatticeCodec:
@@ -103,38 +132,51 @@ class TorchLatticeCodec:
         # The package runs on any torch device; "cuda" is only its default.
         self.reference = codec_class(D=spec.head_dim, q_range=spec.q_range, device=str(device))
         self._hadamard = self.reference.H  # [D, D], self-inverse
-        self._code, self._decoded, self._code_stacked = _compiled()
+        self._code, self._decoded, self._code_blocks = _compiled()
 
     def encode(self, vectors: torch.Tensor) -> LatticeCoding:
         spec = self.spec
-        lattice, norms, qmax, _ = self._code(vectors, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8")
+        flat = vectors.reshape(-1, spec.head_dim)
+        lattice, norms, qmax, _ = self._code(flat, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8")
         n = lattice.shape[0]
-        doubled = (lattice * 2).reshape(n, spec.head_dim).to(torch.int16)
         return LatticeCoding(
-            doubled=doubled.cpu().numpy(),
+            doubled=(lattice * 2).to(torch.int16).cpu().numpy(),
             norms=norms.reshape(n).cpu().numpy(),
             qmax=qmax.reshape(n).cpu().numpy(),
         )
 
     def decode(self, coding: LatticeCoding, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        spec = self.spec
         n = coding.count
         device = self._device
         lattice = torch.from_numpy(coding.doubled).to(device).to(torch.float32) / 2  # exact: halves of integers
         norms = torch.from_numpy(coding.norms).to(device).reshape(n, 1)
-        scale = torch.from_numpy(coding.qmax).to(device).to(torch.float32).reshape(n, 1, 1) / float(spec.q_range)
-        blocks = lattice.reshape(n, spec.blocks, spec.block_dim)
-        return self._decoded(blocks, scale, norms, self._hadamard).reshape(shape).to(dtype)
+        scale = torch.from_numpy(coding.qmax).to(device).to(torch.float32).reshape(n, 1) / float(self.spec.q_range)
+        return self._decoded(lattice, scale, norms, self._hadamard).reshape(shape).to(dtype)
 
     def code_blocks(
         self, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-    ) -> list[tuple[torch.Tensor, torch.Tensor, StagedCoding[torch.Tensor]]]:
+    ) -> list[CodedBlock[torch.Tensor]]:
         spec = self.spec
-        both = torch.cat([part for pair in blocks for part in pair], dim=0)  # [R, H, n, D]: K, V of each block
-        decoded, doubled, norms, qmax = self._code_stacked(
-            both, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8"
+        parts = [part for pair in blocks for part in pair]
+        decoded, doubled, norms, qmax = self._code_blocks(
+            parts, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8", dtype
         )
-        return split_stacked(blocks, decoded.to(dtype), StagedCoding(doubled, norms, qmax))
+        codings = [StagedCoding(*arrays) for arrays in zip(doubled, norms, qmax, strict=True)]
+        return [(decoded[2 * i], decoded[2 * i + 1], coding) for i, coding in enumerate(codings)]
+
+    def start_code_blocks(
+        self, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> Callable[[], list[CodedBlock[torch.Tensor]]]:
+        if self._device.type != "cpu":  # the device queues the ops: issuing them now already overlaps
+            coded = self.code_blocks(blocks, dtype)
+            return lambda: coded
+        return _helper().submit(self._code_aside, list(blocks), dtype).result
+
+    def _code_aside(
+        self, blocks: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
+    ) -> list[CodedBlock[torch.Tensor]]:
+        with torch.inference_mode():  # as the verifier's forwards: its buffers take these values
+            return self.code_blocks(blocks, dtype)
 
     def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (

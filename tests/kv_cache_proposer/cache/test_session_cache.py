@@ -69,6 +69,10 @@ class HalfPrecisionStore:
         self.load(slots, *source.gather(source_slots))
 
     @classmethod
+    def start_stages(cls, stores: Any) -> None:
+        return None
+
+    @classmethod
     def finish_stages(cls, stores: Any) -> None:
         return None
 

@@ -37,6 +37,11 @@ def test_block_indices_and_packing_round_trip_every_lattice_point_and_flag_only_
     packed = pack_codes(spec, indices)
     assert packed.shape == (coding.count, spec.code_bytes)
     assert np.array_equal(unpack_codes(spec, packed), indices)
+    # The layout: a vector's blocks follow one another, `bits_per_block` bits each, in one little-endian number.
+    for row in range(0, coding.count, 97):
+        number = int.from_bytes(packed[row].tobytes(), "little")
+        mask = (1 << spec.bits_per_block) - 1
+        assert [(number >> (k * spec.bits_per_block)) & mask for k in range(spec.blocks)] == indices[row].tolist()
     points = block_points(spec, indices).reshape(-1, spec.blocks, spec.block_dim)
     blocks = coding.doubled.reshape(-1, spec.blocks, spec.block_dim)
     assert np.array_equal(points[~escaped], blocks[~escaped])

@@ -271,24 +271,30 @@ def test_a_query_reads_its_own_kv_as_computed_and_earlier_positions_as_their_cod
         cache.commit(0)
 
 
-def test_one_token_steps_code_every_layers_new_kv_in_one_pass_at_the_commit(verifiers, backend):
+def test_one_token_steps_code_every_layers_new_kv_in_one_pass_taken_at_the_commit(verifiers, backend):
     verifier = verifiers["qwen3"]
     cache = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
     verifier.verify(cache, _tokens(11, 9), 1)
     verifier.commit(cache, 9)
     codecs = {id(layer._codec): layer._codec for layer in cache._layers}
     calls: list[int] = []
+    starts: list[int] = []
 
-    def counted(original: Any, blocks: Any, dtype: Any) -> Any:
-        calls.append(len(blocks))
+    def counted(original: Any, into: list[int], blocks: Any, dtype: Any) -> Any:
+        into.append(len(blocks))
         return original(blocks, dtype)
 
     for codec in codecs.values():
-        codec.code_blocks = partial(counted, codec.code_blocks)
+        codec.code_blocks = partial(counted, codec.code_blocks, calls)
+        codec.start_code_blocks = partial(counted, codec.start_code_blocks, starts)
     verifier.verify(cache, _tokens(12, 1), 1)
-    assert calls == []  # the forward read its own K/V as computed: nothing was coded yet
+    assert starts == [cache.num_layers]  # one pass for every layer, begun once the last layer staged
+    for layer in cache._layers:  # and nothing taken yet: the stage still holds the K/V as computed
+        keys, values = layer._work.read(9, 10)
+        assert np.array_equal(to_numpy(keys[:, :, 9:10]), to_numpy(layer._pending[1]))
+        assert np.array_equal(to_numpy(values[:, :, 9:10]), to_numpy(layer._pending[2]))
     verifier.commit(cache, 1)
-    assert calls == [cache.num_layers]
+    assert calls == [cache.num_layers] and starts == [cache.num_layers]
     direct = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
     verifier.verify(direct, _tokens(11, 9) + _tokens(12, 1), 1)
     verifier.commit(direct, 10)
