@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from kv_cache_proposer.backends import BACKENDS
+from kv_cache_proposer.backends import BACKENDS, TORCH_FORWARDS
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
 from kv_cache_proposer.proposers.base import DraftPolicy
@@ -55,6 +55,13 @@ class ServerConfig:
         "weights and KV dtype (auto: float32 on cpu; torch: bfloat16 on cuda, float16 on mps; "
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
+    )
+    torch_forward: str = _opt(
+        "auto",
+        "torch: how a forward runs the model: auto runs Llama, Mistral, Qwen2 and Qwen3 checkpoints (SDPA attention) "
+        "directly over their weights, the same operations as transformers' modules with less Python per layer, and "
+        "any other model through transformers' modules; library always runs transformers' modules",
+        choices=TORCH_FORWARDS,
     )
     kv_strategy: str = _opt("full", "default KV strategy of new sessions", choices=STRATEGIES)
     sink: int = _opt(4, "sink_window, dlm_restore: number of leading positions that stay resident")
@@ -233,6 +240,8 @@ class ServerConfig:
             raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
         if not -1 <= self.http_port <= 65535:
             raise ConfigError(f"http_port must be in -1..65535, got {self.http_port}")
+        if self.torch_forward != "auto" and self.backend != "torch":
+            raise ConfigError(f"torch_forward {self.torch_forward} applies to the torch backend, not {self.backend}")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("tls_cert and tls_key must be given together")
         if self.journal_url and self.state_dir:

@@ -40,10 +40,19 @@ SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_na
 
 def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtime:
     """Load the configured model and proposer and wrap them in a runtime."""
-    verifier: Verifier = load_verifier(config.backend, config.model_dir, device=config.device, dtype=config.dtype)
+    verifier: Verifier = load_verifier(
+        config.backend, config.model_dir, device=config.device, dtype=config.dtype, torch_forward=config.torch_forward
+    )
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
     options = config.proposer_options()
-    proposer = load_proposer(options, verifier, backend=config.backend, device=config.device, dtype=config.dtype)
+    proposer = load_proposer(
+        options,
+        verifier,
+        backend=config.backend,
+        device=config.device,
+        dtype=config.dtype,
+        torch_forward=config.torch_forward,
+    )
     if config.proposer != "none":
         log.info("proposer loaded", extra={"proposer": proposer.name, "model": str(options.draft_model or "-")})
     return Runtime(verifier, config, metrics or Metrics(), proposer=proposer)

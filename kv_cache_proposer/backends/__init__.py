@@ -8,18 +8,22 @@ from typing import Any
 from kv_cache_proposer.verifier import Verifier
 
 BACKENDS = ("torch", "mlx")
+TORCH_FORWARDS = ("auto", "library")
 
 
-def load_verifier(backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> Verifier[Any]:
+def load_verifier(
+    backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", torch_forward: str = "auto"
+) -> Verifier[Any]:
     """Load a verifier from a local model directory with the named backend.
 
     `torch` serves Hugging Face checkpoints (devices auto, cpu, cuda, cuda:N, mps); `mlx` serves mlx-lm model
-    directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both.
+    directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both. `torch_forward` (one of
+    `TORCH_FORWARDS`) chooses how the torch backend runs a forward (`TorchVerifier`).
     """
     if backend == "torch":
         from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
-        return TorchVerifier.load(model_dir, device=device, dtype=dtype)
+        return TorchVerifier.load(model_dir, device=device, dtype=dtype, forward=torch_forward)
     if backend == "mlx":
         from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 

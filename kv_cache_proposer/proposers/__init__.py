@@ -41,10 +41,16 @@ class ProposerOptions:
 
 
 def load_proposer(
-    options: ProposerOptions, verifier: Verifier[Any], *, backend: str, device: str = "auto", dtype: str = "auto"
+    options: ProposerOptions,
+    verifier: Verifier[Any],
+    *,
+    backend: str,
+    device: str = "auto",
+    dtype: str = "auto",
+    torch_forward: str = "auto",
 ) -> Proposer:
     """Build the proposer `options` names for `verifier` (loaded by `backend`; a draft model is loaded by the same
-    backend on `device` with `dtype`)."""
+    backend on `device` with `dtype`, and on torch runs its forwards as `torch_forward` says)."""
     drafts = options.num_draft_tokens or DEFAULT_DRAFT_TOKENS.get(options.name, 0)
     if options.name == "none":
         return NoProposer()
@@ -57,7 +63,7 @@ def load_proposer(
         from kv_cache_proposer.backends import load_verifier
         from kv_cache_proposer.proposers.draft_model import DraftModelProposer
 
-        model = load_verifier(backend, options.draft_model, device=device, dtype=dtype)
+        model = load_verifier(backend, options.draft_model, device=device, dtype=dtype, torch_forward=torch_forward)
         chunk = options.prefill_chunk_tokens or model.prefill_chunk_tokens
         return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=chunk)
     limit = options.block_size - 1 if options.block_size else 0

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Pr
 
 VOCAB_SIZE = 128
 
-_COMMON = dict(
+COMMON_SHAPE = dict(
     vocab_size=VOCAB_SIZE,
     hidden_size=64,
     intermediate_size=128,
@@ -25,14 +25,14 @@ _COMMON = dict(
 
 # Initialiser scales chosen so that greedy decoding of each random model is not a single repeated token.
 ARCHITECTURES: dict[str, Callable[[], PretrainedConfig]] = {
-    "qwen3": lambda: Qwen3Config(head_dim=16, initializer_range=0.2, **_COMMON),
-    "llama": lambda: LlamaConfig(initializer_range=0.02, **_COMMON),
+    "qwen3": lambda: Qwen3Config(head_dim=16, initializer_range=0.2, **COMMON_SHAPE),
+    "llama": lambda: LlamaConfig(initializer_range=0.02, **COMMON_SHAPE),
     "gemma3": lambda: Gemma3TextConfig(
         head_dim=16,
         sliding_window=6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         initializer_range=0.03,
-        **_COMMON,
+        **COMMON_SHAPE,
     ),
 }
 
@@ -51,7 +51,7 @@ def save_checkpoint(arch: str, directory: Path, seed: int = 0) -> Path:
 
 def save_draft_model(directory: Path, seed: int = 1) -> Path:
     """A smaller random Llama with the same vocabulary as the test checkpoints, for the draft_model proposer."""
-    config = LlamaConfig(**{**_COMMON, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1})
+    config = LlamaConfig(**{**COMMON_SHAPE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     model.generation_config.eos_token_id = None

@@ -9,10 +9,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from kv_cache_proposer.backends import TORCH_FORWARDS
 from kv_cache_proposer.backends.base import BackendModel, ModelFacts
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
+from kv_cache_proposer.backends.torch_backend.direct import DirectForward, Masks, unsupported
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
@@ -24,7 +26,14 @@ from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 class TorchVerifier(BackendModel[torch.Tensor]):
     """A Hugging Face causal LM serving per-session caches."""
 
-    def __init__(self, model: PreTrainedModel, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self, model: PreTrainedModel, *, device: torch.device, dtype: torch.dtype, forward: str = "auto"
+    ) -> None:
+        """`forward`: auto runs the model's forward directly over its weights where the architecture allows
+        (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; the same values, less Python) and through
+        transformers' modules otherwise; library always runs transformers' modules."""
+        if forward not in TORCH_FORWARDS:
+            raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(TORCH_FORWARDS)}")
         config = model.config.get_text_config()
         num_layers = int(config.num_hidden_layers)
         facts = ModelFacts(
@@ -50,13 +59,22 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         self._per_type_masks = len(set(self._layer_types)) > 1
         self._all_full_attention = set(self._layer_types) == {"full_attention"}
         self._additive_mask = model.config._attn_implementation == "eager"
+        reason = unsupported(model) if forward == "auto" else "asked for"
+        self._direct = DirectForward(model, self._layer_types) if reason is None else None
+        self.forward_path = "direct" if reason is None else f"transformers modules ({reason})"
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> TorchVerifier:
+    def load(
+        cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto"
+    ) -> TorchVerifier:
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
-        return cls(model, device=torch_device, dtype=torch_dtype)
+        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward)
+
+    @property
+    def description(self) -> str:
+        return f"{super().description}, forward: {self.forward_path}"
 
     @torch.inference_mode()
     def forward(
@@ -88,17 +106,39 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     ) -> VerifyOutput[torch.Tensor]:
         query_positions = cache.query_positions  # [n]
         position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
+        masks = self._attention_masks(cache)
+        if masks is None and self._direct is not None and len(query_positions) > 1 and cache.keys_before_queries:
+            # transformers builds this block's causal mask itself; the direct forward is handed it
+            masks = self._attention_masks(cache, always=True)
+        logits, features = self._run(input_ids, position_ids, masks, cache, logits_rows, feature_layers)
+        return VerifyOutput(logits[0, -logits_rows:].float(), None if features is None else features[0])
+
+    def _run(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        masks: Masks,
+        stager: SessionCache[torch.Tensor] | BatchLayout[torch.Tensor],
+        logits_to_keep: int | torch.Tensor,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [1, rows, V] and the chosen layers' features [1, T, L*H] of one model call, staging into
+        `stager`: directly over the weights, or through transformers' modules."""
+        if self._direct is not None:
+            logits, outputs = self._direct(
+                input_ids, position_ids, masks, stager.stage_layer, logits_to_keep, feature_layers
+            )
+            return logits, torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         with layer_outputs(self.model, feature_layers) as captured:
             output = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
-                attention_mask=self._attention_masks(cache),
-                past_key_values=StagingCache(cache),
+                attention_mask=masks,
+                past_key_values=StagingCache(stager),
                 use_cache=True,
-                logits_to_keep=logits_rows,
+                logits_to_keep=logits_to_keep,
             )
-        features = concatenated(captured, feature_layers)[0] if feature_layers else None  # [n, L*H]
-        return VerifyOutput(output.logits[0, -logits_rows:].float(), features)  # logits [rows, V]
+        return output.logits, concatenated(captured, feature_layers) if feature_layers else None
 
     @torch.inference_mode()
     def forward_batch(
@@ -113,17 +153,10 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         if "sliding_attention" in self._layer_types:
             masks["sliding_attention"] = self._format_batch_mask(layout.mask(window=self._sliding_window or 0))
         wanted = torch.tensor(layout.logits_indices(), dtype=torch.long, device=self.device)
-        with layer_outputs(self.model, feature_layers) as captured:
-            output = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=masks if self._per_type_masks else masks[self._layer_types[0]],
-                past_key_values=StagingCache(layout),
-                use_cache=True,
-                logits_to_keep=wanted,
-            )
-        logits = output.logits[0].float()  # [sum of logits rows, V]
-        features = concatenated(captured, feature_layers)[0] if feature_layers else None  # [T, L*H]
+        chosen = masks if self._per_type_masks else masks[self._layer_types[0]]
+        logits, captured = self._run(input_ids, position_ids, chosen, layout, wanted, feature_layers)
+        logits = logits[0].float()  # [sum of logits rows, V]
+        features = None if captured is None else captured[0]  # [T, L*H]
         outputs = []
         row = 0
         for index, block in enumerate(blocks):
@@ -144,12 +177,16 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def host_logits(self, logits: torch.Tensor) -> np.ndarray:
         return logits.double().cpu().numpy()
 
-    def _attention_masks(self, cache: SessionCache[torch.Tensor]) -> torch.Tensor | dict[str, torch.Tensor] | None:
-        """The masks of the forward in flight; None where the library's own causal mask says the same (an unbounded
-        cache read alone is in position order), which lets attention skip the mask for a single query."""
+    def _attention_masks(
+        self, cache: SessionCache[torch.Tensor], *, always: bool = False
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The masks of the forward in flight; unless `always`, None where the library's own causal mask says the
+        same (an unbounded cache read alone is in position order), which lets attention skip the mask for a single
+        query."""
         strategy, query_positions, key_positions = cache.strategy, cache.query_positions, cache.key_positions
         own = cache.own_keys
-        if strategy.bounded_slots is None and cache.prefix is None and not own and self._all_full_attention:
+        unbounded = strategy.bounded_slots is None and cache.prefix is None and not own
+        if unbounded and self._all_full_attention and not always:
             return None
         masks = {"full_attention": visible_keys(strategy, query_positions, key_positions, own_keys=own)}  # [n, K]
         if "sliding_attention" in self._layer_types:

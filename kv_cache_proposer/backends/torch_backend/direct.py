@@ -1,0 +1,245 @@
+"""The llama family's forward, run directly over the model's own weights.
+
+For Llama, Mistral, Qwen2 and Qwen3 checkpoints attended through PyTorch's SDPA, a forward here runs the
+operations of transformers' modeling code for these models, in the same order and on the same parameter tensors,
+so it computes the same values bit for bit. What it leaves out is the Python around them: a decoder layer is two
+compiled calls (norm, projections, Q/K norms and rotary embedding; then output projection, residuals and MLP) on
+either side of its K/V staging and attention, instead of some forty module calls, hooks and keyword merges. On a
+model whose step is small next to that overhead (any model on a CPU at short histories) this is most of a step.
+
+Any other architecture, attention implementation or module layout runs through transformers' modules
+(`unsupported` says why).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
+from transformers.modeling_utils import slice_logits_to_keep
+
+DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Masks = torch.Tensor | Mapping[str, torch.Tensor] | None
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _attention_inputs(
+    hidden: torch.Tensor,
+    norm: torch.Tensor,
+    eps: float,
+    wq: torch.Tensor,
+    bq: torch.Tensor | None,
+    wk: torch.Tensor,
+    bk: torch.Tensor | None,
+    wv: torch.Tensor,
+    bv: torch.Tensor | None,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    head_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    head_dim: int,
+) -> list[torch.Tensor]:
+    """A layer's Q, K and V [B, heads, n, D] from its input [B, n, H]: input norm, projections, the Q/K norms
+    where the model has them (Qwen3), rotary embedding."""
+    batch, n = hidden.shape[0], hidden.shape[1]
+    x = _rms_norm(hidden, norm, eps)
+    q = F.linear(x, wq, bq).view(batch, n, -1, head_dim)
+    k = F.linear(x, wk, bk).view(batch, n, -1, head_dim)
+    v = F.linear(x, wv, bv).view(batch, n, -1, head_dim).transpose(1, 2)
+    if q_norm is not None:
+        q = _rms_norm(q, q_norm, head_eps)
+    if k_norm is not None:
+        k = _rms_norm(k, k_norm, head_eps)
+    q = q.transpose(1, 2)
+    k = k.transpose(1, 2)
+    q = (q * cos) + (_rotate_half(q) * sin)
+    k = (k * cos) + (_rotate_half(k) * sin)
+    return [q, k, v]
+
+
+def _layer_output(
+    hidden: torch.Tensor,
+    attended: torch.Tensor,
+    wo: torch.Tensor,
+    bo: torch.Tensor | None,
+    norm: torch.Tensor,
+    eps: float,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor,
+    b_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+    head_dim: int,
+) -> torch.Tensor:
+    """The layer's output [B, n, H] from its input and attention's output: output projection, residual, norm,
+    SiLU-gated MLP, residual."""
+    batch, n = hidden.shape[0], hidden.shape[1]
+    attended = attended.reshape(batch, -1, n, head_dim).transpose(1, 2).contiguous()
+    hidden = hidden + F.linear(attended.reshape(batch, n, -1).contiguous(), wo, bo)
+    x = _rms_norm(hidden, norm, eps)
+    x = F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+    return hidden + x
+
+
+@cache
+def _compiled() -> tuple[Any, Any, Any]:
+    """The layer halves and the norm compiled once per process (`torch.jit.script` warns that it is deprecated;
+    it still runs a small op graph without Python between the ops, with the same kernels)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_attention_inputs), torch.jit.script(_layer_output), torch.jit.script(_rms_norm)
+
+
+@dataclass(frozen=True, slots=True)
+class _Layer:
+    inputs: tuple[Any, ...]  # the arguments of `_attention_inputs` after the hidden states, less cos/sin/head_dim
+    output: tuple[Any, ...]  # the arguments of `_layer_output` after the hidden states and attention's output
+    kind: str  # the layer's attention type, which picks its mask
+    groups: int  # query heads per K/V head
+    head_dim: int
+    scaling: float
+
+
+def unsupported(model: PreTrainedModel) -> str | None:
+    """Why `model` must run through transformers' modules, or None where the direct forward serves it."""
+    config = model.config.get_text_config()
+    model_type = str(config.model_type)
+    if model_type not in DIRECT_MODEL_TYPES:
+        return f"model type {model_type} (the direct forward serves {', '.join(sorted(DIRECT_MODEL_TYPES))})"
+    if model.config._attn_implementation != "sdpa":
+        return f"attention implementation {model.config._attn_implementation} (the direct forward uses sdpa)"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)} (the direct forward runs silu)"
+    decoder = model.get_decoder()
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(decoder, name):
+            return f"the decoder has no {name}"
+    return None
+
+
+class DirectForward:
+    """The forward of a supported model (`unsupported(model)` is None) over its parameters, read at construction:
+    the model's weights are shared, not copied."""
+
+    def __init__(self, model: PreTrainedModel, layer_types: Sequence[str]) -> None:
+        reason = unsupported(model)
+        if reason is not None:
+            raise ValueError(f"the direct forward cannot serve this model: {reason}")
+        decoder: Any = model.get_decoder()
+        self._embed = decoder.embed_tokens
+        self._rotary = decoder.rotary_emb
+        self._norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
+        head = model.get_output_embeddings()
+        self._head = (head.weight, head.bias)
+        self._layers = [_read_layer(layer, kind) for layer, kind in zip(decoder.layers, layer_types, strict=True)]
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        masks: Masks,
+        stage: Stage,
+        logits_to_keep: int | torch.Tensor,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Logits [B, kept, V] of the rows `logits_to_keep` selects (as transformers' `logits_to_keep`) and the
+        features of `feature_layers` [B, n, H] (what `features.layer_outputs` records), for a block whose layers
+        stage their K/V through `stage(layer, k, v) -> (keys, values)`. `masks` is what transformers' attention
+        would be given: a boolean mask [B, 1, n, K], one per layer type, or None for a causal block that reads
+        only itself or a single query."""
+        attention_inputs, layer_output, rms_norm = _compiled()
+        hidden = self._embed(input_ids)  # [B, n, H]
+        cos, sin = self._rotary(hidden, position_ids)  # [B, n, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        features: dict[int, torch.Tensor] = {}
+        last = len(self._layers) - 1
+        for index, layer in enumerate(self._layers):
+            q, k, v = attention_inputs(hidden, *layer.inputs, cos, sin, layer.head_dim)
+            keys, values = stage(index, k, v)
+            mask = masks[layer.kind] if isinstance(masks, Mapping) else masks
+            attended = _attend(q, keys, values, mask, layer)
+            hidden = layer_output(hidden, attended, *layer.output, layer.head_dim)
+            if index in feature_layers and index != last:
+                features[index] = hidden
+        hidden = rms_norm(hidden, *self._norm)
+        if last in feature_layers:
+            features[last] = hidden
+        logits = F.linear(slice_logits_to_keep(hidden, logits_to_keep), *self._head)
+        return logits, features
+
+
+def _attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, layer: _Layer
+) -> torch.Tensor:
+    """SDPA over one layer's keys, with transformers' choice of how grouped K/V heads meet the query heads."""
+    n = q.shape[2]
+    gqa = False
+    if layer.groups > 1:
+        if use_gqa_in_sdpa(mask, keys, values):
+            gqa = True
+        elif n == 1:  # the query heads of each K/V head side by side; a mask here is one for every head
+            q = q.reshape(q.shape[0], q.shape[1] // layer.groups, layer.groups, q.shape[-1])
+        else:
+            keys, values = repeat_kv(keys, layer.groups), repeat_kv(values, layer.groups)
+    causal = n > 1 and mask is None
+    if causal and keys.shape[2] > n:
+        raise ValueError("a causal block over earlier keys needs its mask")
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, scale=layer.scaling, is_causal=causal, enable_gqa=gqa
+    )
+
+
+def _read_layer(layer: Any, kind: str) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    head_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
+    norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    inputs = (
+        norm_in.weight,
+        float(norm_in.variance_epsilon),
+        attn.q_proj.weight,
+        attn.q_proj.bias,
+        attn.k_proj.weight,
+        attn.k_proj.bias,
+        attn.v_proj.weight,
+        attn.v_proj.bias,
+        None if q_norm is None else q_norm.weight,
+        None if k_norm is None else k_norm.weight,
+        head_eps,
+    )
+    output = (
+        attn.o_proj.weight,
+        attn.o_proj.bias,
+        norm_post.weight,
+        float(norm_post.variance_epsilon),
+        mlp.gate_proj.weight,
+        mlp.gate_proj.bias,
+        mlp.up_proj.weight,
+        mlp.up_proj.bias,
+        mlp.down_proj.weight,
+        mlp.down_proj.bias,
+    )
+    return _Layer(inputs, output, kind, int(attn.num_key_value_groups), int(attn.head_dim), float(attn.scaling))

@@ -1,0 +1,143 @@
+"""The torch verifier's direct forward against transformers' modules: the same values, bit for bit, in float32."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, Qwen2Config
+
+from inference_engine.config import ConfigError, ServerConfig
+from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.proposers import ProposerOptions, load_proposer
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, SinkWindowStrategy
+from kv_cache_proposer.verifier import BatchBlock
+from tests.support.checkpoints import COMMON_SHAPE, VOCAB_SIZE, save_dflash_drafter, save_draft_model
+
+_SHAPE = {**COMMON_SHAPE, "initializer_range": 0.1}
+
+# Two more architectures the direct forward serves, beside the suite's qwen3 and llama: Qwen2 (biased Q/K/V
+# projections, here with sliding and full layers mixed) and Mistral (every layer sliding).
+_EXTRA: dict[str, PretrainedConfig] = {
+    "qwen2": Qwen2Config(
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+        **_SHAPE,
+    ),
+    "mistral": MistralConfig(sliding_window=6, head_dim=16, **_SHAPE),
+}
+
+STRATEGIES = {"full": FullStrategy(), "sink": SinkWindowStrategy(sink=2, window=8)}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("direct")
+    dirs = {arch: checkpoints[arch] for arch in ("qwen3", "llama", "gemma3")}
+    for arch, config in _EXTRA.items():
+        torch.manual_seed(5)
+        AutoModelForCausalLM.from_config(config).save_pretrained(root / arch)
+        dirs[arch] = root / arch
+    return dirs
+
+
+def _pair(model_dir: Path) -> tuple[TorchVerifier, TorchVerifier]:
+    """The library-forward and direct-forward verifiers of one checkpoint, sharing the model's weights."""
+    library = TorchVerifier.load(model_dir, device="cpu", dtype="float32", forward="library")
+    direct = TorchVerifier(library.model, device=library.device, dtype=library.dtype)
+    assert direct.forward_path == "direct" and library.forward_path.startswith("transformers modules")
+    return library, direct
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
+def test_every_forward_of_a_session_gives_the_library_values_bit_for_bit(model_dirs, arch, strategy):
+    library, direct = _pair(model_dirs[arch])
+    layers = (0, library.num_layers - 1)
+    caches = [library.new_cache(strategy), direct.new_cache(strategy)]
+    tokens = _tokens(1, 40)
+    # (block, logits rows, positions committed): a first chunk, a chunk over history with a rejected tail,
+    # then single-token steps past the window
+    blocks = [(tokens[:10], 10, 10), (tokens[10:17], 7, 5), *[([t], 1, 1) for t in tokens[17:32]]]
+    for block, rows, keep in blocks:
+        outs = [v.verify(c, block, rows, feature_layers=layers) for v, c in zip((library, direct), caches, strict=True)]
+        assert torch.equal(outs[0].logits, outs[1].logits)
+        assert outs[0].features is not None and outs[1].features is not None
+        assert torch.equal(outs[0].features, outs[1].features)
+        for verifier, cache in zip((library, direct), caches, strict=True):
+            verifier.commit(cache, keep)
+    for layer in range(library.num_layers):
+        k1, v1, p1 = caches[0].resident_kv(layer)
+        k2, v2, p2 = caches[1].resident_kv(layer)
+        assert p1.tolist() == p2.tolist() and torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2"])
+def test_a_batched_forward_gives_the_library_values_bit_for_bit(model_dirs, arch):
+    library, direct = _pair(model_dirs[arch])
+    results = []
+    for verifier in (library, direct):
+        decoding, fresh = verifier.new_cache(FullStrategy()), verifier.new_cache(SinkWindowStrategy(sink=2, window=8))
+        verifier.verify(decoding, _tokens(2, 12), 1)
+        verifier.commit(decoding, 12)
+        blocks = [BatchBlock(decoding, [5], 1), BatchBlock(fresh, _tokens(3, 9), 2)]
+        results.append(verifier.verify_batch(blocks, feature_layers=(1,)))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
+
+
+def _decode(verifier: TorchVerifier, strategy, options: ProposerOptions, params: SamplingParams) -> list[int]:
+    proposer = load_proposer(options, verifier, backend="torch", device="cpu", dtype="float32")
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=_tokens(4, 20), draft=proposer.open(strategy))
+    decoder, produced = Decoder(verifier), []
+    while len(produced) < 24:
+        produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
+    seq.draft.release()
+    return produced
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft_model", "dflash"])
+@pytest.mark.parametrize(
+    "strategy",
+    [FullStrategy(), SinkWindowStrategy(sink=2, window=8), DlmRestoreStrategy(sink=2, window=8)],
+    ids=["full", "sink", "dlm_restore"],
+)
+def test_decoding_gives_the_same_tokens_through_either_forward(model_dirs, tmp_path, proposer, strategy):
+    drafts = {"draft_model": save_draft_model(tmp_path / "draft"), "dflash": save_dflash_drafter(tmp_path / "dflash")}
+    options = ProposerOptions(name=proposer, draft_model=drafts.get(proposer), num_draft_tokens=3)
+    library, direct = _pair(model_dirs["qwen3"])
+    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
+        tokens = _decode(library, strategy, options, params)
+        assert _decode(direct, strategy, options, params) == tokens
+        assert len(set(tokens)) > 3
+
+
+def test_other_models_run_through_transformers_modules(model_dirs):
+    gemma = TorchVerifier.load(model_dirs["gemma3"], device="cpu", dtype="float32")
+    assert gemma.forward_path.startswith("transformers modules (model type gemma3")
+    assert gemma.description.endswith(f"forward: {gemma.forward_path}")
+    eager = AutoModelForCausalLM.from_pretrained(model_dirs["qwen3"], attn_implementation="eager")
+    verifier = TorchVerifier(eager, device=torch.device("cpu"), dtype=torch.float32)
+    expected = "transformers modules (attention implementation eager (the direct forward uses sdpa))"
+    assert verifier.forward_path == expected
+    with pytest.raises(ValueError, match="unknown forward 'compiled'"):
+        TorchVerifier(eager, device=torch.device("cpu"), dtype=torch.float32, forward="compiled")
+
+
+def test_the_torch_forward_option_belongs_to_the_torch_backend():
+    assert ServerConfig(torch_forward="library").torch_forward == "library"
+    with pytest.raises(ConfigError, match="torch_forward library applies to the torch backend, not mlx"):
+        ServerConfig(backend="mlx", torch_forward="library")
+    with pytest.raises(ConfigError, match="torch_forward"):
+        ServerConfig(torch_forward="fast")
