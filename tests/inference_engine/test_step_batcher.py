@@ -30,7 +30,7 @@ def _request(seq: SequenceState) -> StepRequest:
 
 def _batcher(verifier, max_batch_size: int) -> tuple[StepBatcher, Metrics, ModelWorker]:
     metrics, worker = Metrics(), ModelWorker()
-    decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK)
+    decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1)
     return StepBatcher(worker, decoder, metrics, max_batch_size=max_batch_size, token_budget=CHUNK), metrics, worker
 
 
@@ -66,7 +66,7 @@ def test_a_forward_prefills_one_chunk_at_most_and_decode_steps_always_join(verif
 def test_concurrent_steps_share_one_forward_and_get_their_results_alone(verifiers):
     verifier = verifiers["qwen3"]
     expected = [
-        Decoder(verifier, prefill_chunk_tokens=CHUNK).step(
+        Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1).step(
             _seq(verifier, 5, i), SamplingParams(), GenerationBudget(8), 0
         )
         for i in range(3)
@@ -142,13 +142,13 @@ def test_a_step_cancelled_while_queued_is_dropped_and_the_others_run(verifiers):
 def _decode_request(verifier, seed: int, *, max_new_tokens: int = 8) -> StepRequest:
     """A decode step of a generation past its first token (a prefilled sequence with one pending token)."""
     seq = _seq(verifier, 5, seed)
-    Decoder(verifier, prefill_chunk_tokens=CHUNK).step(seq, SamplingParams(), GenerationBudget(8), 0)
+    Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1).step(seq, SamplingParams(), GenerationBudget(8), 0)
     return StepRequest(seq, SamplingParams(), GenerationBudget(max_new_tokens), 1)
 
 
 def _expected_tokens(verifier, seed: int, steps: int) -> list[int]:
     request = _decode_request(verifier, seed)
-    decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK)
+    decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1)
     tokens: list[int] = []
     for i in range(steps):
         tokens += decoder.step(request.seq, request.params, request.budget, 1 + i).tokens
