@@ -165,7 +165,8 @@ def decode(
 ) -> dict[str, Any]:
     """Greedy decoding of `max_tokens` tokens after `prompt`; the clock covers prefill and decode."""
     verify_clock, draft_clock = Clock(verifier.device), Clock(verifier.device)
-    decoder = Decoder(cast(Any, TimedVerifier(verifier, verify_clock)), draft_policy=policy)
+    # one verify forward per step in every arm (a speculative step never bursts; `none` is made not to either)
+    decoder = Decoder(cast(Any, TimedVerifier(verifier, verify_clock)), draft_policy=policy, burst_tokens=1)
     strategy = FullStrategy()
     draft = TimedDraft(proposer.open(strategy), draft_clock)
     seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=cast(Any, draft))

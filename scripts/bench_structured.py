@@ -86,7 +86,7 @@ def decode(
 
     The first step prefills the prompt; it is timed apart so that decode speed compares arms whose outputs differ
     in length (a constrained output ends when its grammar completes)."""
-    decoder = Decoder(verifier)
+    decoder = Decoder(verifier, burst_tokens=1)  # one forward per step in every arm, counted alike
     strategy = FullStrategy()
     seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=proposer.open(strategy))
     stops = controls.eos if controls is not None else frozenset()

@@ -65,7 +65,7 @@ def _spin(stop: Any) -> None:
 
 def decode_tokens_per_s(verifier: TorchVerifier, prompt: list[int], max_tokens: int) -> float:
     """Greedy decode of `max_tokens` after `prompt` (prefill excluded from the clock)."""
-    decoder = Decoder(verifier)
+    decoder = Decoder(verifier, burst_tokens=1)  # one forward per step: the threads' effect on a forward
     strategy = FullStrategy()
     seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=NoProposer().open(strategy))
     budget = GenerationBudget(max_new_tokens=max_tokens + 1)
