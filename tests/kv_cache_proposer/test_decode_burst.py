@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import (
     Decoder,
     GenerationBudget,
@@ -104,3 +105,20 @@ def test_sampling_and_batched_steps_never_burst(verifiers):
     assert [len(r.tokens) for r in shared if isinstance(r, StepResult)] == [1, 1], "steps that share a forward"
     (alone,) = decoder.step_batch([request(seqs[0])])
     assert isinstance(alone, StepResult) and len(alone.tokens) == 4, "a step alone in its batch bursts"
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=["full", "sink"])
+def test_bursts_over_a_compressed_cache_decode_the_tokens_of_single_steps(verifiers, backend, strategy):
+    """Inside a burst a step reads the burst's earlier K/V as computed, as a speculative block reads its own; the
+    tokens are those of one step per call, and the commit codes the same entries."""
+    verifier = verifiers["qwen3"]
+    runs = {}
+    for burst in (1, 4):
+        cache = verifier.new_cache(strategy, layer_store=compressor_layer_store(backend, KVCompressor("kakeya_d4", 38)))
+        seq = SequenceState(cache=cache, tokens=_prompt(20))
+        tokens, _, steps = _run(Decoder(verifier, burst_tokens=burst), seq, GenerationBudget(23))
+        runs[burst] = (tokens, [len(s.tokens) for s in steps], seq)
+    assert runs[4][0] == runs[1][0] and len(set(runs[1][0])) > 3
+    assert runs[4][1] == [1, 4, 4, 4, 4, 4, 2], "the compressed cache bursts"
+    assert runs[4][2].committed == runs[1][2].committed
+    assert runs[4][2].cache.nbytes == runs[1][2].cache.nbytes
