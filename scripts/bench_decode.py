@@ -8,16 +8,17 @@ prefilled, then `--new-tokens` greedy tokens are decoded, by each arm:
   in-process, no proposer, no gRPC);
 - torch: `bare_loop` (the model called token by token with transformers' `DynamicCache`) and `generate`
   (`model.generate` with a streamer timing each token);
-- mlx: `mlx_lm` (mlx-lm's own `generate_step`) and `engine:burst1` (the engine with one decode step per call
-  instead of its default bursts, `--decode-burst-tokens`).
+- mlx: `mlx_lm` (mlx-lm's own `generate_step` over the model as mlx-lm loads it), `mlx_lm:input_major` (the same
+  loop over the engine's input-major weights, which the MLX verifier keeps on a CPU) and `engine:burst1` (the
+  engine with one decode step per call instead of its default bursts, `--decode-burst-tokens`).
 
 Decode rate is (tokens - 1) / (time of the last token - time of the first), so the prefill is not in it. Arms
 alternate within each repeat, so machine noise hits them alike; the summary holds medians and every arm's ratio to
 the bare loop of its backend (`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the
 longest history over the shortest. The prefill part appends `--prefill-tokens` to a fresh session and times it to the
 first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each of
-`--prefill-chunks` (`engine:N`), and one bare forward. Greedy tokens of daemon:none, engine and the bare loop must
-agree (float32).
+`--prefill-chunks` (`engine:N`), and one bare forward (on MLX, of the model as mlx-lm loads it). Greedy tokens of
+daemon:none, engine and the bare loop must agree (float32).
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 

@@ -122,16 +122,19 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     from kv_cache_proposer.backends import load_verifier
     from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 
-    verifier = load_verifier("mlx", args.model, device="cpu", dtype="float32")
+    verifier = load_verifier("mlx", args.model, device="cpu", dtype="float32")  # input-major, as the daemon's
     assert isinstance(verifier, MlxVerifier)
-    model = verifier.model
+    model = MlxVerifier.load(args.model, device="cpu", dtype="float32", input_major=False).model  # as mlx-lm lays it
 
     def greedy(logits: mx.array) -> mx.array:
         return mx.argmax(logits, axis=-1)
 
-    def mlx_lm(history: list[int], new_tokens: int) -> dict[str, Any]:
-        steps = generate_step(mx.array(history), model, max_tokens=new_tokens, sampler=greedy)
-        return timed_tokens((int(token) for token, _ in steps), time.perf_counter())
+    def mlx_lm_over(served: Any) -> Arm:
+        def mlx_lm(history: list[int], new_tokens: int) -> dict[str, Any]:
+            steps = generate_step(mx.array(history), served, max_tokens=new_tokens, sampler=greedy)
+            return timed_tokens((int(token) for token, _ in steps), time.perf_counter())
+
+        return mlx_lm
 
     def bare_prefill(history: list[int]) -> dict[str, float]:
         started = time.perf_counter()
@@ -139,7 +142,12 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
         mx.eval(logits)
         return {"prefill_s": time.perf_counter() - started}
 
-    arms = {"engine": engine_arm(verifier), "engine:burst1": engine_arm(verifier, burst=1), "mlx_lm": mlx_lm}
+    arms = {
+        "engine": engine_arm(verifier),
+        "engine:burst1": engine_arm(verifier, burst=1),
+        "mlx_lm": mlx_lm_over(model),
+        "mlx_lm:input_major": mlx_lm_over(verifier.model),
+    }
     return arms, bare_prefill, verifier
 
 

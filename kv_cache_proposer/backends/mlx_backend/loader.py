@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
+from kv_cache_proposer.backends.mlx_backend import layout
 from kv_cache_proposer.errors import ModelLoadError
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -37,6 +38,8 @@ class LoadedModel:
     # Per layer: the attention window the model's own cache would enforce (None: the layer attends the whole
     # history). mlx-lm models that rely on a rotating cache for a sliding window need it in the mask instead.
     layer_windows: tuple[int | None, ...]
+    # Linear layers and embeddings stored input-major (`layout.input_major`); 0 where mlx-lm's layout is kept.
+    input_major_modules: int = 0
 
 
 def resolve_device(name: str) -> mx.Device:
@@ -61,8 +64,9 @@ def resolve_dtype(name: str, device: mx.Device) -> mx.Dtype | None:
         raise ModelLoadError(f"unknown dtype {name!r}; expected one of {', '.join(sorted(_DTYPES))}") from None
 
 
-def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None) -> LoadedModel:
-    """Load an mlx-lm model directory (config.json + safetensors) through mlx-lm's own loader."""
+def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None, *, input_major: bool = False) -> LoadedModel:
+    """Load an mlx-lm model directory (config.json + safetensors) through mlx-lm's own loader; `input_major`
+    lays its linear layers and embeddings out for CPU matrix products (`layout.input_major`)."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a model directory: config.json is missing")
@@ -76,6 +80,7 @@ def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None) -> LoadedModel
         raise ModelLoadError(f"cannot load {path} as an mlx-lm model: {exc}") from exc
     if dtype is not None:
         _cast(model, dtype)
+    replaced = layout.input_major(model) if input_major else 0
     num_layers = len(model.layers)
     return LoadedModel(
         model=model,
@@ -85,6 +90,7 @@ def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None) -> LoadedModel
         hidden_size=int(config.get("hidden_size") or config.get("text_config", {}).get("hidden_size", 0)),
         dtype=_floating_dtype(model),
         layer_windows=_layer_windows(model, num_layers, path),
+        input_major_modules=replaced,
     )
 
 

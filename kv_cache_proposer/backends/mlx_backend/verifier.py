@@ -48,34 +48,39 @@ class MlxVerifier(BackendModel[mx.array]):
         self.device = device
         self.dtype = loaded.dtype
         self._layer_windows = loaded.layer_windows
+        self._input_major = loaded.input_major_modules
 
     @classmethod
-    def load(cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto") -> MlxVerifier:
+    def load(
+        cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", input_major: bool | None = None
+    ) -> MlxVerifier:
+        """`input_major`: store linear layers and embeddings `[in, out]` (`layout.input_major`); None: on a CPU."""
         mlx_device = resolve_device(device)
-        loaded = load_mlx_model(model_dir, resolve_dtype(dtype, mlx_device))
+        if input_major is None:
+            input_major = mlx_device.type == mx.cpu
+        loaded = load_mlx_model(model_dir, resolve_dtype(dtype, mlx_device), input_major=input_major)
         return cls(loaded, device=mlx_device)
+
+    @property
+    def input_major(self) -> bool:
+        """Whether the model's linear layers and embeddings are stored input-major (`layout.input_major`)."""
+        return self._input_major > 0
+
+    @property
+    def description(self) -> str:
+        if not self._input_major:
+            return super().description
+        return f"{super().description}, weights: input-major ({self._input_major} modules)"
 
     def forward(
         self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int, feature_layers: Sequence[int]
     ) -> VerifyOutput[mx.array]:
-        block_len = len(token_ids)
-        # Positions before the logits rows only need their K/V: a separate model call for them is never asked for
-        # its last layer's output or its LM head rows, as in mlx-lm's own prefill.
-        head = block_len - logits_rows if block_len - logits_rows >= _KV_ONLY_MIN_TOKENS else 0
         taps = tap_layers(self.model, feature_layers) if feature_layers else []
         for tap in taps:
             tap.recording.outputs = []
         try:
             with mx.stream(self.device):
-                input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
-                layers = staging_layers(cache, self._layer_windows)
-                base = cache.query_offset - cache.next_position  # index in the stage of the block's start
-                if head:
-                    cache.select_queries(base, base + head)
-                    self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
-                    cache.select_queries(base + head, base + block_len)
-                logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
-                rows = logits[0, -logits_rows:].astype(mx.float32)  # [rows, V]
+                rows = self._logits(cache, token_ids, logits_rows)  # [rows, V]
                 features = None
                 if taps:
                     # Each tap saw the block in one or two model calls: [1, part, H] each.
@@ -89,12 +94,34 @@ class MlxVerifier(BackendModel[mx.array]):
                 tap.recording.outputs = None
         return VerifyOutput(rows, features)
 
+    def _logits(self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int) -> mx.array:
+        """The lazy float32 logits `[rows, V]` of the block's last `logits_rows` positions; its K/V staged."""
+        block_len = len(token_ids)
+        # Positions before the logits rows only need their K/V: a separate model call for them is never asked for
+        # its last layer's output or its LM head rows, as in mlx-lm's own prefill.
+        head = block_len - logits_rows if block_len - logits_rows >= _KV_ONLY_MIN_TOKENS else 0
+        input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
+        layers = staging_layers(cache, self._layer_windows)
+        base = cache.query_offset - cache.next_position  # index in the stage of the block's start
+        if head:
+            cache.select_queries(base, base + head)
+            self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated
+            cache.select_queries(base + head, base + block_len)
+        logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
+        return logits[0, -logits_rows:].astype(mx.float32)
+
     def burst(self, cache: SessionCache[mx.array], token_ids: Sequence[int], steps: int) -> list[int]:
-        # Each step's token stays a lazy array that feeds the next forward; evaluating it asynchronously lets the
-        # device compute one step while the host builds the next step's graph.
-        first = self.verify(cache, token_ids, 1).logits  # [1, V]
-        tokens = [mx.argmax(first, axis=-1)]  # [1] each
+        # Every step's token, the first one's included, stays a lazy array that feeds the next forward and is
+        # evaluated asynchronously: the device computes one step while the host builds the next step's graph, and
+        # the host waits once, for the last.
         with mx.stream(self.device):
+            if cache.restoration_feature_layers:  # a restoring cache takes the block's features: a whole verify
+                first = self.verify(cache, token_ids, 1).logits  # [1, V]
+            else:
+                cache.begin_stage(len(token_ids), token_ids=token_ids)
+                first = self._logits(cache, token_ids, 1)
+            tokens = [mx.argmax(first, axis=-1)]  # [1] each
+            mx.async_eval(tokens[-1])
             layers = staging_layers(cache, self._layer_windows)
             for _ in range(steps - 1):
                 cache.begin_stage(1, extend=True)

@@ -9,6 +9,7 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache_proposer.backends.batching import BatchLayout
+from kv_cache_proposer.backends.mlx_backend.layout import input_major
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 from kv_cache_proposer.cache import KVSessionCache, SessionCache
 from kv_cache_proposer.proposers.base import DraftPolicy
@@ -55,6 +56,8 @@ class MlxDFlashProposer:
     @classmethod
     def load(cls, directory: str | Path, verifier: MlxVerifier, *, max_draft_tokens: int = 0) -> MlxDFlashProposer:
         drafter, spec, raw = load_mlx_drafter(directory, verifier.dtype)
+        if verifier.input_major:  # the drafter's products run on the same CPU as the verifier's
+            input_major(drafter)
         return cls(drafter, spec, layer_windows(raw), verifier, max_draft_tokens=max_draft_tokens)
 
     draft_policy = DraftPolicy.FULL
