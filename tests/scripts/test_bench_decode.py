@@ -36,6 +36,7 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         ("mlx", "engine"),
         ("mlx", "engine:burst1"),
         ("mlx", "mlx_lm"),
+        ("mlx", "mlx_lm:input_major"),
     }
     for sample in samples["decode"]:
         assert len(sample["tokens"]) == 6 and sample["decode_tokens_per_s"] > 0
