@@ -72,6 +72,19 @@ def test_only_plain_linear_layers_and_embeddings_change():
     assert np.allclose(np.array(model.plain(x)), np.array(expected), atol=1e-6)
 
 
+def test_the_layout_changes_one_module_at_a_time():
+    model = nn.Module()
+    model.blocks = [nn.Linear(1024, 1024, bias=False) for _ in range(8)]
+    model.head = nn.Linear(1024, 1024)
+    mx.eval(model.parameters())
+    held = mx.get_active_memory()
+    mx.reset_peak_memory()
+    assert input_major(model) == 9
+    one = 1024 * 1024 * 4
+    assert mx.get_peak_memory() <= held + 2 * one  # never all the weights twice
+    assert mx.get_active_memory() <= held + one // 64
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 @pytest.mark.parametrize("strategy", [FullStrategy(), SinkWindowStrategy(sink=2, window=8)], ids=["full", "sink"])
 def test_every_forward_of_a_session_gives_the_values_of_mlx_lms_layout(verifier_pool, arch, strategy):
