@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -11,12 +10,10 @@ from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, 
 
 from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.proposers import ProposerOptions, load_proposer
-from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, SinkWindowStrategy
+from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
-from tests.support.checkpoints import COMMON_SHAPE, VOCAB_SIZE, save_dflash_drafter, save_draft_model
+from tests.support.checkpoints import COMMON_SHAPE
+from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, SAMPLINGS, decode, proposer_options, random_tokens
 
 _SHAPE = {**COMMON_SHAPE, "initializer_range": 0.1}
 
@@ -55,18 +52,13 @@ def _pair(model_dir: Path) -> tuple[TorchVerifier, TorchVerifier]:
     return library, direct
 
 
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
-
-
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_every_forward_of_a_session_gives_the_library_values_bit_for_bit(model_dirs, arch, strategy):
     library, direct = _pair(model_dirs[arch])
     layers = (0, library.num_layers - 1)
     caches = [library.new_cache(strategy), direct.new_cache(strategy)]
-    tokens = _tokens(1, 40)
+    tokens = random_tokens(1, 40)
     # (block, logits rows, positions committed): a first chunk, a chunk over history with a rejected tail,
     # then single-token steps past the window
     blocks = [(tokens[:10], 10, 10), (tokens[10:17], 7, 5), *[([t], 1, 1) for t in tokens[17:32]]]
@@ -89,37 +81,22 @@ def test_a_batched_forward_gives_the_library_values_bit_for_bit(model_dirs, arch
     results = []
     for verifier in (library, direct):
         decoding, fresh = verifier.new_cache(FullStrategy()), verifier.new_cache(SinkWindowStrategy(sink=2, window=8))
-        verifier.verify(decoding, _tokens(2, 12), 1)
+        verifier.verify(decoding, random_tokens(2, 12), 1)
         verifier.commit(decoding, 12)
-        blocks = [BatchBlock(decoding, [5], 1), BatchBlock(fresh, _tokens(3, 9), 2)]
+        blocks = [BatchBlock(decoding, [5], 1), BatchBlock(fresh, random_tokens(3, 9), 2)]
         results.append(verifier.verify_batch(blocks, feature_layers=(1,)))
     for a, b in zip(*results, strict=True):
         assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
 
 
-def _decode(verifier: TorchVerifier, strategy, options: ProposerOptions, params: SamplingParams) -> list[int]:
-    proposer = load_proposer(options, verifier, backend="torch", device="cpu", dtype="float32")
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=_tokens(4, 20), draft=proposer.open(strategy))
-    decoder, produced = Decoder(verifier), []
-    while len(produced) < 24:
-        produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
-    seq.draft.release()
-    return produced
-
-
-@pytest.mark.parametrize("proposer", ["none", "ngram", "draft_model", "dflash"])
-@pytest.mark.parametrize(
-    "strategy",
-    [FullStrategy(), SinkWindowStrategy(sink=2, window=8), DlmRestoreStrategy(sink=2, window=8)],
-    ids=["full", "sink", "dlm_restore"],
-)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("strategy", list(DECODE_STRATEGIES.values()), ids=list(DECODE_STRATEGIES))
 def test_decoding_gives_the_same_tokens_through_either_forward(model_dirs, tmp_path, proposer, strategy):
-    drafts = {"draft_model": save_draft_model(tmp_path / "draft"), "dflash": save_dflash_drafter(tmp_path / "dflash")}
-    options = ProposerOptions(name=proposer, draft_model=drafts.get(proposer), num_draft_tokens=3)
+    options = proposer_options(proposer, tmp_path)
     library, direct = _pair(model_dirs["qwen3"])
-    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
-        tokens = _decode(library, strategy, options, params)
-        assert _decode(direct, strategy, options, params) == tokens
+    for params in SAMPLINGS:
+        tokens = decode(library, "torch", strategy, options, params)
+        assert decode(direct, "torch", strategy, options, params) == tokens
         assert len(set(tokens)) > 3
 
 

@@ -3,7 +3,6 @@ values to float32 rounding, and the same tokens through every strategy and propo
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import mlx.core as mx
@@ -15,11 +14,9 @@ from mlx.utils import tree_flatten
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.backends.mlx_backend.layout import InputMajorEmbedding, InputMajorLinear, input_major
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.proposers import ProposerOptions, load_proposer
-from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, SinkWindowStrategy
-from tests.support.checkpoints import ARCHITECTURES, VOCAB_SIZE, save_dflash_drafter, save_draft_model
+from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from tests.support.checkpoints import ARCHITECTURES
+from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, SAMPLINGS, decode, proposer_options, random_tokens
 
 
 def _pair(model_dir: Path) -> tuple[MlxVerifier, MlxVerifier]:
@@ -28,11 +25,6 @@ def _pair(model_dir: Path) -> tuple[MlxVerifier, MlxVerifier]:
     major = MlxVerifier.load(model_dir, device="cpu", dtype="float32")
     assert major.input_major and not plain.input_major
     return plain, major
-
-
-def _tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
@@ -91,7 +83,7 @@ def test_every_forward_of_a_session_gives_the_values_of_mlx_lms_layout(verifier_
     pair = _pair(verifier_pool.model_dir("mlx", arch))
     layers = (0, pair[0].num_layers - 1)
     caches = [v.new_cache(strategy) for v in pair]
-    tokens = _tokens(1, 40)
+    tokens = random_tokens(1, 40)
     # a first chunk, a chunk over history with a rejected tail, then single-token steps past the window
     blocks = [(tokens[:10], 10, 10), (tokens[10:17], 7, 5), *[([t], 1, 1) for t in tokens[17:32]]]
     for block, rows, keep in blocks:
@@ -103,29 +95,14 @@ def test_every_forward_of_a_session_gives_the_values_of_mlx_lms_layout(verifier_
             verifier.commit(cache, keep)
 
 
-def _decode(verifier: MlxVerifier, strategy, options: ProposerOptions, params: SamplingParams) -> list[int]:
-    proposer = load_proposer(options, verifier, backend="mlx", device="cpu", dtype="float32")
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=_tokens(4, 20), draft=proposer.open(strategy))
-    decoder, produced = Decoder(verifier), []
-    while len(produced) < 24:
-        produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
-    seq.draft.release()
-    return produced
-
-
-@pytest.mark.parametrize("proposer", ["none", "ngram", "draft_model", "dflash"])
-@pytest.mark.parametrize(
-    "strategy",
-    [FullStrategy(), SinkWindowStrategy(sink=2, window=8), DlmRestoreStrategy(sink=2, window=8)],
-    ids=["full", "sink", "dlm_restore"],
-)
+@pytest.mark.parametrize("proposer", PROPOSERS)
+@pytest.mark.parametrize("strategy", list(DECODE_STRATEGIES.values()), ids=list(DECODE_STRATEGIES))
 def test_decoding_gives_the_same_tokens_with_either_layout(verifier_pool, tmp_path, proposer, strategy):
-    drafts = {"draft_model": save_draft_model(tmp_path / "draft"), "dflash": save_dflash_drafter(tmp_path / "dflash")}
-    options = ProposerOptions(name=proposer, draft_model=drafts.get(proposer), num_draft_tokens=3)
+    options = proposer_options(proposer, tmp_path)
     plain, major = _pair(verifier_pool.model_dir("mlx", "qwen3"))
-    for params in (SamplingParams(), SamplingParams(temperature=0.8, seed=7)):
-        tokens = _decode(plain, strategy, options, params)
-        assert _decode(major, strategy, options, params) == tokens
+    for params in SAMPLINGS:
+        tokens = decode(plain, "mlx", strategy, options, params)
+        assert decode(major, "mlx", strategy, options, params) == tokens
         assert len(set(tokens)) > 3
 
 

@@ -1,0 +1,46 @@
+"""Short decodes through every strategy and proposer, to compare two ways of serving one model token for token."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
+from kv_cache_proposer.proposers import ProposerOptions, load_proposer
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, KVStrategy, SinkWindowStrategy
+from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter, save_draft_model
+
+PROPOSERS = ("none", "ngram", "draft_model", "dflash")
+DECODE_STRATEGIES: dict[str, KVStrategy] = {
+    "full": FullStrategy(),
+    "sink": SinkWindowStrategy(sink=2, window=8),
+    "dlm_restore": DlmRestoreStrategy(sink=2, window=8),
+}
+# Greedy, and seeded sampling.
+SAMPLINGS = (SamplingParams(), SamplingParams(temperature=0.8, seed=7))
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(VOCAB_SIZE) for _ in range(n)]
+
+
+def proposer_options(name: str, root: Path) -> ProposerOptions:
+    """Options of proposer `name` drafting 3 tokens; draft models are saved under `root`."""
+    drafts = {"draft_model": save_draft_model(root / "draft"), "dflash": save_dflash_drafter(root / "dflash")}
+    return ProposerOptions(name=name, draft_model=drafts.get(name), num_draft_tokens=3)
+
+
+def decode(
+    verifier: Any, backend: str, strategy: KVStrategy, options: ProposerOptions, params: SamplingParams
+) -> list[int]:
+    """24 tokens after a fixed 20-token prompt, with the proposer of `options` loaded for `verifier`."""
+    proposer = load_proposer(options, verifier, backend=backend, device="cpu", dtype="float32")
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=random_tokens(4, 20), draft=proposer.open(strategy))
+    decoder, produced = Decoder(verifier), []
+    while len(produced) < 24:
+        produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
+    seq.draft.release()
+    return produced
