@@ -1,7 +1,9 @@
 """Decode and prefill speed of the daemon against the bare library loops, side by side in one run.
 
 For every history length the same text (held-out standard-library source tokenized with the model's tokenizer) is
-prefilled, then `--new-tokens` greedy tokens are decoded, by each arm:
+prefilled once per arm, untimed, with its first greedy token; each repeat then decodes `--new-tokens` more greedy
+tokens from a copy of that state (a fork of the daemon's session, a clone of the engine's cache, a copy of
+transformers' cache, mlx-lm's cache trimmed back), so repeats cost no prefill and can be many. The arms:
 
 - both backends: `daemon:<proposer>` (`kakeya-runtime serve` through the Python SDK, one daemon per
   `--daemon-proposers` entry; `none` is plain decoding, `dflash` the bundled drafter) and `engine` (`Decoder.step`
@@ -12,20 +14,20 @@ prefilled, then `--new-tokens` greedy tokens are decoded, by each arm:
   loop over the engine's input-major weights, which the MLX verifier keeps on a CPU) and `engine:burst1` (the
   engine with one decode step per call instead of its default bursts, `--decode-burst-tokens`).
 
-Decode rate is (tokens - 1) / (time of the last token - time of the first), so the prefill is not in it. Arms
-alternate within each repeat, so machine noise hits them alike; the summary holds medians and every arm's ratio to
-the bare loop of its backend (`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the
-longest history over the shortest. The prefill part appends `--prefill-tokens` to a fresh session and times it to the
-first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each of
-`--prefill-chunks` (`engine:N`), and one bare forward (on MLX, of the model as mlx-lm loads it). Greedy tokens of
+Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms alternate within each repeat, so
+machine noise hits them alike; the summary holds medians and every arm's ratio to the bare loop of its backend
+(`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the longest history over the
+shortest. The prefill part (`--prefill-repeats` times) appends `--prefill-tokens` to a fresh session and times it
+to the first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each
+of `--prefill-chunks` (`engine:N`), and one bare forward (on MLX, of the model as mlx-lm loads it). Greedy tokens of
 daemon:none, engine and the bare loop must agree (float32).
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 
 Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
-        [--new-tokens 128] [--prefill-tokens 8192] [--repeats 3] [--threads 0] [--daemon-proposers none,dflash]
-        [--model DIR] [--out results]
+        [--new-tokens 128] [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3] [--threads 0]
+        [--daemon-proposers none,dflash] [--model DIR] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
 
@@ -42,7 +44,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.decode_arms import Arm, DaemonArm, daemon_prefill, engine_arm, history_tokens, mlx_arms, torch_arms
+from lib.decode_arms import Arm, DaemonArm, Prefill, engine_prefill, history_tokens, mlx_arms, torch_arms
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
@@ -57,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mlx-histories", default="1024,8192", help="MLX history lengths (its CPU prefill is slow)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per run (default: 128)")
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the timed append (default: 8192)")
-    p.add_argument("--repeats", type=int, default=3, help="runs of every arm per history (default: 3)")
+    p.add_argument("--repeats", type=int, default=10, help="decodings of every arm per history (default: 10)")
+    p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills of every prefill arm (default: 3)")
     p.add_argument(
         "--prefill-chunks",
         default="2048,8192",
@@ -71,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.smoke:
         args.histories = args.mlx_histories = "48,96"
-        args.new_tokens, args.prefill_tokens, args.repeats, args.daemon_proposers = 6, 64, 1, "none"
+        args.new_tokens, args.prefill_tokens, args.repeats, args.daemon_proposers = 6, 64, 2, "none"
+        args.prefill_repeats = 1
         args.prefill_chunks = "16"
     args.backends = [b for b in args.backends.split(",") if b]
     args.histories = [int(h) for h in args.histories.split(",") if h]
@@ -85,8 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown backends {sorted(unknown)}")
     if "none" not in args.daemon_proposers:
         p.error("--daemon-proposers must hold none (the prefill arm and the token check use it)")
-    if args.new_tokens < 2 or args.repeats < 1 or args.prefill_tokens < 1:
-        p.error("--new-tokens >= 2, --repeats >= 1 and --prefill-tokens >= 1 are required")
+    if args.new_tokens < 2 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_tokens < 1:
+        p.error("--new-tokens >= 2, --repeats >= 1, --prefill-repeats >= 1 and --prefill-tokens >= 1 are required")
     return args
 
 
@@ -103,26 +107,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             histories = args.histories if backend == "torch" else args.mlx_histories
             for history_len in histories:
                 history = text[:history_len]
+                decodings = {name: arm(history) for name, arm in every.items()}
                 for repeat in range(args.repeats):
-                    order = list(every) if repeat % 2 == 0 else list(reversed(every))
+                    order = list(decodings) if repeat % 2 == 0 else list(reversed(decodings))
                     for name in order:
-                        result = every[name](history, args.new_tokens)
+                        result = decodings[name](args.new_tokens)
                         samples["decode"].append({"backend": backend, "arm": name, "history": history_len, **result})
                         print(
-                            f"{backend} {name:>14} history {history_len:>6}: "
-                            f"{result['decode_tokens_per_s']:7.1f} tok/s, ttft {result['ttft_s']:.3f} s",
+                            f"{backend} {name:>18} history {history_len:>6}: "
+                            f"{result['decode_tokens_per_s']:7.1f} tok/s",
                             flush=True,
                         )
+                del decodings
             appended = text[: args.prefill_tokens]
-            chunked = {f"engine:{chunk}": engine_arm(verifier, chunk) for chunk in args.prefill_chunks}
-            for _ in range(args.repeats):
-                for name in ("daemon:none", "engine", *chunked, "one_forward"):
-                    if name == "daemon:none":
-                        result = daemon_prefill(daemons[name], appended)
-                    elif name == "one_forward":
-                        result = bare_prefill(appended)
-                    else:
-                        result = {"prefill_s": {**arms, **chunked}[name](appended, 1)["ttft_s"]}
+            prefills: dict[str, Prefill] = {
+                "daemon:none": daemons["daemon:none"].prefill,
+                "engine": engine_prefill(verifier),
+            }
+            prefills |= {f"engine:{chunk}": engine_prefill(verifier, chunk) for chunk in args.prefill_chunks}
+            prefills["one_forward"] = bare_prefill
+            for _ in range(args.prefill_repeats):
+                for name, prefill in prefills.items():
+                    result = prefill(appended)
                     samples["prefill"].append({"backend": backend, "arm": name, "tokens": len(appended), **result})
                     print(f"{backend} prefill {name:>12}: {result['prefill_s']:.3f} s", flush=True)
         finally:
@@ -154,6 +160,7 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             arm: round(v[histories[0]] / v[histories[-1]], 3) for arm, v in rates.items()
         }
         part["tokens_agree"] = tokens_agree(decode, backend)
+        part["repeats_agree"] = repeats_agree(decode)
         prefill = [s for s in samples["prefill"] if s["backend"] == backend]
         medians = {
             arm: statistics.median(s["prefill_s"] for s in prefill if s["arm"] == arm)
@@ -174,6 +181,14 @@ def tokens_agree(decode: list[dict[str, Any]], backend: str) -> bool:
         if sample["arm"] in compared:
             by_history.setdefault(sample["history"], set()).add(tuple(sample["tokens"]))
     return all(len(outputs) == 1 for outputs in by_history.values())
+
+
+def repeats_agree(decode: list[dict[str, Any]]) -> bool:
+    """Whether every arm decoded the same tokens at every repeat of a history (each starts from the same state)."""
+    by_arm: dict[tuple[str, int], set[tuple[int, ...]]] = {}
+    for sample in decode:
+        by_arm.setdefault((sample["arm"], sample["history"]), set()).add(tuple(sample["tokens"]))
+    return all(len(outputs) == 1 for outputs in by_arm.values())
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:

@@ -1,9 +1,16 @@
 """The arms of `scripts/bench_decode.py`: the daemon through the SDK, the engine in-process and the bare library
-loops, each a function of (history, new tokens) returning the tokens and their timing."""
+loops.
+
+An arm is prepared once per history: it prefills the history (untimed) and decodes its first token. What it
+returns decodes `new_tokens` more greedy tokens from a copy of that state, the same state at every call: a fork of
+the daemon's session, a clone of the engine's cache, a copy of transformers' cache, mlx-lm's cache trimmed back.
+So repeats cost no prefill, and every arm decodes the same tokens after the same history.
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,8 +19,12 @@ from typing import Any
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
 
-Arm = Callable[[list[int], int], dict[str, Any]]
+Decoding = Callable[[int], dict[str, Any]]
+"""Decodes that many greedy tokens from one prefilled state (the same at every call): tokens and their timing."""
+Arm = Callable[[list[int]], Decoding]
+"""Prefills a history, untimed, and returns its decoding."""
 Prefill = Callable[[list[int]], dict[str, float]]
+"""Times a fresh prefill of a history to its first token."""
 
 
 def history_tokens(model: Path, length: int) -> list[int]:
@@ -60,17 +71,30 @@ def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     model = verifier.model
 
     @torch.inference_mode()
-    def bare_loop(history: list[int], new_tokens: int) -> dict[str, Any]:
-        def stream() -> Iterator[int]:
-            cache = DynamicCache()
-            ids = torch.tensor([history])
-            for _ in range(new_tokens):
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-                token = int(logits[0, -1].argmax())
-                yield token
-                ids = torch.tensor([[token]])
+    def prefilled(history: list[int]) -> tuple[Any, int]:
+        """transformers' cache holding `history`, and the greedy token after it."""
+        cache = DynamicCache()
+        logits = model(input_ids=torch.tensor([history]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return cache, int(logits.logits[0, -1].argmax())
 
-        return timed_tokens(stream(), time.perf_counter())
+    def bare_loop(history: list[int]) -> Decoding:
+        held, first = prefilled(history)
+
+        @torch.inference_mode()
+        def decode(new_tokens: int) -> dict[str, Any]:
+            cache = copy.deepcopy(held)
+
+            def stream() -> Iterator[int]:
+                ids = torch.tensor([[first]])
+                for _ in range(new_tokens):
+                    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                    token = int(logits[0, -1].argmax())
+                    yield token
+                    ids = torch.tensor([[token]])
+
+            return timed_tokens(stream(), time.perf_counter())
+
+        return decode
 
     class _Times(BaseStreamer):
         def __init__(self) -> None:
@@ -85,24 +109,31 @@ def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
         def end(self) -> None:
             return None
 
-    @torch.inference_mode()
-    def generate(history: list[int], new_tokens: int) -> dict[str, Any]:
-        streamer = _Times()
-        started = time.perf_counter()
-        out = model.generate(  # type: ignore[operator]
-            torch.tensor([history]),
-            attention_mask=torch.ones(1, len(history), dtype=torch.long),
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            streamer=streamer,
-        )
-        times = streamer.times
-        return {
-            "tokens": out[0, len(history) :].tolist(),
-            "ttft_s": times[0] - started,
-            "decode_tokens_per_s": (len(times) - 1) / (times[-1] - times[0]),
-        }
+    def generate(history: list[int]) -> Decoding:
+        held, first = prefilled(history)
+        prompt = torch.tensor([[*history, first]])  # the cache holds all but the last token
+
+        @torch.inference_mode()
+        def decode(new_tokens: int) -> dict[str, Any]:
+            streamer = _Times()
+            started = time.perf_counter()
+            out = model.generate(  # type: ignore[operator]
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                past_key_values=copy.deepcopy(held),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                streamer=streamer,
+            )
+            times = streamer.times
+            return {
+                "tokens": out[0, prompt.shape[1] :].tolist(),
+                "ttft_s": times[0] - started,
+                "decode_tokens_per_s": (len(times) - 1) / (times[-1] - times[0]),
+            }
+
+        return decode
 
     @torch.inference_mode()
     def bare_prefill(history: list[int]) -> dict[str, float]:
@@ -117,7 +148,7 @@ def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
 def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     import mlx.core as mx
     from mlx_lm.generate import generate_step
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
     from kv_cache_proposer.backends import load_verifier
     from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
@@ -130,9 +161,28 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
         return mx.argmax(logits, axis=-1)
 
     def mlx_lm_over(served: Any) -> Arm:
-        def mlx_lm(history: list[int], new_tokens: int) -> dict[str, Any]:
-            steps = generate_step(mx.array(history), served, max_tokens=new_tokens, sampler=greedy)
-            return timed_tokens((int(token) for token, _ in steps), time.perf_counter())
+        def mlx_lm(history: list[int]) -> Decoding:
+            cache = make_prompt_cache(served)
+            (first,) = [
+                int(t)
+                for t, _ in generate_step(mx.array(history), served, max_tokens=1, sampler=greedy, prompt_cache=cache)
+            ]
+
+            def trim() -> None:  # the loop stages one step ahead: back to the history alone
+                mx.eval([layer.state for layer in cache])
+                trim_prompt_cache(cache, cache[0].offset - len(history))
+
+            trim()
+
+            def decode(new_tokens: int) -> dict[str, Any]:
+                steps = generate_step(
+                    mx.array([first]), served, max_tokens=new_tokens, sampler=greedy, prompt_cache=cache
+                )
+                result = timed_tokens((int(token) for token, _ in steps), time.perf_counter())
+                trim()
+                return result
+
+            return decode
 
         return mlx_lm
 
@@ -151,33 +201,67 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     return arms, bare_prefill, verifier
 
 
-def engine_arm(verifier: Any, chunk: int | None = None, burst: int | None = None) -> Arm:
-    """`Decoder.step` in-process, prefilling in chunks of `chunk` tokens and decoding in bursts of `burst` steps
-    (None: the daemon's defaults for this verifier)."""
+# -- engine arms ---------------------------------------------------------------------------------------------------
+def _first_token(verifier: Any, history: list[int], chunk: int | None = None, burst: int | None = None) -> Any:
+    """A decoder (prefill chunks of `chunk` tokens, decode bursts of `burst` steps; None: the daemon's defaults)
+    and a sequence that holds `history` and the first token after it."""
     from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
     from kv_cache_proposer.sampling import SamplingParams
     from kv_cache_proposer.strategies import FullStrategy
 
-    def engine(history: list[int], new_tokens: int) -> dict[str, Any]:
-        decoder = Decoder(verifier, prefill_chunk_tokens=chunk, burst_tokens=burst)
-        seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(history))
-        budget, params = GenerationBudget(max_new_tokens=new_tokens), SamplingParams()
+    decoder = Decoder(verifier, prefill_chunk_tokens=chunk, burst_tokens=burst)
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(history))
+    while len(seq.tokens) == len(history):
+        decoder.step(seq, SamplingParams(), GenerationBudget(max_new_tokens=1), 0)
+    return decoder, seq
 
-        def stream() -> Iterator[int]:
-            produced = 0
-            while produced < new_tokens:
-                step = decoder.step(seq, params, budget, produced)
-                produced += len(step.tokens)
-                yield from step.tokens
 
-        return timed_tokens(stream(), time.perf_counter())
+def engine_arm(verifier: Any, burst: int | None = None) -> Arm:
+    """`Decoder.step` in-process, decoding in bursts of `burst` steps (None: the daemon's default)."""
+    from kv_cache_proposer.decoding import GenerationBudget, SequenceState
+    from kv_cache_proposer.sampling import SamplingParams
+
+    def engine(history: list[int]) -> Decoding:
+        decoder, held = _first_token(verifier, history, burst=burst)
+
+        def decode(new_tokens: int) -> dict[str, Any]:
+            seq = SequenceState(
+                cache=held.cache.clone(held.committed), tokens=list(held.tokens), committed=held.committed
+            )
+            budget, params = GenerationBudget(max_new_tokens=new_tokens), SamplingParams()
+
+            def stream() -> Iterator[int]:
+                produced = 0
+                while produced < new_tokens:
+                    step = decoder.step(seq, params, budget, produced)
+                    produced += len(step.tokens)
+                    yield from step.tokens
+
+            try:
+                return timed_tokens(stream(), time.perf_counter())
+            finally:
+                seq.cache.release()
+
+        return decode
 
     return engine
 
 
+def engine_prefill(verifier: Any, chunk: int | None = None) -> Prefill:
+    """A fresh sequence's prefill to its first token in chunks of `chunk` tokens (None: the daemon's default)."""
+
+    def prefill(history: list[int]) -> dict[str, float]:
+        started = time.perf_counter()
+        _first_token(verifier, history, chunk=chunk)
+        return {"prefill_s": time.perf_counter() - started}
+
+    return prefill
+
+
 # -- daemon arms ---------------------------------------------------------------------------------------------------
 class DaemonArm:
-    """A daemon serving the model with one backend and proposer, driven through the Python SDK."""
+    """A daemon serving the model with one backend and proposer, driven through the Python SDK: prepared, it holds
+    one session with the history and its first token, and every decoding runs on a fork of it."""
 
     def __init__(self, backend: str, proposer: str, args: argparse.Namespace) -> None:
         import kakeya
@@ -186,23 +270,42 @@ class DaemonArm:
         flags += ["--proposer", proposer, "--kv-strategy", "full", "--threads", str(args.threads)]
         self.daemon = Daemon(flags)
         self.client = kakeya.Client(self.daemon.wait_listening())
+        self._held: Any = None
 
-    def __call__(self, history: list[int], new_tokens: int) -> dict[str, Any]:
+    def __call__(self, history: list[int]) -> Decoding:
+        self._release()
+        held = self._held = self.client.create_session(initial_tokens=history, eos_token_ids=[])
+        list(held.generate(1))
+
+        def decode(new_tokens: int) -> dict[str, Any]:
+            with held.fork() as session:
+                stream = session.generate(new_tokens)
+                result = timed_tokens(stream, time.perf_counter())
+                stats = stream.stats
+            if stats is not None:
+                result["forwards"] = stats.verifier_forward_count
+            return result
+
+        return decode
+
+    def prefill(self, history: list[int]) -> dict[str, float]:
+        """An append of `history` to a fresh session, prefilled by a one-token generation: the daemon's own
+        prefill seconds and the time to the first token."""
         with self.client.create_session(initial_tokens=history, eos_token_ids=[]) as session:
-            stream = session.generate(new_tokens)
+            stream = session.generate(1)
             result = timed_tokens(stream, time.perf_counter())
             stats = stream.stats
-        if stats is not None:
-            result["server_prefill_s"] = stats.prefill_duration_s
-            result["forwards"] = stats.verifier_forward_count
-        return result
+        return {
+            "prefill_s": stats.prefill_duration_s if stats is not None else result["ttft_s"],
+            "ttft_s": result["ttft_s"],
+        }
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def close(self) -> None:
+        self._release()
         self.client.close()
         self.daemon.stop()
-
-
-def daemon_prefill(arm: DaemonArm, history: list[int]) -> dict[str, float]:
-    """An append of `history` to a fresh session, prefilled by a one-token generation."""
-    result = arm(history, 2)
-    return {"prefill_s": result.get("server_prefill_s", result["ttft_s"]), "ttft_s": result["ttft_s"]}

@@ -38,11 +38,13 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         ("mlx", "mlx_lm"),
         ("mlx", "mlx_lm:input_major"),
     }
+    assert len(samples["decode"]) == 2 * 2 * len(arms), "two repeats of every arm at each of two histories"
     for sample in samples["decode"]:
         assert len(sample["tokens"]) == 6 and sample["decode_tokens_per_s"] > 0
     for backend, bare in (("torch", "bare_loop"), ("mlx", "mlx_lm")):
         part = summary[backend]
         assert part["tokens_agree"] is True, "the daemon, the engine and the bare loop decode the same greedy tokens"
+        assert part["repeats_agree"] is True, "every repeat decodes from the same prefilled state"
         assert part["decode_ratio_to_bare"][bare] == {"48": 1.0, "96": 1.0}
         ratio = part["decode_tokens_per_s"]["engine"]["96"] / part["decode_tokens_per_s"][bare]["96"]
         assert abs(part["decode_ratio_to_bare"]["engine"]["96"] - ratio) < 0.01
