@@ -11,43 +11,19 @@ import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
-from typing import Any
 
 from inference_engine import __version__
 from inference_engine.batching import StepBatcher
 from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
 from inference_engine.describe import describe_model, describe_session
-from inference_engine.domain import (
-    CreateParams,
-    GenerateEvent,
-    GenerateParams,
-    ModelInfo,
-    SessionInfo,
-)
-from inference_engine.errors import (
-    InvalidArgument,
-    JournalUnavailable,
-    ResourceExhausted,
-    ServiceError,
-    SessionFailed,
-    ShuttingDown,
-)
+from inference_engine.domain import CreateParams, GenerateEvent, GenerateParams, ModelInfo, SessionInfo
+from inference_engine.durability import JournaledSessions
+from inference_engine.errors import InvalidArgument, ResourceExhausted, ServiceError, SessionFailed, ShuttingDown
 from inference_engine.forking import fork_sequence
 from inference_engine.generation import run_generation
 from inference_engine.grammars import ModelGrammars
-from inference_engine.journal import (
-    Journal,
-    JournalAppended,
-    JournalDamaged,
-    JournalEnded,
-    JournalEntry,
-    JournalError,
-    JournalOpened,
-    OwnershipLost,
-    SessionHeader,
-    SessionRecord,
-)
+from inference_engine.journal import Journal, JournalAppended
 from inference_engine.metrics import Metrics
 from inference_engine.model_facts import ModelFacts
 from inference_engine.restoration import restoration_setup
@@ -57,23 +33,18 @@ from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
-from kv_cache_proposer.decoding import (
-    Decoder,
-    DraftPolicy,
-    GenerationBudget,
-    SequenceState,
-)
+from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
+from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 
-class Runtime:
-    """Sessions bound to one loaded verifier."""
+class Runtime(JournaledSessions):
+    """Sessions bound to one loaded verifier, journaled once a journal is attached (`JournaledSessions`)."""
 
     def __init__(
         self,
@@ -321,63 +292,6 @@ class Runtime:
         return describe_model(self)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
-    def model_identity(self) -> dict[str, Any]:
-        """What a session snapshot must match to be restored into this runtime."""
-        return {
-            "model": str(self.config.model_dir.resolve()),
-            "backend": self.config.backend,
-            "vocab_size": self.verifier.vocab_size,
-        }
-
-    def attach_journal(self, journal: Journal) -> None:
-        """Record every session change in `journal` from now on; sessions that end are written as ended. A shared
-        journal also brings the sessions this daemon does not hold when they are asked for (`acquire`)."""
-        self.journal = journal
-        self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
-        if journal.shared:
-            self.takeovers = SessionTakeovers(journal, self.store, self.restore_session, self.cluster_metrics)
-
-    async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
-        """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
-        if self.takeovers is None:
-            return self.store.get(session_id, touch=touch)
-        return await self.takeovers.acquire(session_id, touch=touch)
-
-    def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
-        """Bring journaled sessions back under their ids, with their whole history pending.
-
-        Idle time counts from each session's last journaled activity, so the TTL applies as to any session. A
-        record that does not fit this model raises `JournalDamaged`, or with `drop_invalid` is dropped (and
-        written as ended); returns what was dropped.
-        """
-        dropped = []
-        for record in records:
-            try:
-                self.restore_session(record)
-            except JournalDamaged as exc:
-                if not drop_invalid:
-                    raise
-                dropped.append(str(exc))
-                if self.journal is not None:
-                    self.journal.submit(JournalEnded(record.header.session_id))
-        return dropped
-
-    def restore_session(self, record: SessionRecord) -> Session:
-        """Bring one journaled session back under its id with its whole history pending; `JournalDamaged` when
-        the record does not fit this model."""
-        header = record.header
-        try:
-            compressor = KVCompressor.parse(header.kv_compressor)
-            strategy = make_strategy(header.kv_strategy, sink=header.sink, window=header.window)
-            eos = self.checks.tokens(header.eos_token_ids, "eos_token_ids")
-            tokens = self.checks.tokens(record.tokens, "tokens")
-            if len(tokens) > self.config.max_history_tokens:
-                raise ValueError(f"{len(tokens)} tokens is above the --max-history-tokens limit")
-        except (ValueError, InvalidArgument) as exc:
-            raise JournalDamaged(f"session {header.session_id!r} cannot be restored: {exc}") from None
-        last_access = self.store.now() - max(0.0, time.time() - record.last_active_unix)
-        return self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access, compressor)
-
     def evict_idle(self) -> int:
         return self.store.evict_idle()
 
@@ -475,56 +389,6 @@ class Runtime:
             )
         return inside
 
-    async def _journal_opened(self, session: Session) -> None:
-        """Journal a new session; if that fails the session is freed and the call fails."""
-        entry = JournalOpened(session_header(session), tuple(session.seq.tokens), time.time())
-        try:
-            await self._journal_write(entry)
-        except JournalUnavailable:
-            self.store.detach(session, "failed", "failed: not journaled")
-            session.release()
-            self.store.refresh_gauges()
-            raise
-
-    async def _journal_write(self, entry: JournalEntry) -> None:
-        if self.journal is None:
-            return
-        try:
-            await self.journal.write(entry)
-        except OwnershipLost as exc:
-            if self.takeovers is not None and isinstance(entry, JournalAppended):
-                self.takeovers.drop_lost(entry.session_id)
-            raise JournalUnavailable(f"{exc}: the change was not made here; retry through the proxy") from exc
-        except JournalError as exc:
-            message = f"the session journal cannot record the change, so it was not made: {exc}"
-            raise JournalUnavailable(message) from exc
-
-    def fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
-        """Fail a session whose generated tokens could not be journaled: its memory and journal would disagree."""
-        if isinstance(exc, OwnershipLost) and self.takeovers is not None:
-            self.takeovers.drop_lost(session.session_id)
-            return JournalUnavailable(f"{exc}: the generation stopped here; retry through the proxy")
-        self.store.detach(session, "failed", f"failed: {exc}")
-        session.release()
-        self.store.refresh_gauges()
-        log.error("session failed: tokens not journaled", extra={"session_id": session.session_id, "error": str(exc)})
-        return JournalUnavailable(f"session {session.session_id!r} failed and was freed: {exc}")
-
     def _check_accepting(self) -> None:
         if not self._accepting:
             raise ShuttingDown("the server is shutting down")
-
-
-def session_header(session: Session) -> SessionHeader:
-    """What the journal records about a session besides its tokens."""
-    strategy = session.seq.cache.strategy
-    options = strategy_options(strategy)
-    return SessionHeader(
-        session_id=session.session_id,
-        label=session.label,
-        eos_token_ids=tuple(sorted(session.eos_token_ids)),
-        kv_strategy=strategy.name,
-        sink=options.get("sink", 0),
-        window=options.get("window", 0),
-        kv_compressor=session.compressor.label,
-    )
