@@ -22,6 +22,7 @@ _MAX_PREFILL_CHUNK = 8192
 _PREFILL_ACTIVATION_BYTES = 256 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DECODE_BURST_TOKENS = 4
+_MLX_CPU_DECODE_BURST_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +53,19 @@ class ModelFacts:
 
     @property
     def decode_burst_tokens(self) -> int:
-        """The default number of plain greedy decode steps one call runs back to back (`CausalLM.burst`): 4.
+        """The default number of plain greedy decode steps one call runs back to back (`CausalLM.burst`): 8 for MLX
+        on a CPU, 4 elsewhere.
 
         Where the host queues work for a device that runs it asynchronously (CUDA, MPS, MLX on either device),
-        a burst keeps the device busy while the host prepares the next step. PyTorch on a CPU computes each
-        operation as it is called, so there the forwards gain nothing, but a burst's tokens reach a daemon's stream
-        together: one hand-over and one event-loop pass for four tokens, where each pass holds the interpreter lock
-        the next forward waits for.
+        a burst keeps the device busy while the host prepares the next step; the device idles once per burst, while
+        the host commits it and hands its tokens over. MLX on a CPU gains from the longer burst (about 5 % at 1,024
+        and 8,192 tokens of history on the bundled model). PyTorch on a CPU computes each operation as it is
+        called, so there the forwards gain nothing, but a burst's tokens reach a daemon's stream together: one
+        hand-over and one event-loop pass for four tokens, where each pass holds the interpreter lock the next
+        forward waits for.
         """
+        if self.backend == "mlx" and self.device == "cpu":
+            return _MLX_CPU_DECODE_BURST_TOKENS
         return _DECODE_BURST_TOKENS
 
 
