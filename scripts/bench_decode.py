@@ -11,8 +11,9 @@ transformers' cache, mlx-lm's cache trimmed back), so repeats cost no prefill an
 - torch: `bare_loop` (the model called token by token with transformers' `DynamicCache`) and `generate`
   (`model.generate` with a streamer timing each token);
 - mlx: `mlx_lm` (mlx-lm's own `generate_step` over the model as mlx-lm loads it), `mlx_lm:input_major` (the same
-  loop over the engine's input-major weights, which the MLX verifier keeps on a CPU) and `engine:burst1` (the
-  engine with one decode step per call instead of its default bursts, `--decode-burst-tokens`).
+  loop over the engine's input-major weights, which the MLX verifier keeps on a CPU) and `engine:burstN` for each
+  of `--mlx-engine-bursts` (the engine with bursts of N decode steps per call instead of its default,
+  `--decode-burst-tokens`; 1 is one step per call).
 
 Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms alternate within each repeat, so
 machine noise hits them alike; the summary holds medians and every arm's ratio to the bare loop of its backend
@@ -26,8 +27,8 @@ Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 
 Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
-        [--new-tokens 128] [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3] [--threads 0]
-        [--daemon-proposers none,dflash] [--model DIR] [--out results]
+        [--mlx-engine-bursts 1] [--new-tokens 128] [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3]
+        [--threads 0] [--daemon-proposers none,dflash] [--model DIR] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
 
@@ -58,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--histories", default="1024,8192,32768", help="torch history lengths in tokens")
     p.add_argument("--mlx-histories", default="1024,8192", help="MLX history lengths (its CPU prefill is slow)")
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per run (default: 128)")
+    p.add_argument(
+        "--mlx-engine-bursts", default="1", help="more MLX engine arms, one per decode burst length (default: 1)"
+    )
     p.add_argument("--prefill-tokens", type=int, default=8192, help="tokens of the timed append (default: 8192)")
     p.add_argument("--repeats", type=int, default=10, help="decodings of every arm per history (default: 10)")
     p.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills of every prefill arm (default: 3)")
@@ -82,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mlx_histories = [int(h) for h in args.mlx_histories.split(",") if h]
     args.daemon_proposers = [d for d in args.daemon_proposers.split(",") if d]
     args.prefill_chunks = [int(c) for c in args.prefill_chunks.split(",") if c]
+    args.mlx_engine_bursts = [int(b) for b in args.mlx_engine_bursts.split(",") if b]
     if args.threads == 0:
         args.threads = len(os.sched_getaffinity(0))
     unknown = set(args.backends) - set(BARE)
@@ -89,6 +94,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"unknown backends {sorted(unknown)}")
     if "none" not in args.daemon_proposers:
         p.error("--daemon-proposers must hold none (the prefill arm and the token check use it)")
+    if any(burst < 1 for burst in args.mlx_engine_bursts):
+        p.error("--mlx-engine-bursts must hold lengths >= 1")
     if args.new_tokens < 2 or args.repeats < 1 or args.prefill_repeats < 1 or args.prefill_tokens < 1:
         p.error("--new-tokens >= 2, --repeats >= 1, --prefill-repeats >= 1 and --prefill-tokens >= 1 are required")
     return args

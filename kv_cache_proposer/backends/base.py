@@ -58,11 +58,10 @@ class ModelFacts:
 
         Where the host queues work for a device that runs it asynchronously (CUDA, MPS, MLX on either device),
         a burst keeps the device busy while the host prepares the next step; the device idles once per burst, while
-        the host commits it and hands its tokens over. MLX on a CPU gains from the longer burst (about 5 % at 1,024
-        and 8,192 tokens of history on the bundled model). PyTorch on a CPU computes each operation as it is
-        called, so there the forwards gain nothing, but a burst's tokens reach a daemon's stream together: one
-        hand-over and one event-loop pass for four tokens, where each pass holds the interpreter lock the next
-        forward waits for.
+        the host commits it and hands its tokens over. MLX on a CPU decodes faster with the longer burst
+        (docs/benchmarks.md). PyTorch on a CPU computes each operation as it is called, so there the forwards gain
+        nothing, but a burst's tokens reach a daemon's stream together: one hand-over and one event-loop pass for
+        four tokens, where each pass holds the interpreter lock the next forward waits for.
         """
         if self.backend == "mlx" and self.device == "cpu":
             return _MLX_CPU_DECODE_BURST_TOKENS

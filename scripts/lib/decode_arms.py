@@ -194,7 +194,7 @@ def mlx_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
 
     arms = {
         "engine": engine_arm(verifier),
-        "engine:burst1": engine_arm(verifier, burst=1),
+        **{f"engine:burst{burst}": engine_arm(verifier, burst=burst) for burst in args.mlx_engine_bursts},
         "mlx_lm": mlx_lm_over(model),
         "mlx_lm:input_major": mlx_lm_over(verifier.model),
     }
