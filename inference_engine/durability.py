@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from inference_engine.cluster import ClusterMetrics, SessionTakeovers
@@ -47,19 +47,8 @@ class JournaledSessions:
     cluster_metrics: ClusterMetrics
     journal: Journal | None
     takeovers: SessionTakeovers | None  # set when the journal is shared by a cluster
-
-    def _open_session(
-        self,
-        session_id: str,
-        label: str,
-        eos: Iterable[int],
-        strategy: KVStrategy,
-        tokens: list[int],
-        last_access: float,
-        compressor: KVCompressor,
-    ) -> Session:
-        """A new session in the store, holding `tokens` pending (the runtime's)."""
-        raise NotImplementedError
+    _open_session: Callable[[str, str, Iterable[int], KVStrategy, list[int], float, KVCompressor], Session]
+    """Adds a new session to the store, its `tokens` pending (the runtime's method)."""
 
     def model_identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
