@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_engine.config import ServerConfig
+from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.generated import runtime_pb2
 from inference_engine.journal import Journal, JournalDamaged, open_journal, open_shared_journal
 from inference_engine.metrics import Metrics
@@ -27,6 +27,7 @@ from inference_engine.transport.http_server import HttpShimServer
 from inference_engine.transport.metrics_http import start_metrics_server
 from inference_engine.transport.text_codec import TextCodec
 from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
 
@@ -40,6 +41,12 @@ SERVICE_NAME = runtime_pb2.DESCRIPTOR.services_by_name["RuntimeService"].full_na
 
 def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtime:
     """Load the configured model and proposer and wrap them in a runtime."""
+    if config.backend == "mlx":
+        try:
+            blas = use_mlx_blas(config.mlx_blas)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        log.info("MLX CPU BLAS: %s", blas, extra={"mlx_blas": blas.library})
     verifier: Verifier = load_verifier(
         config.backend, config.model_dir, device=config.device, dtype=config.dtype, torch_forward=config.torch_forward
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
 from kv_cache_proposer.backends.mlx_backend.attention import batch_staging_layers, staging_layers
 from kv_cache_proposer.backends.mlx_backend.features import tap_layers
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
+from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
 from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.sampling import SamplingParams
@@ -68,9 +70,12 @@ class MlxVerifier(BackendModel[mx.array]):
 
     @property
     def description(self) -> str:
-        if not self._input_major:
-            return super().description
-        return f"{super().description}, weights: input-major ({self._input_major} modules)"
+        parts = [super().description]
+        if self._input_major:
+            parts.append(f"weights: input-major ({self._input_major} modules)")
+        if self.device.type == mx.cpu and sys.platform == "linux":
+            parts.append(f"CPU BLAS: {active_mlx_blas()}")
+        return ", ".join(parts)
 
     def forward(
         self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int, feature_layers: Sequence[int]
