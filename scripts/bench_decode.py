@@ -13,21 +13,27 @@ transformers' cache, mlx-lm's cache trimmed back), so repeats cost no prefill an
 - mlx: `mlx_lm` (mlx-lm's own `generate_step` over the model as mlx-lm loads it), `mlx_lm:input_major` (the same
   loop over the engine's input-major weights, which the MLX verifier keeps on a CPU) and `engine:burstN` for each
   of `--mlx-engine-bursts` (the engine with bursts of N decode steps per call instead of its default,
-  `--decode-burst-tokens`; 1 is one step per call).
+  `--decode-burst-tokens`; 1 is one step per call), and `daemon:none:blas=<choice>` for each of
+  `--mlx-daemon-blas` (a daemon whose MLX kernels call that CBLAS library, `--mlx-blas` of the daemon).
+
+Every other MLX arm, in this process and in the daemons, runs on the CBLAS library of `--mlx-blas` (default
+`bundled`, the reference BLAS of the Linux `mlx[cpu]` wheel).
 
 Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms alternate within each repeat, so
 machine noise hits them alike; the summary holds medians and every arm's ratio to the bare loop of its backend
 (`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the longest history over the
 shortest. The prefill part (`--prefill-repeats` times) appends `--prefill-tokens` to a fresh session and times it
 to the first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each
-of `--prefill-chunks` (`engine:N`), and one bare forward (on MLX, of the model as mlx-lm loads it). Greedy tokens of
-daemon:none, engine and the bare loop must agree (float32).
+of `--prefill-chunks` (`engine:N`), the daemons of `--mlx-daemon-blas`, and one bare forward (on MLX, of the model
+as mlx-lm loads it). Greedy tokens of daemon:none (and its BLAS variants), engine and the bare loop must agree
+(float32).
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 
 Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
-        [--mlx-engine-bursts 1] [--new-tokens 128] [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3]
+        [--mlx-engine-bursts 1] [--mlx-blas bundled] [--mlx-daemon-blas auto] [--new-tokens 128]
+        [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3]
         [--threads 0] [--daemon-proposers none,dflash] [--model DIR] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
@@ -49,6 +55,7 @@ from lib.decode_arms import Arm, DaemonArm, Prefill, engine_prefill, history_tok
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import BUNDLED_MODEL_DIR
+from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 
 BARE = {"torch": "bare_loop", "mlx": "mlx_lm"}
 
@@ -58,6 +65,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backends", default="torch,mlx", help="comma-separated: torch, mlx (default: both)")
     p.add_argument("--histories", default="1024,8192,32768", help="torch history lengths in tokens")
     p.add_argument("--mlx-histories", default="1024,8192", help="MLX history lengths (its CPU prefill is slow)")
+    p.add_argument(
+        "--mlx-blas", default="bundled", help="CBLAS library of every MLX arm: bundled, auto or a path (--mlx-blas)"
+    )
+    p.add_argument(
+        "--mlx-daemon-blas", default="", help="more MLX daemon arms (no proposer), one per CBLAS library choice"
+    )
     p.add_argument("--new-tokens", type=int, default=128, help="greedy tokens decoded per run (default: 128)")
     p.add_argument(
         "--mlx-engine-bursts", default="1", help="more MLX engine arms, one per decode burst length (default: 1)"
@@ -86,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.mlx_histories = [int(h) for h in args.mlx_histories.split(",") if h]
     args.daemon_proposers = [d for d in args.daemon_proposers.split(",") if d]
     args.prefill_chunks = [int(c) for c in args.prefill_chunks.split(",") if c]
+    args.mlx_daemon_blas = [c for c in args.mlx_daemon_blas.split(",") if c]
     args.mlx_engine_bursts = [int(b) for b in args.mlx_engine_bursts.split(",") if b]
     if args.threads == 0:
         args.threads = len(os.sched_getaffinity(0))
@@ -109,6 +123,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for backend in args.backends:
         arms, bare_prefill, verifier = torch_arms(args) if backend == "torch" else mlx_arms(args)
         daemons = {f"daemon:{p}": DaemonArm(backend, p, args) for p in args.daemon_proposers}
+        if backend == "mlx":
+            daemons |= {f"daemon:none:blas={c}": DaemonArm(backend, "none", args, blas=c) for c in args.mlx_daemon_blas}
         try:
             every: dict[str, Arm] = {**daemons, **arms}
             histories = args.histories if backend == "torch" else args.mlx_histories
@@ -128,9 +144,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del decodings
             appended = text[: args.prefill_tokens]
             prefills: dict[str, Prefill] = {
-                "daemon:none": daemons["daemon:none"].prefill,
-                "engine": engine_prefill(verifier),
+                name: daemon.prefill for name, daemon in daemons.items() if name.startswith("daemon:none")
             }
+            prefills["engine"] = engine_prefill(verifier)
             prefills |= {f"engine:{chunk}": engine_prefill(verifier, chunk) for chunk in args.prefill_chunks}
             prefills["one_forward"] = bare_prefill
             for _ in range(args.prefill_repeats):
@@ -182,10 +198,10 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
 def tokens_agree(decode: list[dict[str, Any]], backend: str) -> bool:
     """Whether the greedy tokens of the daemon without a proposer, the engine and the bare loop agree."""
-    compared = {"daemon:none", "engine", BARE[backend]}
+    compared = {"engine", BARE[backend]}
     by_history: dict[int, set[tuple[int, ...]]] = {}
     for sample in decode:
-        if sample["arm"] in compared:
+        if sample["arm"] in compared or sample["arm"].startswith("daemon:none"):
             by_history.setdefault(sample["history"], set()).add(tuple(sample["tokens"]))
     return all(len(outputs) == 1 for outputs in by_history.values())
 
@@ -237,6 +253,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
+    if "mlx" in args.backends:
+        args.mlx_blas_in_process = str(use_mlx_blas(args.mlx_blas))
     samples = run(args)
     summary = summarize(samples, args)
     summary["duration_s"] = round(time.perf_counter() - started, 1)

@@ -263,11 +263,13 @@ class DaemonArm:
     """A daemon serving the model with one backend and proposer, driven through the Python SDK: prepared, it holds
     one session with the history and its first token, and every decoding runs on a fork of it."""
 
-    def __init__(self, backend: str, proposer: str, args: argparse.Namespace) -> None:
+    def __init__(self, backend: str, proposer: str, args: argparse.Namespace, *, blas: str | None = None) -> None:
         import kakeya
 
         flags = ["--model", str(args.model), "--backend", backend, "--device", "cpu", "--dtype", "float32"]
         flags += ["--proposer", proposer, "--kv-strategy", "full", "--threads", str(args.threads)]
+        if backend == "mlx":
+            flags += ["--mlx-blas", blas or args.mlx_blas]
         self.daemon = Daemon(flags)
         self.client = kakeya.Client(self.daemon.wait_listening())
         self._held: Any = None

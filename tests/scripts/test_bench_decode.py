@@ -20,7 +20,7 @@ def _bench():
 
 def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
     bench = _bench()
-    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--smoke", "--mlx-daemon-blas", "auto", "--out", str(tmp_path)]) == 0
 
     (json_path,) = tmp_path.glob("bench_decode_*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
@@ -33,6 +33,7 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         ("torch", "bare_loop"),
         ("torch", "generate"),
         ("mlx", "daemon:none"),
+        ("mlx", "daemon:none:blas=auto"),
         ("mlx", "engine"),
         ("mlx", "engine:burst1"),
         ("mlx", "mlx_lm"),
@@ -48,5 +49,6 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         assert part["decode_ratio_to_bare"][bare] == {"48": 1.0, "96": 1.0}
         ratio = part["decode_tokens_per_s"]["engine"]["96"] / part["decode_tokens_per_s"][bare]["96"]
         assert abs(part["decode_ratio_to_bare"]["engine"]["96"] - ratio) < 0.01
-        assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "engine:16", "one_forward"}
+        blas_arms = {"daemon:none:blas=auto"} if backend == "mlx" else set()
+        assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "engine:16", "one_forward"} | blas_arms
         assert set(part["per_token_time_longest_over_shortest"]) >= {"engine", bare}
