@@ -30,11 +30,14 @@ def resolve_threads(requested: int, cores: int | None = None) -> int:
 
 
 def apply_threads(threads: int, backend: str) -> None:
-    """Limit the tensor libraries to `threads` CPU threads that wait passively (unless `OMP_WAIT_POLICY` is set).
-    Call before the model loads: OpenMP reads its environment once, when torch or the BLAS library loads."""
+    """Limit the tensor libraries to `threads` CPU threads that wait passively (unless `OMP_WAIT_POLICY` and
+    `OPENBLAS_THREAD_TIMEOUT` are set). Call before the model loads: OpenMP and OpenBLAS read their environment
+    once, when torch or the BLAS library loads."""
     for name in _ENV_VARS:
         os.environ[name] = str(threads)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # OpenBLAS's idle threads spin for 2^28 cycles by default; 2^4 puts them to sleep at once.
+    os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if backend == "torch":
         import torch
 

@@ -29,9 +29,10 @@ def test_apply_threads_sets_torch_and_the_blas_environment_in_a_fresh_process():
         "apply_threads(1, 'torch')\n"
         "import os, torch\n"
         "print(torch.get_num_threads(), torch.get_num_interop_threads(), os.environ['OPENBLAS_NUM_THREADS'],"
-        " os.environ['OMP_WAIT_POLICY'])\n"
+        " os.environ['OMP_WAIT_POLICY'], os.environ['OPENBLAS_THREAD_TIMEOUT'])\n"
     )
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS") and k != "OMP_WAIT_POLICY"}
+    waits = ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS") and k not in waits}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["1", "1", "1", "PASSIVE"]
+    assert result.stdout.split() == ["1", "1", "1", "PASSIVE", "4"]
