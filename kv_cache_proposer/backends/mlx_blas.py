@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 MLX_BLAS_CHOICES = ("auto", "bundled")
 _INSTALL_HINT = "on Debian or Ubuntu `apt install libopenblas0-pthread` provides one"
@@ -89,7 +86,6 @@ def use_mlx_blas(choice: str) -> MlxBlas:
     if not _resolves_globally(library, "cblas_sgemm"):
         raise ValueError(f"mlx_blas {choice!r}: another cblas_sgemm is already visible to the whole process")
     _active = MlxBlas(library=path)
-    log.info("MLX's CPU kernels use the BLAS at %s", path)
     return _active
 
 
