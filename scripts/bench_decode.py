@@ -197,7 +197,8 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
 
 
 def tokens_agree(decode: list[dict[str, Any]], backend: str) -> bool:
-    """Whether the greedy tokens of the daemon without a proposer, the engine and the bare loop agree."""
+    """Whether the greedy tokens of the daemons without a proposer (on every BLAS), the engine and the bare loop
+    agree."""
     compared = {"engine", BARE[backend]}
     by_history: dict[int, set[tuple[int, ...]]] = {}
     for sample in decode:
