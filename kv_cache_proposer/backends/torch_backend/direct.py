@@ -2,10 +2,18 @@
 
 For Llama, Mistral, Qwen2 and Qwen3 checkpoints attended through PyTorch's SDPA, a forward here runs the
 operations of transformers' modeling code for these models, in the same order and on the same parameter tensors,
-so it computes the same values bit for bit. What it leaves out is the Python around them: a decoder layer is two
-compiled calls (norm, projections, Q/K norms and rotary embedding; then output projection, residuals and MLP) on
-either side of its K/V staging and attention, instead of some forty module calls, hooks and keyword merges. On a
-model whose step is small next to that overhead (any model on a CPU at short histories) this is most of a step.
+so it computes the same values bit for bit, with one exception below. What it leaves out is the Python around
+them: a decoder layer is two compiled calls (norm, projections, Q/K norms and rotary embedding; then output
+projection, residuals and MLP) on either side of its K/V staging and attention, instead of some forty module calls,
+hooks and keyword merges. On a model whose step is small next to that overhead (any model on a CPU at short
+histories) this is most of a step.
+
+The exception: on a CPU, a block of queries over a long history of an unbounded cache (every earlier key visible,
+its own keys causally) attends in two parts merged by their log-sum-exps, the earlier keys without a mask and its
+own keys under the kernel's causal flag. Under an explicit mask PyTorch's CPU flash kernel computes every score of
+the block's own square and reads the mask for each score; the two parts read no mask and skip the hidden half of
+the square. The values then differ from transformers' by float rounding (the softmax's sum is added up in two
+parts).
 
 Any other architecture, attention implementation or module layout runs through transformers' modules
 (`unsupported` says why).
@@ -17,7 +25,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Final, Literal
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +33,19 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.modeling_utils import slice_logits_to_keep
 
+_flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
+
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-Masks = torch.Tensor | Mapping[str, torch.Tensor] | None
+
+# The mask of a block that reads every earlier key, then its own keys causally (`DirectForward.splits`).
+OVER_HISTORY: Final = "over history"
+Masks = torch.Tensor | Mapping[str, torch.Tensor] | Literal["over history"] | None
+
+# Queries times earlier keys from which the split attention beats one masked call on a CPU: below it the second
+# kernel call and the merge cost more than the mask (measured on the bundled model's 64-wide heads).
+SPLIT_MIN_PAIRS: Final = 65_536
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -155,6 +172,12 @@ class DirectForward:
         head = model.get_output_embeddings()
         self._head = (head.weight, head.bias)
         self._layers = [_read_layer(layer, kind) for layer, kind in zip(decoder.layers, layer_types, strict=True)]
+        self._on_cpu = head.weight.device.type == "cpu"
+
+    def splits(self, queries: int, earlier_keys: int) -> bool:
+        """Whether a block of `queries` over `earlier_keys` keys of an unbounded cache, all full attention, is
+        better handed `OVER_HISTORY` than its mask (module docstring)."""
+        return self._on_cpu and queries > 1 and queries * earlier_keys >= SPLIT_MIN_PAIRS
 
     def __call__(
         self,
@@ -169,7 +192,7 @@ class DirectForward:
         features of `feature_layers` [B, n, H] (what `features.layer_outputs` records), for a block whose layers
         stage their K/V through `stage(layer, k, v) -> (keys, values)`. `masks` is what transformers' attention
         would be given: a boolean mask [B, 1, n, K], one per layer type, or None for a causal block that reads
-        only itself or a single query."""
+        only itself or a single query; or `OVER_HISTORY` where `splits` says so."""
         attention_inputs, layer_output, rms_norm = _compiled()
         hidden = self._embed(input_ids)  # [B, n, H]
         cos, sin = self._rotary(hidden, position_ids)  # [B, n, D]
@@ -191,10 +214,36 @@ class DirectForward:
         return logits, features
 
 
+def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer) -> torch.Tensor:
+    """Attention of a block of n queries [B, heads, n, D] over K keys whose first K - n every query reads and whose
+    last n are the block's own, read causally: the two parts' outputs weighted by their share of the softmax's sum
+    (from each part's log-sum-exp)."""
+    batch, heads, n, dim = q.shape
+    earlier = keys.shape[2] - n
+    # each K/V head's query heads one after another, as rows of one query block (no mask tells them apart)
+    grouped = q.reshape(batch, heads // layer.groups, layer.groups * n, dim)
+    past, past_lse = _flash_cpu(grouped, keys[:, :, :earlier], values[:, :, :earlier], scale=layer.scaling)
+    own_keys, own_values = keys[:, :, earlier:], values[:, :, earlier:]
+    if layer.groups > 1:
+        own_keys, own_values = repeat_kv(own_keys, layer.groups), repeat_kv(own_values, layer.groups)
+    own, own_lse = _flash_cpu(q, own_keys, own_values, is_causal=True, scale=layer.scaling)
+    past_lse, own_lse = past_lse.reshape(batch, heads, n, 1), own_lse.reshape(batch, heads, n, 1)
+    top = torch.maximum(past_lse, own_lse)
+    past_weight, own_weight = torch.exp(past_lse - top), torch.exp(own_lse - top)
+    merged = past.reshape(batch, heads, n, dim).float() * past_weight + own.float() * own_weight
+    return (merged / (past_weight + own_weight)).to(q.dtype)
+
+
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, layer: _Layer
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | str | None, layer: _Layer
 ) -> torch.Tensor:
-    """SDPA over one layer's keys, with transformers' choice of how grouped K/V heads meet the query heads."""
+    """SDPA over one layer's keys, with transformers' choice of how grouped K/V heads meet the query heads, except
+    that a masked block of several queries on a CPU reads the grouped heads in place: PyTorch's CPU flash kernel
+    takes a mask and grouped heads together, with the same arithmetic as over repeated heads, and repeating the
+    K/V of a long history costs a copy of it per layer (transformers repeats them wherever a mask is given, since
+    CUDA's kernels fall back to the math kernel there)."""
+    if isinstance(mask, str):
+        return _attend_over_history(q, keys, values, layer)
     n = q.shape[2]
     gqa = False
     if layer.groups > 1:
@@ -202,6 +251,8 @@ def _attend(
             gqa = True
         elif n == 1:  # the query heads of each K/V head side by side; a mask here is one for every head
             q = q.reshape(q.shape[0], q.shape[1] // layer.groups, layer.groups, q.shape[-1])
+        elif q.device.type == "cpu":
+            gqa = True
         else:
             keys, values = repeat_kv(keys, layer.groups), repeat_kv(values, layer.groups)
     causal = n > 1 and mask is None

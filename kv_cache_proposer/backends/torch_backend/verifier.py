@@ -14,7 +14,7 @@ from kv_cache_proposer.backends.base import BackendModel, ModelFacts
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
-from kv_cache_proposer.backends.torch_backend.direct import DirectForward, Masks, unsupported
+from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, unsupported
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
@@ -106,10 +106,14 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     ) -> VerifyOutput[torch.Tensor]:
         query_positions = cache.query_positions  # [n]
         position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
-        masks = self._attention_masks(cache)
+        masks: Masks = self._attention_masks(cache)
         if masks is None and self._direct is not None and len(query_positions) > 1 and cache.keys_before_queries:
-            # transformers builds this block's causal mask itself; the direct forward is handed it
-            masks = self._attention_masks(cache, always=True)
+            # transformers builds this block's causal mask itself; the direct forward is handed it, or told that
+            # the block reads every earlier key and itself causally where it attends to that in two parts
+            if self._direct.splits(len(query_positions), cache.keys_before_queries):
+                masks = OVER_HISTORY
+            else:
+                masks = self._attention_masks(cache, always=True)
         logits, features = self._run(input_ids, position_ids, masks, cache, logits_rows, feature_layers)
         return VerifyOutput(logits[0, -logits_rows:].float(), None if features is None else features[0])
 

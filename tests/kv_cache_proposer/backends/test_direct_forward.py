@@ -1,4 +1,5 @@
-"""The torch verifier's direct forward against transformers' modules: the same values, bit for bit, in float32."""
+"""The torch verifier's direct forward against transformers' modules: the same values, bit for bit, in float32,
+but for a block over a long history, which attends in two parts and agrees within float rounding."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, Qwen2Config
 
 from inference_engine.config import ConfigError, ServerConfig
+from kv_cache_proposer.backends.torch_backend import direct as direct_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
@@ -89,15 +92,69 @@ def test_a_batched_forward_gives_the_library_values_bit_for_bit(model_dirs, arch
         assert torch.equal(a.logits, b.logits) and torch.equal(a.features, b.features)
 
 
+@pytest.mark.parametrize("split", ["long histories", "every history"])
 @pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("strategy", list(DECODE_STRATEGIES.values()), ids=list(DECODE_STRATEGIES))
-def test_decoding_gives_the_same_tokens_through_either_forward(model_dirs, tmp_path, proposer, strategy):
+def test_decoding_gives_the_same_tokens_through_either_forward(
+    model_dirs, tmp_path, monkeypatch, proposer, strategy, split
+):
+    if split == "every history":  # every block over earlier keys of an unbounded cache attends in two parts
+        monkeypatch.setattr(direct_module, "SPLIT_MIN_PAIRS", 1)
     options = proposer_options(proposer, tmp_path)
     library, direct = _pair(model_dirs["qwen3"])
     for params in SAMPLINGS:
         tokens = decode(library, "torch", strategy, options, params)
         assert decode(direct, "torch", strategy, options, params) == tokens
         assert len(set(tokens)) > 3
+
+
+def test_a_block_over_a_long_history_attends_in_two_parts_within_float_rounding(model_dirs, monkeypatch):
+    library, direct = _pair(model_dirs["qwen3"])
+    split_calls: list[tuple[int, ...]] = []
+    attend = direct_module._attend_over_history
+
+    def counted(q, *args):
+        split_calls.append(tuple(q.shape))
+        return attend(q, *args)
+
+    monkeypatch.setattr(direct_module, "_attend_over_history", counted)
+    history, block = random_tokens(1, 1100), random_tokens(2, 64)  # 64 queries x 1,100 earlier keys: split
+    layers = (0, library.num_layers - 1)
+    outs, caches = [], []
+    for verifier in (library, direct):
+        cache = verifier.new_cache(FullStrategy())
+        verifier.verify(cache, history, 1)  # no earlier keys: the kernel's causal mask, bit for bit
+        verifier.commit(cache, len(history))
+        outs.append(verifier.verify(cache, block, len(block), feature_layers=layers))
+        verifier.commit(cache, len(block))
+        caches.append(cache)
+    assert split_calls == [(1, 4, 64, 16)] * library.num_layers
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1].features, outs[0].features, rtol=1e-5, atol=1e-5)
+    assert outs[1].logits.argmax(-1).tolist() == outs[0].logits.argmax(-1).tolist()
+    k1, v1, _ = caches[0].resident_kv(library.num_layers - 1)
+    k2, v2, _ = caches[1].resident_kv(library.num_layers - 1)
+    torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5)
+    assert not direct._direct.splits(1, 100_000) and not direct._direct.splits(16, 1024)
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize(("n", "earlier"), [(2, 1), (7, 300), (64, 33)])
+def test_the_split_attention_is_the_masked_attention(groups, dtype, tolerance, n, earlier):
+    torch.manual_seed(n + earlier)
+    kv_heads, dim = 2, 16
+    q = torch.randn(1, n, kv_heads * groups, dim, dtype=dtype).transpose(1, 2)  # the layout the forward gives
+    keys, values = (torch.randn(1, kv_heads, earlier + n, dim, dtype=dtype) for _ in range(2))
+    layer = direct_module._Layer((), (), "full_attention", groups, dim, dim**-0.5)
+    visible = torch.arange(earlier + n)[None, :] <= torch.arange(earlier, earlier + n)[:, None]  # [n, K]
+    expected = F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=visible[None, None], scale=layer.scaling, enable_gqa=True
+    )
+    got = direct_module._attend(q, keys, values, direct_module.OVER_HISTORY, layer)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
 
 
 def test_other_models_run_through_transformers_modules(model_dirs):
