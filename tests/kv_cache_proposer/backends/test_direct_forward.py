@@ -118,7 +118,7 @@ def test_a_block_over_a_long_history_attends_in_two_parts_within_float_rounding(
         return attend(q, *args)
 
     monkeypatch.setattr(direct_module, "_attend_over_history", counted)
-    history, block = random_tokens(1, 1100), random_tokens(2, 64)  # 64 queries x 1,100 earlier keys: split
+    history, block = random_tokens(1, 1100), random_tokens(2, 128)  # 128 queries x 1,100 earlier keys: split
     layers = (0, library.num_layers - 1)
     outs, caches = [], []
     for verifier in (library, direct):
@@ -128,7 +128,7 @@ def test_a_block_over_a_long_history_attends_in_two_parts_within_float_rounding(
         outs.append(verifier.verify(cache, block, len(block), feature_layers=layers))
         verifier.commit(cache, len(block))
         caches.append(cache)
-    assert split_calls == [(1, 4, 64, 16)] * library.num_layers
+    assert split_calls == [(1, 4, 128, 16)] * library.num_layers
     torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[1].features, outs[0].features, rtol=1e-5, atol=1e-5)
     assert outs[1].logits.argmax(-1).tolist() == outs[0].logits.argmax(-1).tolist()
@@ -136,7 +136,8 @@ def test_a_block_over_a_long_history_attends_in_two_parts_within_float_rounding(
     k2, v2, _ = caches[1].resident_kv(library.num_layers - 1)
     torch.testing.assert_close(k2, k1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v2, v1, rtol=1e-5, atol=1e-5)
-    assert not direct._direct.splits(1, 100_000) and not direct._direct.splits(16, 1024)
+    assert direct._direct.splits(16, 8192) and not direct._direct.splits(16, 4096)
+    assert not direct._direct.splits(1, 100_000)
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])
