@@ -43,9 +43,8 @@ Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Te
 OVER_HISTORY: Final = "over history"
 Masks = torch.Tensor | Mapping[str, torch.Tensor] | Literal["over history"] | None
 
-# Queries times earlier keys from which the split attention beats one masked call on a CPU, with one thread or
-# two: below it the second kernel call and the merge cost more than the mask saves (measured on the bundled
-# model's 64-wide heads: even at 16 queries over 8,192 keys, ahead beyond).
+# Queries times earlier keys from which the split attention beats one masked call on a CPU: below it the second
+# kernel call and the merge cost more than the mask saves (measured on the bundled model, one thread and two).
 SPLIT_MIN_PAIRS: Final = 131_072
 
 
@@ -221,24 +220,17 @@ def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     (from each part's log-sum-exp)."""
     batch, heads, n, dim = q.shape
     earlier = keys.shape[2] - n
-    kv_rows = batch * heads // layer.groups
-    queries = q.reshape(kv_rows, layer.groups, n, dim)  # the query heads of each K/V head
-
-    def shared(x: torch.Tensor) -> torch.Tensor:
-        """A K/V head's keys or values, read by each of its query heads without a copy (a stride-0 view)."""
-        return x.reshape(kv_rows, 1, x.shape[2], dim).expand(kv_rows, layer.groups, x.shape[2], dim)
-
-    past_k, past_v = shared(keys[:, :, :earlier]), shared(values[:, :, :earlier])
-    past, past_lse = _flash_cpu(queries, past_k, past_v, scale=layer.scaling)
-    own_k, own_v = shared(keys[:, :, earlier:]), shared(values[:, :, earlier:])
-    own, own_lse = _flash_cpu(queries, own_k, own_v, is_causal=True, scale=layer.scaling)
+    # each K/V head's query heads one after another, as rows of one query block (no mask tells them apart)
+    grouped = q.reshape(batch, heads // layer.groups, layer.groups * n, dim)
+    past, past_lse = _flash_cpu(grouped, keys[:, :, :earlier], values[:, :, :earlier], scale=layer.scaling)
+    own_keys, own_values = keys[:, :, earlier:], values[:, :, earlier:]
+    if layer.groups > 1:
+        own_keys, own_values = repeat_kv(own_keys, layer.groups), repeat_kv(own_values, layer.groups)
+    own, own_lse = _flash_cpu(q, own_keys, own_values, is_causal=True, scale=layer.scaling)
     past_lse, own_lse = past_lse.reshape(batch, heads, n, 1), own_lse.reshape(batch, heads, n, 1)
     top = torch.maximum(past_lse, own_lse)
     past_weight, own_weight = torch.exp(past_lse - top), torch.exp(own_lse - top)
-    merged = (
-        past.reshape(batch, heads, n, dim).float() * past_weight
-        + own.reshape(batch, heads, n, dim).float() * own_weight
-    )
+    merged = past.reshape(batch, heads, n, dim).float() * past_weight + own.float() * own_weight
     return (merged / (past_weight + own_weight)).to(q.dtype)
 
 
