@@ -220,6 +220,8 @@ def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     (from each part's log-sum-exp)."""
     batch, heads, n, dim = q.shape
     earlier = keys.shape[2] - n
+    if earlier <= 0:
+        raise ValueError("a block attended over its history needs keys before its own")
     # each K/V head's query heads one after another, as rows of one query block (no mask tells them apart)
     grouped = q.reshape(batch, heads // layer.groups, layer.groups * n, dim)
     past, past_lse = _flash_cpu(grouped, keys[:, :, :earlier], values[:, :, :earlier], scale=layer.scaling)

@@ -156,6 +156,8 @@ def test_the_split_attention_is_the_masked_attention(groups, dtype, tolerance, n
     got = direct_module._attend(q, keys, values, direct_module.OVER_HISTORY, layer)
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(ValueError, match="needs keys before its own"):
+        direct_module._attend(q, keys[:, :, earlier:], values[:, :, earlier:], direct_module.OVER_HISTORY, layer)
 
 
 def test_other_models_run_through_transformers_modules(model_dirs):
