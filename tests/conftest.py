@@ -19,6 +19,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # As the daemon does (inference_engine/threads.py): spinning OpenMP threads slow everything on a shared machine.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Daemons and scripts the tests start serve the bundled tiny model unless a test names another; the tests of the
+# default model (SmolLM2-135M-Instruct) name it, or clear this variable.
+os.environ.setdefault("KAKEYA_MODEL", "kakeya-tiny")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 from tests.support.backends import VerifierPool  # noqa: E402

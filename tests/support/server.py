@@ -74,7 +74,13 @@ def start_server(verifier: Verifier, *, model_dir: Path | None = None, **overrid
     `model_dir` is the directory `verifier` was loaded from, whose facts (end-of-sequence ids, context length)
     the server reports; without it they come from the configured model directory (the bundled model by default).
     """
-    settings: dict[str, Any] = {"port": 0, "metrics_port": 0, "shutdown_grace_s": 2.0, **overrides}
+    settings: dict[str, Any] = {
+        "model": "kakeya-tiny",
+        "port": 0,
+        "metrics_port": 0,
+        "shutdown_grace_s": 2.0,
+        **overrides,
+    }
     config = ServerConfig(**settings)
     proposer = load_proposer(config.proposer_options(), verifier, backend=config.backend)
     facts = ModelFacts.read(model_dir) if model_dir is not None else None

@@ -22,12 +22,15 @@ export interface Daemon {
   stop(graceMs?: number): Promise<number | null>;
 }
 
-/** Start `kakeya-runtime serve --port 0 --metrics-port -1 --log-format json <args>` and wait until it listens. */
+/**
+ * Start `kakeya-runtime serve --model kakeya-tiny --port 0 --metrics-port -1 --log-format json <args>` (a
+ * `--model` in `args` wins) and wait until it listens.
+ */
 export async function startDaemon(args: string[] = [], startupTimeoutMs = 150_000): Promise<Daemon> {
   if (!existsSync(RUNTIME_BIN)) {
     throw new Error(`${RUNTIME_BIN} is missing: run scripts/bootstrap.sh at the repository root`);
   }
-  const child = spawn(RUNTIME_BIN, ["serve", "--port", "0", "--metrics-port", "-1", "--log-format", "json", ...args], {
+  const child = spawn(RUNTIME_BIN, ["serve", "--model", "kakeya-tiny", "--port", "0", "--metrics-port", "-1", "--log-format", "json", ...args], {
     stdio: ["ignore", "ignore", "pipe"],
     env: { ...process.env, HF_HUB_OFFLINE: "1" },
   });
