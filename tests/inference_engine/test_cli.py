@@ -43,8 +43,12 @@ def test_non_loopback_bind_without_an_api_key_refuses_to_start():
 
 def test_a_missing_model_directory_fails_with_a_clear_message(tmp_path):
     result = _run("serve", "--model", str(tmp_path / "absent"), "--port", "0", "--metrics-port", "-1")
-    assert result.returncode == 1
-    assert "config.json is missing" in result.stderr
+    assert result.returncode == 2
+    assert "no model directory or GGUF file at" in result.stderr
+    assert "smollm2-135m-instruct, kakeya-tiny" in result.stderr, "the message names the models it knows"
+    result = _run("serve", "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1")
+    assert result.returncode == 2
+    assert "a directory without config.json" in result.stderr
 
 
 @pytest.fixture

@@ -32,7 +32,7 @@ def test_every_stderr_line_of_json_logging_parses_as_json_from_start_to_stop():
     assert listening["metrics_url"].startswith("http://127.0.0.1:") and listening["metrics_url"].endswith("/metrics")
     assert listening["http_url"] == "off"
     assert next(r["msg"] for r in records if r["msg"].startswith("options: ")) == (
-        "options: port=0, metrics_port=0, threads=1, log_format=json"
+        "options: model=kakeya-tiny, port=0, metrics_port=0, threads=1, log_format=json"
     )
     readable = next(r["msg"] for r in records if r["msg"].startswith("gRPC on "))
     assert listening["metrics_url"] in readable and "plaintext" in readable
@@ -46,7 +46,7 @@ def test_text_logging_prints_readable_startup_lines_with_full_urls():
     finally:
         daemon.kill()
     output = daemon.output
-    assert "options: window=512, port=0, metrics_port=0\n" in output + "\n"
+    assert "options: model=kakeya-tiny, window=512, port=0, metrics_port=0\n" in output + "\n"
     assert "{'model'" not in output, "the configuration is not dumped as a Python dict"
     assert "Prometheus metrics at http://127.0.0.1:" in output
 

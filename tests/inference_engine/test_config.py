@@ -3,10 +3,12 @@ import pytest
 from inference_engine.config import BUNDLED_MODEL_DIR, ConfigError, ServerConfig, is_loopback, load_config
 
 
-def test_defaults_bind_loopback_on_the_standard_port_and_serve_the_bundled_model():
+def test_defaults_bind_loopback_on_the_standard_port_and_serve_smollm2():
     config = load_config({}, environ={})
     assert (config.host, config.port) == ("127.0.0.1", 50051)
-    assert config.model_dir == BUNDLED_MODEL_DIR and (BUNDLED_MODEL_DIR / "config.json").is_file()
+    assert config.model == "smollm2-135m-instruct"
+    bundled = load_config({"model": "kakeya-tiny"}, environ={})
+    assert bundled.model_dir == BUNDLED_MODEL_DIR and (BUNDLED_MODEL_DIR / "config.json").is_file()
     assert config.session_idle_ttl_s == 1800 and config.max_concurrent == 1
     assert config.http_port == -1, "the deprecated HTTP shim is off unless asked for"
 
@@ -75,8 +77,10 @@ def test_secrets_are_redacted_for_logs():
 
 
 def test_dflash_without_a_drafter_uses_the_model_directorys_own(tmp_path):
-    bundled = load_config({"proposer": "dflash"}, environ={})
+    bundled = load_config({"proposer": "dflash", "model": "kakeya-tiny"}, environ={})
     assert bundled.proposer_options().draft_model == BUNDLED_MODEL_DIR / "dflash"
+    with pytest.raises(ConfigError, match="needs a model directory"):
+        load_config({"proposer": "dflash"}, environ={})  # the default model ships no drafter
     explicit = load_config({"proposer": "dflash", "draft_model": str(tmp_path)}, environ={})
     assert explicit.proposer_options().draft_model == str(tmp_path)
     (tmp_path / "config.json").write_text("{}")

