@@ -28,6 +28,7 @@ from inference_engine.journal import (
     SessionHeader,
     SessionRecord,
 )
+from inference_engine.model_source import model_identity
 from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from kv_cache_proposer.compression import KVCompressor
@@ -53,7 +54,7 @@ class JournaledSessions:
     def model_identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
         return {
-            "model": str(self.config.model_dir.resolve()),
+            "model": model_identity(self.config.model_dir),
             "backend": self.config.backend,
             "vocab_size": self.verifier.vocab_size,
         }

@@ -170,6 +170,15 @@ def cache_problem(directory: Path, source_hash: str) -> str | None:
     return None if files else "the manifest lists no files"
 
 
+def model_identity(directory: Path) -> str:
+    """What names the weights of `directory` across starts: the source file's hash for a conversion (whatever cache
+    it sits in), else the directory's resolved path."""
+    try:
+        return "gguf-sha256:" + json.loads((directory / MANIFEST).read_text())["source_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return str(directory.resolve())
+
+
 def _write_manifest(directory: Path, source: Path, source_hash: str) -> None:
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in directory.iterdir() if p.is_file()}
     manifest = {"format": CONVERSION_FORMAT, "source": str(source), "source_sha256": source_hash, "files": files}

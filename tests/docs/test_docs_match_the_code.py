@@ -6,7 +6,6 @@ import json
 import re
 from pathlib import Path
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.metrics import Metrics
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
@@ -20,29 +19,32 @@ def _python_blocks(markdown: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", markdown, flags=re.DOTALL)
 
 
-def test_the_quickstart_python_example_runs_against_a_live_daemon(capsys, monkeypatch):
-    verifier = TorchVerifier.load(BUNDLED_MODEL_DIR, device="cpu", dtype="float32")
-    server = start_server(verifier)
+def test_the_quickstart_python_chat_answers_from_the_default_model(capsys, monkeypatch, smollm2_dir):
+    verifier = TorchVerifier.load(smollm2_dir, device="cpu", dtype="float32")
+    server = start_server(verifier, model=str(smollm2_dir), model_dir=smollm2_dir)
     try:
         (block,) = _python_blocks((DOCS / "quickstart.md").read_text())
         assert "127.0.0.1:50051" in block
         monkeypatch.chdir(ROOT)
+        monkeypatch.delenv("KAKEYA_MODEL")  # the example's prepare-model names the default model, as a user's does
         exec(compile(block.replace("127.0.0.1:50051", server.address), "quickstart.md", "exec"), {})
         printed = capsys.readouterr().out.splitlines()
-        assert printed[0] == "max_tokens 32"
+        assert "Paris" in printed[0]
+        assert "Rome" in printed[1]
         assert len(server.runtime.store) == 0, "the example closes its session"
     finally:
         server.stop()
 
 
-def test_the_quickstart_grpcurl_session_stops_at_the_models_eos():
+def test_the_quickstart_grpcurl_session_stops_at_the_models_eos(smollm2_dir):
     text = (DOCS / "quickstart.md").read_text()
     calls = dict(
         (method, json.loads(body))
         for body, method in re.findall(r"grpcurl -plaintext -d '(\{.*?\})' \S+ kakeya\.v1\.RuntimeService/(\w+)", text)
     )
     assert set(calls) == {"CreateSession", "Generate"}
-    server = start_server(TorchVerifier.load(BUNDLED_MODEL_DIR, device="cpu", dtype="float32"))
+    verifier = TorchVerifier.load(smollm2_dir, device="cpu", dtype="float32")
+    server = start_server(verifier, model=str(smollm2_dir), model_dir=smollm2_dir)
     try:
         session_id = server.stub.CreateSession(pb.CreateSessionRequest(**calls["CreateSession"])).session_id
         result = generate(server.stub, session_id, max_tokens=calls["Generate"]["max_tokens"])

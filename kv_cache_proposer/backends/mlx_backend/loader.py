@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -11,6 +12,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 
 from kv_cache_proposer.backends.mlx_backend import layout
+from kv_cache_proposer.backends.mlx_backend.config_keys import mlx_config_keys
 from kv_cache_proposer.errors import ModelLoadError
 
 DEVICES = ("auto", "cpu", "gpu")
@@ -75,7 +77,8 @@ def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None, *, input_major
     from mlx_lm.utils import load_model
 
     try:
-        model, config = load_model(path)
+        # A transformers 5 config spells RoPE settings as mlx-lm does not read them; mlx-lm would use its defaults.
+        model, config = load_model(path, model_config=mlx_config_keys(json.loads((path / "config.json").read_text())))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(f"cannot load {path} as an mlx-lm model: {exc}") from exc
     if dtype is not None:
