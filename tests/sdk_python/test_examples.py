@@ -46,7 +46,15 @@ def test_every_example_is_covered_here():
 
 
 def test_the_streaming_chat_answers_every_line(bundled_server):
-    out = _run("streaming_chat.py", bundled_server, "--max-tokens", "12", stdin="hello\nand again\n")
+    out = _run(
+        "streaming_chat.py",
+        bundled_server,
+        "--tokenizer",
+        str(BUNDLED),
+        "--max-tokens",
+        "12",
+        stdin="hello\nand again\n",
+    )
     reports = [line for line in out.splitlines() if line.startswith("[") and "tokens, prefilled" in line]
     assert len(reports) == 2
     assert int(reports[1].rsplit("history ", 1)[1].split()[0]) > int(reports[0].rsplit("history ", 1)[1].split()[0])

@@ -1,11 +1,14 @@
 """A streaming chat loop: each user line is appended to one session as an append-only delta, and the reply is
 printed token by token as it arrives.
 
-Run a daemon first (`scripts/serve.sh` serves the bundled kakeya-tiny model, a code-completion model whose replies
-are Python-flavoured text rather than an assistant's), then:
+Run a daemon first (`scripts/serve.sh` serves the default model, SmolLM2-135M-Instruct), then, from the repository's
+root:
 
-    python sdks/python/examples/streaming_chat.py [--address 127.0.0.1:50051] [--tokenizer DIR]
-    printf 'hello\\nand again\\n' | python sdks/python/examples/streaming_chat.py
+    .venv/bin/python sdks/python/examples/streaming_chat.py [--address 127.0.0.1:50051] [--tokenizer DIR]
+    printf 'What is the capital of France?\\nAnd of Italy?\\n' | .venv/bin/python sdks/python/examples/streaming_chat.py
+
+The tokenizer (and chat template) is the served model's: by default the directory `kakeya-runtime prepare-model`
+prints, the default model's; pass `--tokenizer DIR` for a daemon serving another model.
 
 Needs the tokenization extra: pip install 'kakeya[tokenization]'.
 """
@@ -13,25 +16,33 @@ Needs the tokenization extra: pip install 'kakeya[tokenization]'.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
 import kakeya
 from kakeya.tokenization import AppendOnlyChat, load_tokenizer
 
-BUNDLED_MODEL = Path(__file__).resolve().parents[3] / "inference_engine" / "models" / "kakeya-tiny"
+
+def default_model_dir() -> Path:
+    """The directory of the model the daemon serves by default, as `kakeya-runtime prepare-model` prints it."""
+    runtime = Path(sys.executable).with_name("kakeya-runtime")
+    done = subprocess.run([str(runtime), "prepare-model"], capture_output=True, text=True, check=True)
+    return Path(done.stdout.strip())
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", default="127.0.0.1:50051")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--tokenizer", type=Path, default=BUNDLED_MODEL, help="local tokenizer directory")
+    parser.add_argument(
+        "--tokenizer", type=Path, default=None, help="local tokenizer directory (default: the default model's)"
+    )
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--system", default="You are a helpful assistant.")
     args = parser.parse_args()
 
-    tokenizer = load_tokenizer(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer or default_model_dir())
     chat = AppendOnlyChat(tokenizer)
     pending = [{"role": "system", "content": args.system}]
     interactive = sys.stdin.isatty()
