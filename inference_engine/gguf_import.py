@@ -27,6 +27,7 @@ class GGUFSummary:
     architecture: str
     tensor_types: tuple[str, ...]
     tensor_count: int
+    key_length: int | None = None  # `<arch>.attention.key_length`: the attention head size, where the file states it
 
 
 def inspect_gguf(path: Path) -> GGUFSummary:
@@ -62,7 +63,13 @@ def inspect_gguf(path: Path) -> GGUFSummary:
     unsupported = sorted({t.tensor_type.name for t in reader.tensors if t.tensor_type not in dequantizable})
     if unsupported:
         raise GGUFError(f"{path}: tensor type(s) {', '.join(unsupported)} cannot be dequantized")
-    return GGUFSummary(architecture=architecture, tensor_types=tuple(types), tensor_count=len(reader.tensors))
+    key_length = reader.fields.get(f"{architecture}.attention.key_length")
+    return GGUFSummary(
+        architecture=architecture,
+        tensor_types=tuple(types),
+        tensor_count=len(reader.tensors),
+        key_length=int(key_length.parts[key_length.data[0]][0]) if key_length is not None else None,
+    )
 
 
 def convert_gguf(path: Path, out_dir: Path) -> GGUFSummary:
@@ -82,6 +89,9 @@ def convert_gguf(path: Path, out_dir: Path) -> GGUFSummary:
         settings = dict(parsed["config"])
         model_type = settings.pop("model_type")
         settings.pop("_model_name_or_path", None)
+        if summary.key_length is not None:
+            # transformers maps the head size only for some architectures; Qwen3's config would default it to 128.
+            settings.setdefault("head_dim", summary.key_length)
         config = AutoConfig.for_model(model_type, **settings)
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -97,6 +107,14 @@ def convert_gguf(path: Path, out_dir: Path) -> GGUFSummary:
     missing = sorted(expected - set(tensors))
     if missing:
         raise GGUFError(f"{path} lacks {len(missing)} weight(s) the model needs, e.g. {', '.join(missing[:3])}")
+    shapes = {name: tuple(t.shape) for name, t in skeleton.state_dict().items()}
+    misshapen = [name for name in sorted(expected) if tuple(tensors[name].shape) != shapes[name]]
+    if misshapen:
+        name = misshapen[0]
+        raise GGUFError(
+            f"{path}: {len(misshapen)} weight(s) do not have the shape its metadata implies, e.g. {name} is "
+            f"{tuple(tensors[name].shape)}, not {shapes[name]}"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {name: tensors[name].to(torch.float32).contiguous() for name in sorted(expected)}
     save_file(weights, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
