@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
-from kv_cache_proposer.backends import BACKENDS, TORCH_FORWARDS
+from kv_cache_proposer.backends import BACKENDS, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
@@ -66,6 +66,14 @@ class ServerConfig:
         "weights and KV dtype (auto: float32 on cpu; torch: bfloat16 on cuda, float16 on mps; "
         "mlx: the stored dtype on gpu)",
         choices=DTYPES,
+    )
+    weights: str = _opt(
+        "auto",
+        "how the linear layers' weights are held: float32 (as --dtype), bfloat16, int8 (per-channel) or int4 (groups "
+        "of 32, the layout of a GGUF Q4_1 block), weight-only, activations and K/V in --dtype; int8 and int4 on the "
+        "torch backend on a CPU. auto: int4 there for a model distributed as a 4-bit GGUF file (the default model), "
+        "else float32 (docs/models.md#weights)",
+        choices=("auto", *WEIGHTS),
     )
     torch_forward: str = _opt(
         "auto",

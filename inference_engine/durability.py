@@ -53,11 +53,14 @@ class JournaledSessions:
 
     def model_identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
-        return {
+        identity: dict[str, Any] = {
             "model": model_identity(self.config.model_dir),
             "backend": self.config.backend,
             "vocab_size": self.verifier.vocab_size,
         }
+        if self.config.weights != "float32":  # a journal of full-precision weights reads as it always has
+            identity["weights"] = self.config.weights
+        return identity
 
     def attach_journal(self, journal: Journal) -> None:
         """Record every session change in `journal` from now on; sessions that end are written as ended. A shared

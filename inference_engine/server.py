@@ -4,6 +4,7 @@ HTTP shim, idle sweeps, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.generated import runtime_pb2
 from inference_engine.journal import Journal, JournalDamaged, open_journal, open_shared_journal
 from inference_engine.metrics import Metrics
+from inference_engine.model_source import choose_weights
 from inference_engine.runtime import Runtime
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_handlers import add_runtime_service
@@ -47,8 +49,18 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         log.info("MLX CPU BLAS: %s", blas, extra={"mlx_blas": blas.library})
+    weights, why = choose_weights(
+        config.weights, config.model_dir, backend=config.backend, on_cpu=_runs_on_cpu(config.backend, config.device)
+    )
+    log.info("weights: %s (%s)", weights, why, extra={"weights": weights})
+    config = dataclasses.replace(config, weights=weights)  # what the journal records: auto resolved
     verifier: Verifier = load_verifier(
-        config.backend, config.model_dir, device=config.device, dtype=config.dtype, torch_forward=config.torch_forward
+        config.backend,
+        config.model_dir,
+        device=config.device,
+        dtype=config.dtype,
+        torch_forward=config.torch_forward,
+        weights=weights,
     )
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
     options = config.proposer_options()
@@ -63,6 +75,19 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
     if config.proposer != "none":
         log.info("proposer loaded", extra={"proposer": proposer.name, "model": str(options.draft_model or "-")})
     return Runtime(verifier, config, metrics or Metrics(), proposer=proposer)
+
+
+def _runs_on_cpu(backend: str, device: str) -> bool:
+    """Whether the verifier will run on a CPU (`--device auto` resolved as its backend resolves it)."""
+    if device != "auto":
+        return device == "cpu"
+    if backend == "torch":
+        import torch
+
+        return not (torch.cuda.is_available() or torch.backends.mps.is_available())
+    import mlx.core as mx
+
+    return mx.default_device().type == mx.cpu
 
 
 class KakeyaServer:

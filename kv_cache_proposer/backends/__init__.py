@@ -9,23 +9,34 @@ from kv_cache_proposer.verifier import Verifier
 
 BACKENDS = ("torch", "mlx")
 TORCH_FORWARDS = ("auto", "library")
+# How the verifier holds its linear layers' weights (`torch_backend.weights`); `auto` is chosen by the caller.
+WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 
 
 def load_verifier(
-    backend: str, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", torch_forward: str = "auto"
+    backend: str,
+    model_dir: str | Path,
+    *,
+    device: str = "auto",
+    dtype: str = "auto",
+    torch_forward: str = "auto",
+    weights: str = "float32",
 ) -> Verifier[Any]:
     """Load a verifier from a local model directory with the named backend.
 
     `torch` serves Hugging Face checkpoints (devices auto, cpu, cuda, cuda:N, mps); `mlx` serves mlx-lm model
     directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both. `torch_forward` (one of
-    `TORCH_FORWARDS`) chooses how the torch backend runs a forward (`TorchVerifier`).
+    `TORCH_FORWARDS`) chooses how the torch backend runs a forward (`TorchVerifier`). `weights` (one of `WEIGHTS`)
+    is how the linear layers are held: float32 keeps the dtype's, the others quantize at load.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
     if backend == "torch":
         from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
-        return TorchVerifier.load(model_dir, device=device, dtype=dtype, forward=torch_forward)
+        return TorchVerifier.load(model_dir, device=device, dtype=dtype, forward=torch_forward, weights=weights)
     if backend == "mlx":
         from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 
-        return MlxVerifier.load(model_dir, device=device, dtype=dtype)
+        return MlxVerifier.load(model_dir, device=device, dtype=dtype, weights=weights)
     raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")

@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from tests.support.tokenizers import EOS_TOKEN_ID, tokenizer_json
 
 # Matrix types a test file may hold; norms stay F32 as llama.cpp keeps them.
-TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0")
+TENSOR_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
@@ -31,6 +31,7 @@ _FILE_TYPES = {
     "F16": gguf.LlamaFileType.MOSTLY_F16,
     "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+    "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
 }
 # Hugging Face module name inside `model.layers.N.` -> llama.cpp tensor name inside `blk.N.`.
 _BLOCK_NAMES = {

@@ -19,7 +19,7 @@ from kv_cache_proposer.backends.mlx_backend.features import tap_layers
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
 from kv_cache_proposer.cache import SessionCache
-from kv_cache_proposer.errors import EngineError
+from kv_cache_proposer.errors import EngineError, ModelLoadError
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
@@ -54,9 +54,22 @@ class MlxVerifier(BackendModel[mx.array]):
 
     @classmethod
     def load(
-        cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", input_major: bool | None = None
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        input_major: bool | None = None,
+        weights: str = "float32",
     ) -> MlxVerifier:
-        """`input_major`: store linear layers and embeddings `[in, out]` (`layout.input_major`); None: on a CPU."""
+        """`input_major`: store linear layers and embeddings `[in, out]` (`layout.input_major`); None: on a CPU.
+        `weights`: float32 serves the directory's weights as they are stored (an mlx-lm quantized directory stays
+        quantized); the MLX backend quantizes nothing at load yet."""
+        if weights != "float32":
+            raise ModelLoadError(
+                f"--weights {weights} is not available on the MLX backend yet: serve an mlx-lm quantized model "
+                "directory (it is served as it is) with --weights float32, or use --backend torch"
+            )
         mlx_device = resolve_device(device)
         if input_major is None:
             input_major = mlx_device.type == mx.cpu

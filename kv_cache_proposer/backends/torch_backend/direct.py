@@ -33,6 +33,8 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.modeling_utils import slice_logits_to_keep
 
+from kv_cache_proposer.backends.torch_backend.weights import DENSE, PackedLinear, linear
+
 _flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -61,16 +63,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+# A linear layer as `weights.linear` takes it: (weight, bias, qparams, kind, group).
+Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
+
+
 def _attention_inputs(
     hidden: torch.Tensor,
     norm: torch.Tensor,
     eps: float,
-    wq: torch.Tensor,
-    bq: torch.Tensor | None,
-    wk: torch.Tensor,
-    bk: torch.Tensor | None,
-    wv: torch.Tensor,
-    bv: torch.Tensor | None,
+    wq: Linear,
+    wk: Linear,
+    wv: Linear,
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     head_eps: float,
@@ -82,9 +85,9 @@ def _attention_inputs(
     where the model has them (Qwen3), rotary embedding."""
     batch, n = hidden.shape[0], hidden.shape[1]
     x = _rms_norm(hidden, norm, eps)
-    q = F.linear(x, wq, bq).view(batch, n, -1, head_dim)
-    k = F.linear(x, wk, bk).view(batch, n, -1, head_dim)
-    v = F.linear(x, wv, bv).view(batch, n, -1, head_dim).transpose(1, 2)
+    q = linear(x, wq[0], wq[1], wq[2], wq[3], wq[4]).view(batch, n, -1, head_dim)
+    k = linear(x, wk[0], wk[1], wk[2], wk[3], wk[4]).view(batch, n, -1, head_dim)
+    v = linear(x, wv[0], wv[1], wv[2], wv[3], wv[4]).view(batch, n, -1, head_dim).transpose(1, 2)
     if q_norm is not None:
         q = _rms_norm(q, q_norm, head_eps)
     if k_norm is not None:
@@ -99,25 +102,23 @@ def _attention_inputs(
 def _layer_output(
     hidden: torch.Tensor,
     attended: torch.Tensor,
-    wo: torch.Tensor,
-    bo: torch.Tensor | None,
+    wo: Linear,
     norm: torch.Tensor,
     eps: float,
-    w_gate: torch.Tensor,
-    b_gate: torch.Tensor | None,
-    w_up: torch.Tensor,
-    b_up: torch.Tensor | None,
-    w_down: torch.Tensor,
-    b_down: torch.Tensor | None,
+    w_gate: Linear,
+    w_up: Linear,
+    w_down: Linear,
     head_dim: int,
 ) -> torch.Tensor:
     """The layer's output [B, n, H] from its input and attention's output: output projection, residual, norm,
     SiLU-gated MLP, residual."""
     batch, n = hidden.shape[0], hidden.shape[1]
     attended = attended.reshape(batch, -1, n, head_dim).transpose(1, 2).contiguous()
-    hidden = hidden + F.linear(attended.reshape(batch, n, -1).contiguous(), wo, bo)
+    hidden = hidden + linear(attended.reshape(batch, n, -1).contiguous(), wo[0], wo[1], wo[2], wo[3], wo[4])
     x = _rms_norm(hidden, norm, eps)
-    x = F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_down, b_down)
+    gate = linear(x, w_gate[0], w_gate[1], w_gate[2], w_gate[3], w_gate[4])
+    up = linear(x, w_up[0], w_up[1], w_up[2], w_up[3], w_up[4])
+    x = linear(F.silu(gate) * up, w_down[0], w_down[1], w_down[2], w_down[3], w_down[4])
     return hidden + x
 
 
@@ -170,9 +171,9 @@ class DirectForward:
         self._rotary = decoder.rotary_emb
         self._norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
         head = model.get_output_embeddings()
-        self._head = (head.weight, head.bias)
+        self._head = _linear_of(head)
         self._layers = [_read_layer(layer, kind) for layer, kind in zip(decoder.layers, layer_types, strict=True)]
-        self._on_cpu = head.weight.device.type == "cpu"
+        self._on_cpu = decoder.norm.weight.device.type == "cpu"
 
     def splits(self, queries: int, earlier_keys: int) -> bool:
         """Whether a block of `queries` over `earlier_keys` keys of an unbounded cache, all full attention, is
@@ -210,7 +211,7 @@ class DirectForward:
         hidden = rms_norm(hidden, *self._norm)
         if last in feature_layers:
             features[last] = hidden
-        logits = F.linear(slice_logits_to_keep(hidden, logits_to_keep), *self._head)
+        logits = linear(slice_logits_to_keep(hidden, logits_to_keep), *self._head)
         return logits, features
 
 
@@ -265,6 +266,12 @@ def _attend(
     )
 
 
+def _linear_of(module: Any) -> Linear:
+    if isinstance(module, PackedLinear):
+        return (module.weight, module.bias, module.qparams, module.kind, module.group)
+    return (module.weight, module.bias, None, DENSE, 0)
+
+
 def _read_layer(layer: Any, kind: str) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -273,26 +280,19 @@ def _read_layer(layer: Any, kind: str) -> _Layer:
     inputs = (
         norm_in.weight,
         float(norm_in.variance_epsilon),
-        attn.q_proj.weight,
-        attn.q_proj.bias,
-        attn.k_proj.weight,
-        attn.k_proj.bias,
-        attn.v_proj.weight,
-        attn.v_proj.bias,
+        _linear_of(attn.q_proj),
+        _linear_of(attn.k_proj),
+        _linear_of(attn.v_proj),
         None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight,
         head_eps,
     )
     output = (
-        attn.o_proj.weight,
-        attn.o_proj.bias,
+        _linear_of(attn.o_proj),
         norm_post.weight,
         float(norm_post.variance_epsilon),
-        mlp.gate_proj.weight,
-        mlp.gate_proj.bias,
-        mlp.up_proj.weight,
-        mlp.up_proj.bias,
-        mlp.down_proj.weight,
-        mlp.down_proj.bias,
+        _linear_of(mlp.gate_proj),
+        _linear_of(mlp.up_proj),
+        _linear_of(mlp.down_proj),
     )
     return _Layer(inputs, output, kind, int(attn.num_key_value_groups), int(attn.head_dim), float(attn.scaling))

@@ -18,6 +18,7 @@ from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, Direct
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
+from kv_cache_proposer.backends.torch_backend.weights import pack_linears
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
@@ -49,6 +50,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         self.model = model
         self.device = device
         self.dtype = dtype
+        self.weights = "float32"  # how the linear layers are held (`load`)
         layer_types = getattr(config, "layer_types", None)
         sliding_window = getattr(config, "sliding_window", None)
         if layer_types is None:
@@ -65,16 +67,29 @@ class TorchVerifier(BackendModel[torch.Tensor]):
 
     @classmethod
     def load(
-        cls, model_dir: str | Path, *, device: str = "auto", dtype: str = "auto", forward: str = "auto"
+        cls,
+        model_dir: str | Path,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        forward: str = "auto",
+        weights: str = "float32",
     ) -> TorchVerifier:
+        """`weights`: float32 keeps the linear layers in `dtype`; bfloat16, int8 or int4 holds them so
+        (`weights.pack_linears`), with activations and K/V in `dtype`."""
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
-        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward)
+        if weights != "float32":
+            pack_linears(model, weights)
+        verifier = cls(model, device=torch_device, dtype=torch_dtype, forward=forward)
+        verifier.weights = weights
+        return verifier
 
     @property
     def description(self) -> str:
-        return f"{super().description}, forward: {self.forward_path}"
+        held = f", weights: {self.weights}" if self.weights != "float32" else ""
+        return f"{super().description}{held}, forward: {self.forward_path}"
 
     @torch.inference_mode()
     def forward(

@@ -1,0 +1,155 @@
+"""Linear layers held at another precision than the model's dtype: bfloat16, or weight-only int8 / int4 run by
+PyTorch's packed CPU kernels.
+
+A CPU decodes at the speed it reads weights, so these are its first lever; K/V, norms, attention and the residual
+stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
+path). int8 holds one symmetric scale per output channel; int4 holds asymmetric 4-bit codes in groups of 32 inputs
+(a scale and a zero point per group), the layout of a GGUF Q4_1 block, whose dequantized weights it represents
+exactly up to the bfloat16 rounding of the block's scale and offset. The token embedding stays in the model's dtype
+(a lookup reads one row); a tied LM head gets its own quantized copy.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kv_cache_proposer.errors import ModelLoadError
+
+WEIGHTS: Final = ("auto", "float32", "bfloat16", "int8", "int4")
+# The `kind` of a linear for `linear`: how its weight is held.
+DENSE, BF16, INT8, INT4 = 0, 1, 2, 3
+INT4_GROUP: Final = 32
+_KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    qparams: torch.Tensor | None,
+    kind: int,
+    group: int,
+) -> torch.Tensor:
+    """`x @ weight.T + bias` [..., out] for a weight held as `kind` says; the result in `x`'s dtype."""
+    # literal kinds: TorchScript compiles this function and reads no module constants
+    if kind == 0:  # DENSE
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
+    if kind == 1:  # BF16
+        y = F.linear(rows, weight)
+    elif kind == 2:  # INT8
+        assert qparams is not None
+        y = torch.ops.aten._weight_int8pack_mm(rows, weight, qparams)
+    else:
+        assert qparams is not None
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
+    shape = list(x.shape[:-1])
+    shape.append(y.shape[-1])
+    y = y.to(x.dtype).reshape(shape)
+    if bias is not None:
+        y = y + bias
+    return y
+
+
+class PackedLinear(nn.Module):
+    """A linear layer whose weight is held as bfloat16, int8 or int4 (`linear` computes it)."""
+
+    def __init__(self, source: nn.Linear, weights: str) -> None:
+        super().__init__()
+        self.kind = _KINDS[weights]
+        self.group = INT4_GROUP if self.kind == INT4 else 0
+        self.in_features, self.out_features = source.in_features, source.out_features
+        dense = source.weight.detach().float()  # [out, in]
+        qparams: torch.Tensor | None = None
+        if self.kind == BF16:
+            packed = dense.to(torch.bfloat16)
+        elif self.kind == INT8:
+            packed, qparams = quantize_int8(dense)
+        else:
+            packed, qparams = quantize_int4(dense)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.qparams = None if qparams is None else nn.Parameter(qparams, requires_grad=False)
+        self.bias = None if source.bias is None else nn.Parameter(source.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.qparams, self.kind, self.group)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [out, in] and one bfloat16 scale per output channel [out]: w ≈ code × scale."""
+    scale = (weight.abs().amax(dim=1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [out]
+    codes = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scale.to(torch.bfloat16)
+
+
+def int4_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes 0..15 [out, in] (int32), scales and zero points [out, in / 32] (float32) of `weight` [out, in]:
+    w ≈ (code - 8) × scale + zero. Each group of 32 inputs spans its minimum to its maximum in 15 steps, as a GGUF
+    Q4_1 block does, so the dequantized weights of a Q4_1 block get back that block's own codes."""
+    out_features, in_features = weight.shape
+    if in_features % INT4_GROUP:
+        raise ModelLoadError(f"int4 weights need inputs in groups of {INT4_GROUP}; a layer has {in_features}")
+    groups = weight.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)  # [out, G, 32]
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)  # [out, G]
+    scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+    return codes.reshape(out_features, in_features), scale, low + 8 * scale
+
+
+def int4_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The weights [out, in] (float32) that codes, scales and zero points (`int4_codes`) stand for."""
+    out_features, in_features = codes.shape
+    groups = codes.reshape(out_features, -1, INT4_GROUP).float()  # [out, G, 32]
+    return ((groups - 8) * scale.float()[..., None] + zero.float()[..., None]).reshape(out_features, in_features)
+
+
+def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The packed int4 codes of `weight` [out, in] and its scales and zero points [in / 32, out, 2] (bfloat16), as
+    `_weight_int4pack_mm_for_cpu` reads them."""
+    codes, scale, zero = int4_codes(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    qparams = torch.stack([scale.t(), zero.t()], dim=-1).contiguous().to(torch.bfloat16)  # [G, out, 2]
+    return packed, qparams
+
+
+def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
+    """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
+    by, up to the bfloat16 rounding of its inputs."""
+    dense = weight.detach().float()
+    if weights == "bfloat16":
+        return dense.to(torch.bfloat16).float()
+    if weights == "int8":
+        codes, scale = quantize_int8(dense)
+        return codes.float() * scale.float()[:, None]
+    codes, scale, zero = int4_codes(dense)
+    return int4_values(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
+
+
+def pack_linears(model: nn.Module, weights: str) -> int:
+    """Replace every linear layer of `model` (the LM head included, untied from the embedding) by a `PackedLinear`
+    holding `weights` (bfloat16, int8 or int4); returns how many were replaced."""
+    if weights not in _KINDS:
+        raise ValueError(f"pack_linears takes bfloat16, int8 or int4, not {weights!r}")
+    device = next(model.parameters()).device
+    if weights in ("int8", "int4") and device.type != "cpu":
+        raise ModelLoadError(
+            f"--weights {weights} runs on a CPU (PyTorch's packed CPU kernels); on {device.type} use "
+            "float32 or bfloat16"
+        )
+    replaced = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, PackedLinear(child, weights))
+                replaced += 1
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "tie_word_embeddings", False):
+        config.tie_word_embeddings = False  # the head is its own packed copy now; nothing may re-tie it
+    return replaced

@@ -1,0 +1,168 @@
+"""The quality of each `--weights` choice against float32 on the same model and texts: teacher-forced perplexity on
+held-out prose (the Python reference manual's topics, `pydoc_data`) and code (held-out standard-library modules) in
+windows of `--context` tokens, and greedy agreement with float32 over `--agree-tokens` tokens from chat prompts.
+
+Each choice is loaded as the daemon loads it (`TorchVerifier.load(..., weights=...)`) and run through its model's
+modules; the weights' rounding is what differs between the arms.
+
+Usage:
+    .venv/bin/python scripts/eval_weights.py                                   # SmolLM2, every choice
+    .venv/bin/python scripts/eval_weights.py --model kakeya-tiny --weights float32 int8 --windows 1 --prompts 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.results import RESULTS_DIR, write_results
+
+from inference_engine.model_source import resolve_model
+from kv_cache_proposer.backends import WEIGHTS
+from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "Give three tips for staying focused while studying.",
+    "Explain in two sentences what a hash table is.",
+    "What is the boiling point of water at sea level?",
+    "Translate 'good morning' into Spanish and German.",
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name, directory or GGUF file")
+    p.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=WEIGHTS, help="choices (float32 first)")
+    p.add_argument("--context", type=int, default=2048, help="tokens per perplexity window")
+    p.add_argument("--windows", type=int, default=4, help="windows per text kind")
+    p.add_argument("--agree-tokens", type=int, default=128, help="greedy tokens compared with float32 per prompt")
+    p.add_argument("--prompts", type=int, default=4, help="chat prompts for greedy agreement")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
+    return p.parse_args(argv)
+
+
+def texts(tokenizer: Any, context: int, windows: int) -> dict[str, list[list[int]]]:
+    """Token windows of held-out prose and code, the same for every arm."""
+    import pydoc_data.topics
+
+    prose = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    _, held_out = split_sources(stdlib_sources())
+    code = "\n\n".join(read_text(path) for path in held_out)
+    out: dict[str, list[list[int]]] = {}
+    for kind, text in (("prose", prose), ("code", code)):
+        ids = tokenizer(text)["input_ids"]
+        out[kind] = [ids[i * context : (i + 1) * context] for i in range(windows) if (i + 1) * context <= len(ids)]
+    return out
+
+
+@torch.inference_mode()
+def negative_log_likelihood(model: Any, window: list[int]) -> tuple[float, int]:
+    ids = torch.tensor([window])
+    logits = model(ids).logits[0, :-1].float()  # [T-1, V]
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    return float(nll), len(window) - 1
+
+
+@torch.inference_mode()
+def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    out = model(torch.tensor([prompt]), use_cache=True)
+    past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+    for _ in range(steps - 1):
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+        past = out.past_key_values
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    resolved = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolved.directory), local_files_only=True)
+    windows = texts(tokenizer, args.context, args.windows)
+    rendered = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in QUESTIONS[: args.prompts]
+    ]
+    prompts = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
+    choices = ["float32", *[w for w in args.weights if w != "float32"]]
+    samples: list[dict[str, Any]] = []
+    summary: dict[str, Any] = {}
+    reference: list[list[int]] = []
+    for choice in choices:
+        started = time.monotonic()
+        model = TorchVerifier.load(resolved.directory, device="cpu", dtype="float32", weights=choice).model
+        row: dict[str, Any] = {}
+        for kind, rows in windows.items():
+            nll = tokens = 0.0
+            for window in rows:
+                n, t = negative_log_likelihood(model, window)
+                nll, tokens = nll + n, tokens + t
+            row[f"ppl_{kind}"] = math.exp(nll / tokens)
+        generations = [greedy(model, prompt, args.agree_tokens) for prompt in prompts]
+        if choice == "float32":
+            reference = generations
+        matches = [sum(a == b for a, b in zip(g, r, strict=True)) for g, r in zip(generations, reference, strict=True)]
+        prefixes = [
+            next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), len(g))
+            for g, r in zip(generations, reference, strict=True)
+        ]
+        row["greedy_agreement"] = sum(matches) / (len(prompts) * args.agree_tokens)
+        row["identical_prefix_mean"] = sum(prefixes) / len(prompts)
+        row["seconds"] = time.monotonic() - started
+        summary[choice] = row
+        samples.append({"weights": choice, **row, "generations": generations})
+        print(choice, {k: round(v, 4) for k, v in row.items()}, flush=True)
+        del model
+    base = summary["float32"]
+    for row in summary.values():
+        for kind in windows:
+            row[f"ppl_{kind}_vs_float32"] = row[f"ppl_{kind}"] / base[f"ppl_{kind}"] - 1
+
+    def plot(path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        names = list(summary)
+        for offset, kind in ((-0.2, "prose"), (0.2, "code")):
+            ax.bar(
+                [i + offset for i in range(len(names))],
+                [100 * summary[n][f"ppl_{kind}_vs_float32"] for n in names],
+                0.4,
+                label=f"{kind} perplexity",
+            )
+        ax.axhline(2, color="grey", linestyle="--", linewidth=0.8, label="+2 %")
+        ax.set_xticks(range(len(names)), names)
+        ax.set_ylabel("perplexity vs float32 (%)")
+        ax.set_title(f"{args.model}: {args.context}-token windows")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path)
+
+    config = {
+        **{k: v for k, v in vars(args).items() if k != "out"},
+        "directory": str(resolved.directory),
+        "windows_per_kind": {k: len(v) for k, v in windows.items()},
+    }
+    print(write_results("eval_weights", config=config, samples=samples, summary=summary, plot=plot, out_dir=args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

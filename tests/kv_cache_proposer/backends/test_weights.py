@@ -1,0 +1,136 @@
+"""Linear layers held as bfloat16, int8 or int4: the kernels compute with exactly the weights they hold, those
+weights stay close to float32, both forwards agree, and a GGUF Q4_1 block is held at its own codes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.backends.torch_backend.weights import (
+    PackedLinear,
+    held_values,
+    int4_codes,
+    int4_values,
+    pack_linears,
+)
+from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.proposers import ProposerOptions
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import FullStrategy
+from tests.support.decoding import decode
+
+PROMPT = list(range(3, 40))
+ARCHS = ("llama", "qwen3")
+# Largest logit error against float32, relative to the largest logit, on the tiny random test models, and the
+# share of positions whose greedy pick stays float32's: bfloat16 and int8 barely move them, int4 (16 levels per
+# group of 32 random weights, none of the outliers a trained model's int4 groups absorb) moves them most. The
+# default model's quality per choice is measured by scripts/eval_weights.py (docs/models.md#weights).
+TOLERANCES = {"bfloat16": (0.03, 0.95), "int8": (0.08, 0.95), "int4": (0.6, 0.5)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def greedy_tokens(verifier: TorchVerifier) -> list[int]:
+    """24 greedy tokens through the verifier's own forwards (prefill, then one step at a time)."""
+    return decode(verifier, "torch", FullStrategy(), ProposerOptions(name="none"), SamplingParams())
+
+
+def _logits(verifier: TorchVerifier) -> torch.Tensor:
+    with torch.inference_mode():
+        return verifier.model(torch.tensor([PROMPT])).logits[0].float()  # [T, V]
+
+
+def _relative_error(logits: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((logits - reference).abs().max() / reference.abs().max())
+
+
+def _held_copy(checkpoint: Path, weights: str, directory: Path) -> Path:
+    """`checkpoint` with every linear layer's weight replaced by the float32 values a `PackedLinear` holds."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json"):
+        if (checkpoint / name).exists():
+            (directory / name).write_bytes((checkpoint / name).read_bytes())
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    linears = {name for name, t in tensors.items() if t.ndim == 2 and "embed_tokens" not in name}
+    held = {name: held_values(t, weights) if name in linears else t for name, t in tensors.items()}
+    if "lm_head.weight" not in held:  # tied: the head gets its own packed copy, the embedding stays float32
+        held["lm_head.weight"] = held_values(tensors["model.embed_tokens.weight"], weights)
+        config = (
+            (directory / "config.json")
+            .read_text()
+            .replace('"tie_word_embeddings": true', '"tie_word_embeddings": false')
+        )
+        (directory / "config.json").write_text(config)
+    save_file(held, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+def test_packed_weights_compute_with_exactly_the_values_they_hold(checkpoints, tmp_path, arch, weights):
+    packed = TorchVerifier.load(checkpoints[arch], device="cpu", dtype="float32", weights=weights)
+    assert packed.weights == weights and f"weights: {weights}" in packed.description
+    assert any(isinstance(m, PackedLinear) for m in packed.model.modules())
+    held = TorchVerifier.load(_held_copy(checkpoints[arch], weights, tmp_path / "held"), device="cpu", dtype="float32")
+    # what is left is the bfloat16 rounding of the kernels' inputs and outputs
+    logits, reference = _logits(packed), _logits(held)
+    assert _relative_error(logits, reference) < 0.02
+    assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) >= 0.9
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("weights", ["bfloat16", "int8", "int4"])
+def test_each_choice_stays_within_its_tolerance_of_float32(checkpoints, arch, weights):
+    reference = _logits(TorchVerifier.load(checkpoints[arch], device="cpu", dtype="float32"))
+    logits = _logits(TorchVerifier.load(checkpoints[arch], device="cpu", dtype="float32", weights=weights))
+    error_bound, agreement_floor = TOLERANCES[weights]
+    assert _relative_error(logits, reference) < error_bound
+    assert float((logits.argmax(-1) == reference.argmax(-1)).float().mean()) >= agreement_floor
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_the_direct_forward_and_transformers_modules_agree_on_packed_weights(checkpoints, weights):
+    direct = TorchVerifier.load(checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights)
+    library = TorchVerifier.load(
+        checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights, forward="library"
+    )
+    assert direct.forward_path == "direct" and library.forward_path.startswith("transformers modules")
+    assert greedy_tokens(direct) == greedy_tokens(library)
+
+
+def test_a_q4_1_block_is_held_at_its_own_codes_scale_and_offset():
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((16, 128)).astype(np.float32)
+    blocks = gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1)
+    stored = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_1).copy())  # [16, 128]
+    codes, scale, zero = int4_codes(stored)
+    # with float32 scale and offset the codes give back every stored value: nothing was quantized again
+    torch.testing.assert_close(int4_values(codes, scale, zero), stored, rtol=0, atol=1e-5)
+    # the kernel holds scale and offset in bfloat16: the only rounding a Q4_1 file's weights meet
+    held = int4_values(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
+    step = scale.repeat_interleave(32, dim=1)
+    assert float(((held - stored).abs() / step).max()) < 0.1  # within a tenth of a quantization step
+
+
+def test_int8_and_int4_refuse_a_device_their_kernels_do_not_run_on():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32)).to("meta")
+    with pytest.raises(ModelLoadError, match="runs on a CPU"):
+        pack_linears(model, "int4")
+
+
+def test_int4_refuses_a_layer_whose_inputs_do_not_fill_groups_of_32():
+    with pytest.raises(ModelLoadError, match="groups of 32"):
+        pack_linears(torch.nn.Sequential(torch.nn.Linear(48, 32)), "int4")
