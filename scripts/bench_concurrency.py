@@ -19,7 +19,7 @@ throughput at each N.
 Bounded: N x `--max-tokens` tokens per configuration, and `--time-limit-s` per configuration; loopback only.
 
 Usage:
-    python scripts/bench_concurrency.py [--model DIR] [--sessions 1 2 4 8 16] [--max-tokens 64]
+    python scripts/bench_concurrency.py [--model NAME|DIR|GGUF] [--sessions 1 2 4 8 16] [--max-tokens 64]
         [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--threads 0] [--backend torch]
         [--proposer none] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
 """
@@ -38,16 +38,17 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kakeya
 from lib.daemon import Daemon
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
+from inference_engine.config import model_drafter
 
 MODES = ("batched", "unbatched")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory (default: kakeya-tiny)")
+    add_model_option(p, "the model both daemons serve")
     p.add_argument(
         "--sessions", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="session counts (default: 1 2 4 8 16)"
     )
@@ -76,7 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0, help="random prompts (default: 0)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.proposer == "dflash" and args.draft_model is None and model_drafter(args.model) is None:
+        p.error(f"--proposer dflash: {args.model_name} ships no DFlash drafter (dflash/); name one with --draft-model")
+    return args
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -6,8 +6,8 @@ tokens from a copy of that state (a fork of the daemon's session, a clone of the
 transformers' cache, mlx-lm's cache trimmed back), so repeats cost no prefill and can be many. The arms:
 
 - both backends: `daemon:<proposer>` (`kakeya-runtime serve` through the Python SDK, one daemon per
-  `--daemon-proposers` entry; `none` is plain decoding, `dflash` the bundled drafter) and `engine` (`Decoder.step`
-  in-process, no proposer, no gRPC);
+  `--daemon-proposers` entry; `none` is plain decoding, `dflash` the model's own `dflash/` drafter, skipped with a
+  note when the model ships none) and `engine` (`Decoder.step` in-process, no proposer, no gRPC);
 - torch: `bare_loop` (the model called token by token with transformers' `DynamicCache`) and `generate`
   (`model.generate` with a streamer timing each token);
 - mlx: `mlx_lm` (mlx-lm's own `generate_step` over the model as mlx-lm loads it), `mlx_lm:input_major` (the same
@@ -34,7 +34,7 @@ Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
         [--mlx-engine-bursts 1] [--mlx-blas bundled] [--mlx-daemon-blas auto] [--new-tokens 128]
         [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3]
-        [--threads 0] [--daemon-proposers none,dflash] [--model DIR] [--out results]
+        [--threads 0] [--daemon-proposers none,dflash] [--model NAME|DIR|GGUF] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
 
@@ -52,9 +52,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.decode_arms import Arm, DaemonArm, Prefill, engine_prefill, history_tokens, mlx_arms, torch_arms
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
+from inference_engine.config import model_drafter
 from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 
 BARE = {"torch": "bare_loop", "mlx": "mlx_lm"}
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
     p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="checkpoint directory (both backends)")
+    add_model_option(p, "the model both backends load and the daemons serve")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results/)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     args = p.parse_args(argv)
@@ -106,6 +107,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.backends) - set(BARE)
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}")
+    if "dflash" in args.daemon_proposers and model_drafter(args.model) is None:
+        print(f"note: {args.model_name} ships no DFlash drafter (dflash/): no daemon:dflash arm", file=sys.stderr)
+        args.daemon_proposers.remove("dflash")
     if "none" not in args.daemon_proposers:
         p.error("--daemon-proposers must hold none (the prefill arm and the token check use it)")
     if any(burst < 1 for burst in args.mlx_engine_bursts):

@@ -13,10 +13,11 @@ current / baseline ratios) and a PNG plot next to it.
 Usage:
     python scripts/bench_engine_revisions.py --baseline REV [--backends torch,mlx] [--strategies full,sink_window]
         [--history-tokens 1024] [--new-tokens 128] [--repeats 7] [--sink 4] [--window 256] [--threads 1]
-        [--model DIR] [--out results]
+        [--model NAME|DIR|GGUF] [--out results]
     python scripts/bench_engine_revisions.py --baseline HEAD --smoke    # seconds-long run with tiny sizes (tests)
 
-    --model defaults to the bundled kakeya-tiny checkpoint (its directory serves both backends).
+    --model takes a model name, a model directory or a GGUF file, as `kakeya-runtime serve --model` does (default:
+    kakeya-tiny, whose directory serves both backends).
 """
 
 from __future__ import annotations
@@ -34,10 +35,10 @@ from pathlib import Path
 from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.results import write_results
 
 ROOT = Path(__file__).resolve().parent.parent
-BUNDLED_MODEL = ROOT / "inference_engine" / "models" / "kakeya-tiny"
 REVISIONS = ("baseline", "current")
 
 
@@ -52,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--threads", type=int, default=1, help="CPU threads of torch and the BLAS in each worker")
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL)
+    add_model_option(p, "the model both revisions load")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
     p.add_argument("--worker", nargs=2, metavar=("TREE", "BACKEND"), help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
-"""KV compression benchmark: rate–distortion on the bundled model's real K/V, then the compressors through the daemon.
+"""KV compression benchmark: rate–distortion on the model's real K/V, then the compressors through the daemon.
 
-Part 1 (in process, no daemon): K/V captured from real forwards of the bundled model over held-out text. For every
+Part 1 (in process, no daemon): K/V captured from real forwards of `--model` over held-out text. For every
 KakeyaLattice compressor and Q of `--d4-q` / `--e8-q` it measures bits per value (packed bytes actually held, codes
 + fp16 norm and scale + escapes) and relative MSE (sum of squared errors over sum of squares, K and V apart), next to
 the common alternatives on the same tensors: affine 4- and 8-bit group-64 quantisation (mlx's `mx.quantize`, as
@@ -27,7 +27,7 @@ summary puts the measured count next to that expectation and the session growth 
 Writes `results/bench_kv_compression_<stamp>.json` and a PNG (rate–distortion curves of K and V, bytes per token).
 
 Usage:
-    python scripts/bench_kv_compression.py [--smoke] [--lengths 512,1024,2048] [--samples 2]
+    python scripts/bench_kv_compression.py [--smoke] [--model NAME|DIR|GGUF] [--lengths 512,1024,2048] [--samples 2]
         [--variants kakeya_d4:38,kakeya_d4:10,kakeya_e8:38] [--dtype float32] [--speed-rounds 16]
 """
 
@@ -48,12 +48,11 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from eval_niah import heldout_lines
 from lib.daemon import Daemon
+from lib.model_option import add_model_option
 from lib.niah import build_document
 from lib.paired_speed import paired_rounds
 from lib.rate_distortion import capture_kv, lattice_vs_affine4, rate_distortion
 from lib.results import RESULTS_DIR, write_results
-
-from inference_engine.config import BUNDLED_MODEL_DIR
 
 SESSION_TOKENS = 2048
 
@@ -64,7 +63,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory")
+    add_model_option(p, "the model of part 1 and of the daemons")
     p.add_argument("--dtype", default="float32", help="dtype the daemon serves in (float32 is fast on CPU)")
     p.add_argument(
         "--backend", choices=("torch", "mlx"), default="torch", help="backend of the daemons (parts 2 and 3)"

@@ -13,8 +13,8 @@ how long queueing one write holds the event loop, and how long a write takes to 
 Bounded: `--time-limit-s` per configuration stops new turns (the summary says how many ran); loopback only.
 
 Usage:
-    python scripts/bench_load.py [--model DIR] [--sessions 64] [--turns 50] [--append-tokens 8] [--max-tokens 4]
-        [--max-concurrent 1 4] [--journal-sync normal] [--journal-writes 1000] [--time-limit-s 600]
+    python scripts/bench_load.py [--model NAME|DIR|GGUF] [--sessions 64] [--turns 50] [--append-tokens 8]
+        [--max-tokens 4] [--max-concurrent 1 4] [--journal-sync normal] [--journal-writes 1000] [--time-limit-s 600]
         [--results-dir DIR]
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kakeya
 from lib.daemon import Daemon
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from inference_engine.journal import Journal, JournalAppended, JournalOpened, SessionHeader
 from inference_engine.journal.sqlite import SqliteJournal
 
@@ -47,7 +47,7 @@ _KV_GAUGE = re.compile(r"^kakeya_session_kv_live_bytes (\S+)$", re.MULTILINE)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory (default: kakeya-tiny)")
+    add_model_option(p, "the model the daemons serve")
     p.add_argument("--sessions", type=int, default=64, help="sessions taking turns at once (default: 64)")
     p.add_argument("--turns", type=int, default=50, help="turns per session (default: 50)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="initial history of each session (default: 32)")

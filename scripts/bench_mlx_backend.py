@@ -11,12 +11,14 @@ tokens), checks that both produced the same tokens, and writes `results/bench_ml
 environment, raw samples, summary with the kakeya / mlx_lm ratios) and a PNG plot next to it.
 
 Usage:
-    python scripts/bench_mlx_backend.py [--model DIR] [--history-tokens 1024] [--new-tokens 128] [--repeats 15]
-        [--prefill-chunk 512] [--device auto|cpu|gpu] [--dtype auto|float32|bfloat16|float16] [--out results]
+    python scripts/bench_mlx_backend.py [--model NAME|DIR|GGUF] [--history-tokens 1024] [--new-tokens 128]
+        [--repeats 15] [--prefill-chunk 512] [--device auto|cpu|gpu] [--dtype auto|float32|bfloat16|float16]
+        [--out results]
     python scripts/bench_mlx_backend.py --smoke    # seconds-long run with tiny sizes (tests)
 
-    --model defaults to the bundled kakeya-tiny checkpoint; any directory mlx-lm loads works (convert other
-    Hugging Face checkpoints with scripts/convert_hf_to_mlx.py first).
+    --model takes a model name, a model directory or a GGUF file, as `kakeya-runtime serve --model` does (default:
+    kakeya-tiny); any directory mlx-lm loads works (convert other Hugging Face checkpoints with
+    scripts/convert_hf_to_mlx.py first).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ import mlx.core as mx
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.results import write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends.mlx_backend.loader import load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
@@ -136,7 +138,7 @@ def plot(samples: dict[str, Any], summary: dict[str, Any], config: dict[str, Any
         ax.set_ylabel(label)
         ax.set_title(note, fontsize=9)
     fig.suptitle(
-        f"{Path(config['model']).name}: {config['history_tokens']}-token history, {config['new_tokens']} new tokens, "
+        f"{config['model_name']}: {config['history_tokens']}-token history, {config['new_tokens']} new tokens, "
         f"{device}\ndecode ratio {summary['decode_tokens_per_s_ratio']:.2f}x, "
         f"time-to-first-token ratio {summary['time_to_first_token_ratio']:.2f}x (kakeya / mlx_lm, medians)",
         fontsize=10,
@@ -146,9 +148,9 @@ def plot(samples: dict[str, Any], summary: dict[str, Any], config: dict[str, Any
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="model directory (default: bundled)")
+    add_model_option(parser)
     parser.add_argument("--history-tokens", type=int, default=1024, help="history length prefilled before decoding")
     parser.add_argument("--new-tokens", type=int, default=128, help="tokens generated per run")
     parser.add_argument("--repeats", type=int, default=15, help="timed runs per system (after one warm-up each)")
@@ -162,7 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         args.history_tokens, args.new_tokens, args.repeats, args.prefill_chunk = 40, 6, 1, 16
     if args.history_tokens < 2 or args.new_tokens < 2 or args.repeats < 1 or args.prefill_chunk < 1:
         parser.error("--history-tokens and --new-tokens must be >= 2, --repeats and --prefill-chunk >= 1")
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     verifier = MlxVerifier.load(args.model, device=args.device, dtype=args.dtype)
@@ -183,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarize(samples)
     config = {
         "model": str(args.model),
+        "model_name": args.model_name,
         "history_tokens": args.history_tokens,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

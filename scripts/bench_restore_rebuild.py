@@ -1,20 +1,20 @@
 """Rebuilding restored K/V once per generation or before every step: decode speed and memory, in process.
 
-For every restoration plan (`--plans`: `recompute`, `model` for the model directory's plan, or a manifest path;
-`model+kakeya_d4` or `PATH+kakeya_d4` is that plan with its kept layers packed by the named KV compressor) and
-every rebuild mode of `--modes` (`generation`: rebuilt when a generation starts, then extended as positions leave
-the window; `step`: rebuilt before every forward), a `dlm_restore` session (`--sink` + `--window`) on the verifier
-(torch, CPU) is given `--prompt` tokens of held-out text and generates `--new-tokens` greedy tokens, `--turns`
-times (each turn appends 16 more held-out tokens and parks the session, as the daemon does between generations).
-Measured per run: decode tokens/s (generated tokens over the wall time of the steps that generate), prefill
-seconds, sustained bytes of the parked session (resident K/V + the plan's per-position state), and the per-step
-peak (sustained + the most restored K/V held at once). `full` runs alongside as the baseline. Greedy tokens of
-the modes must agree; the script says so in `summary.modes_agree`.
+For every restoration plan (`--plans`: `recompute`, `model` for the model directory's plan, left out with a note
+when the model ships none, or a manifest path; `model+kakeya_d4` or `PATH+kakeya_d4` is that plan with its kept
+layers packed by the named KV compressor) and every rebuild mode of `--modes` (`generation`: rebuilt when a
+generation starts, then extended as positions leave the window; `step`: rebuilt before every forward), a
+`dlm_restore` session (`--sink` + `--window`) on the verifier (torch, CPU) is given `--prompt` tokens of held-out
+text and generates `--new-tokens` greedy tokens, `--turns` times (each turn appends 16 more held-out tokens and
+parks the session, as the daemon does between generations). Measured per run: decode tokens/s (generated tokens over
+the wall time of the steps that generate), prefill seconds, sustained bytes of the parked session (resident K/V +
+the plan's per-position state), and the per-step peak (sustained + the most restored K/V held at once). `full` runs
+alongside as the baseline. Greedy tokens of the modes must agree; the script says so in `summary.modes_agree`.
 
 Writes `results/bench_restore_rebuild_<stamp>.json` and a PNG (tokens/s and bytes per run).
 
 Usage:
-    python scripts/bench_restore_rebuild.py [--model DIR] [--plans recompute,model] [--prompt 2048]
+    python scripts/bench_restore_rebuild.py [--model NAME|DIR|GGUF] [--plans recompute,model] [--prompt 2048]
         [--new-tokens 32] [--turns 2] [--sink 4] [--window 256] [--modes generation,step]
 """
 
@@ -30,10 +30,10 @@ from typing import Any
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.restoration import token_stream
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
@@ -44,7 +44,7 @@ from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier model directory (default: bundled)")
+    add_model_option(p, "the verifier")
     p.add_argument("--plans", default="recompute,model", help="comma-separated plans (default recompute,model)")
     p.add_argument("--prompt", type=int, default=2048, help="prompt tokens (default 2048)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per turn (default 32)")
@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes takes {', '.join(REBUILD_MODES)}")
     if args.prompt < 2 or args.new_tokens < 1 or args.turns < 1:
         p.error("--prompt must be >= 2, --new-tokens and --turns >= 1")
+    if find_plan(args.model) is None:
+        model_plans = [name for name in args.plans if name.partition("+")[0] == "model"]
+        if model_plans:
+            note = f"note: {args.model_name} ships no restoration plan: {', '.join(model_plans)} left out of --plans"
+            print(note, file=sys.stderr)
+            args.plans = [name for name in args.plans if name not in model_plans]
     return args
 
 

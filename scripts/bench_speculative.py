@@ -5,21 +5,22 @@ repeat so machine noise hits all of them alike. Greedy outputs must be identical
 each proposer's speedup over `none` (a ratio of tokens/s), whatever it is.
 
 Prompts are slices of a local text corpus tokenized with the verifier's tokenizer (default: the held-out files of
-the standard-library corpus `scripts/train_tiny.py` trains on, text the bundled model never saw), or of a `.npy`
+the standard-library corpus `scripts/train_tiny.py` trains on, text kakeya-tiny never saw), or of a `.npy`
 token-id file.
 
 Each speculative proposer runs under every `--draft-policies` entry (`full`: every proposal a whole block;
 `adaptive`: the draft length shrinks after rejections and grows after full acceptances), as arms `NAME` (full)
 and `NAME/adaptive`.
 
-The dflash arm uses `--dflash`, else the model directory's own `dflash/` drafter when it has one. The draft_model
-arm uses `--draft-model`, else (with `--draft-layers N`) the verifier cut to its first N decoder layers, which keeps
-its embeddings, final norm and LM head: a smaller AR model with the same vocabulary, written to a temporary directory.
+The dflash arm uses `--dflash`, else the model directory's own `dflash/` drafter when it has one; without either it
+is left out, with a note. The draft_model arm uses `--draft-model`, else (with `--draft-layers N`) the verifier cut
+to its first N decoder layers, which keeps its embeddings, final norm and LM head: a smaller AR model with the same
+vocabulary, written to a temporary directory.
 
 Usage:
-    python scripts/bench_speculative.py [--model DIR] [--dflash DRAFTER_DIR] [--draft-model DIR | --draft-layers N]
-        [--corpus FILE] [--prompts 8] [--prompt-tokens 128] [--max-tokens 128] [--repeats 2]
-        [--draft-policies full adaptive] [--results-dir DIR]
+    python scripts/bench_speculative.py [--model NAME|DIR|GGUF] [--dflash DRAFTER_DIR]
+        [--draft-model DIR | --draft-layers N] [--corpus FILE] [--prompts 8] [--prompt-tokens 128]
+        [--max-tokens 128] [--repeats 2] [--draft-policies full adaptive] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import STDLIB, read_text, split_sources, stdlib_sources
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 from lib.tokens import read_tokens, spread_windows
 
-from inference_engine.config import BUNDLED_MODEL_DIR, model_drafter
+from inference_engine.config import model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
@@ -51,7 +53,7 @@ from kv_cache_proposer.strategies import FullStrategy
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier checkpoint directory")
+    add_model_option(p, "the verifier")
     p.add_argument("--dflash", type=Path, help="DFlash drafter directory (adds the dflash arm)")
     p.add_argument("--draft-model", type=Path, help="smaller checkpoint (adds the draft_model arm)")
     p.add_argument(
@@ -259,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
         args.draft_model = truncated_copy(args.model, args.draft_layers, Path(scratch.name) / "draft")
     if args.dflash is None:
         args.dflash = model_drafter(args.model)
+        if args.dflash is None:
+            print(
+                f"note: {args.model_name} ships no DFlash drafter (dflash/) and no --dflash: no dflash arm",
+                file=sys.stderr,
+            )
     arms: dict[str, ProposerOptions] = {"none": ProposerOptions(), "ngram": ProposerOptions(name="ngram")}
     if args.draft_model:
         arms["draft_model"] = ProposerOptions(name="draft_model", draft_model=args.draft_model)

@@ -2,13 +2,13 @@
 proposer `none` and with a speculative proposer, in one run on the same prompts, plus the grammar's own cost.
 
 Four arms decode every prompt greedily, round-robin per prompt and repeat so machine noise hits all of them alike:
-`none` and `<proposer>` (default ngram, the bundled model's fastest proposer in bench_speculative), each
+`none` and `<proposer>` (default ngram, kakeya-tiny's fastest proposer in bench_speculative), each
 unconstrained and constrained by a tool-call JSON schema. Constrained outputs with the proposer must equal those
 without it. The grammar's per-token cost is measured apart from the model: every constrained output is replayed
 through a fresh grammar state (mask computation + advance per token), timed per token.
 
 Usage:
-    python scripts/bench_structured.py [--model DIR] [--proposer ngram|dflash|draft_model] [--draft-model DIR]
+    python scripts/bench_structured.py [--model NAME|DIR|GGUF] [--proposer ngram|dflash|draft_model] [--draft-model DIR]
         [--prompts 6] [--max-tokens 64] [--repeats 2] [--threads 0] [--results-dir DIR]
 """
 
@@ -25,9 +25,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR, model_drafter
+from inference_engine.config import model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
@@ -68,7 +69,7 @@ PROMPTS = [
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier checkpoint with tokenizer.json")
+    add_model_option(p, "the verifier (its tokenizer.json too)")
     p.add_argument("--proposer", default="ngram", choices=[n for n in PROPOSERS if n != "none"])
     p.add_argument("--draft-model", type=Path, help="draft_model / dflash directory (dflash: the model's own)")
     p.add_argument("--prompts", type=int, default=6, help=f"prompts used, at most {len(PROMPTS)}")
@@ -76,7 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.proposer == "dflash" and args.draft_model is None and model_drafter(args.model) is None:
+        p.error(f"--proposer dflash: {args.model_name} ships no DFlash drafter (dflash/); name one with --draft-model")
+    return args
 
 
 def decode(

@@ -9,7 +9,7 @@ OpenMP's wait policy is read when torch loads, so compare policies by running th
 (`OMP_WAIT_POLICY=PASSIVE python scripts/bench_threads.py ...`); the results record it.
 
 Usage:
-    python scripts/bench_threads.py [--model DIR] [--threads 1 2 4] [--busy 0 2] [--prompt-tokens 64]
+    python scripts/bench_threads.py [--model NAME|DIR|GGUF] [--threads 1 2 4] [--busy 0 2] [--prompt-tokens 64]
         [--max-tokens 32] [--repeats 2] [--results-dir DIR]
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.base import NoProposer
@@ -40,7 +40,7 @@ from kv_cache_proposer.strategies import FullStrategy
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cores = os.cpu_count() or 1
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier checkpoint directory")
+    add_model_option(p, "the verifier")
     p.add_argument(
         "--threads", type=int, nargs="+", default=sorted({1, 2, cores}), help="thread counts (default: 1 2 cores)"
     )

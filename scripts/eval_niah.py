@@ -11,11 +11,11 @@ documents are used for every strategy.
 
 An arm of `--kv-strategies` is a strategy name, optionally with a restoration plan and a KV compressor:
 `dlm_restore:recompute` (every evicted layer recomputed: the exact reference), `dlm_restore:model` (the plan the
-model directory ships), `dlm_restore:PATH` (a plan manifest); a plan may be followed by `+COMPRESSOR`
-(`dlm_restore:model+kakeya_d4`: the same plan with its kept layers packed by that compressor, the resident K/V
-left dense), and any arm by `@kakeya_e8` or `@kakeya_d4` (the session's compressor, which packs the resident K/V
-and a plan's kept layers). The restoration plan is a server setting, so each plan gets its own started daemon
-(`--restore-plan`); with `--address` only arms without a plan run.
+model directory ships; the daemon's `recompute` when it ships none, with a note), `dlm_restore:PATH` (a plan
+manifest); a plan may be followed by `+COMPRESSOR` (`dlm_restore:model+kakeya_d4`: the same plan with its kept
+layers packed by that compressor, the resident K/V left dense), and any arm by `@kakeya_e8` or `@kakeya_d4` (the
+session's compressor, which packs the resident K/V and a plan's kept layers). The restoration plan is a server
+setting, so each plan gets its own started daemon (`--restore-plan`); with `--address` only arms without a plan run.
 
 Writes `results/eval_niah_<stamp>.json` (per-sample outcomes, recall per arm x length x depth, and per arm x length
 in `summary`: recall averaged over depths, sustained bytes per parked session, per-step peak bytes, restoration
@@ -23,7 +23,7 @@ state bytes per evicted position (the kept layers' K/V), the token ids a plan ke
 generated tokens/s) and a heat-map PNG with one panel per arm.
 
 Usage:
-    python scripts/eval_niah.py [--address HOST:PORT | --model DIR] [--lengths 512,1024,2048] [--depths 5]
+    python scripts/eval_niah.py [--address HOST:PORT] [--model NAME|DIR|GGUF] [--lengths 512,1024,2048] [--depths 5]
         [--samples 20] [--kv-strategies full,sink_window,dlm_restore:recompute,dlm_restore:model] [--sink 4]
         [--window 512]
 """
@@ -46,22 +46,17 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
+from lib.model_option import add_model_option
 from lib.niah import build_document
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
-from kv_cache_proposer.restoration import RestorationPlan
+from kv_cache_proposer.restoration import RestorationPlan, find_plan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", help="a running daemon (default: start one serving --model)")
-    p.add_argument(
-        "--model",
-        type=Path,
-        default=BUNDLED_MODEL_DIR,
-        help="model directory: its tokenizer, and the model the started daemon serves",
-    )
+    add_model_option(p, "the model whose tokenizer builds the documents and which the started daemon serves")
     p.add_argument("--serve-flag", action="append", default=[], help="extra flag for the started daemon")
     p.add_argument("--lengths", default="512,1024,2048", help="comma-separated context lengths (tokens)")
     p.add_argument("--depths", type=int, default=5, help="needle depths from 0 (start) to 1 (end)")
@@ -81,7 +76,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.kv_strategies = [s.strip() for s in args.kv_strategies.split(",")]
     if args.depths < 1 or args.samples < 1 or min(args.lengths) < 64:
         p.error("--depths and --samples must be >= 1, every length >= 64")
+    model_plans = {arm for arm in args.kv_strategies if arm_plan(arm).partition("+")[0] == "model"}
+    if model_plans and args.address is None and find_plan(args.model) is None:
+        if any("+" in arm_plan(arm) for arm in model_plans):
+            p.error(f"{args.model_name} ships no restoration plan to pack: leave out the model+COMPRESSOR arms")
+        print(f"note: {args.model_name} ships no restoration plan: dlm_restore:model runs recompute", file=sys.stderr)
     return args
+
+
+def arm_plan(arm: str) -> str:
+    """The plan part of an arm (`model`, `recompute`, a path, maybe with `+COMPRESSOR`; empty: none)."""
+    return arm.partition("@")[0].partition(":")[2]
 
 
 def heldout_lines(tokenizer: PreTrainedTokenizerBase) -> list[list[int]]:

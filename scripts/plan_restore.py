@@ -8,8 +8,8 @@ candidate source while every other layer stays exact, and the script measures ne
 needle documents under `dlm_restore` with `--sink` + `--window`) and the mean KL divergence of the next-token
 distributions from `full` on held-out text. Candidate sources (`--sources`): `projected<-J` for every other layer J
 (`layers`), and `projected<-drafter`, f_θ from the context state of the DFlash drafter of `--drafter` (`drafter`;
-default drafter: the model's `dflash/`), each a linear f_θ fitted by closed-form least squares on training text, as
-`train_f_theta.py` does; `tokens` is exact where it applies and not tried elsewhere.
+default drafter: the model's `dflash/`, which not every model ships), each a linear f_θ fitted by closed-form least
+squares on training text, as `train_f_theta.py` does; `tokens` is exact where it applies and not tried elsewhere.
 
 Proposal: a layer tolerates a source when its recall is within `--recall-tolerance` of `full` and its KL is at
 most `--max-kl`. Over sets of kept layers, cheapest first, every other layer takes a tolerated source (`tokens`
@@ -20,7 +20,7 @@ written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights.
 (`results/plan_restore_<stamp>.json`, with a heat map of the sensitivities) holds every measurement.
 
 Usage:
-    python scripts/plan_restore.py [--model DIR] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
+    python scripts/plan_restore.py [--model NAME|DIR|GGUF] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
         [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
         [--sources layers|drafter|all] [--drafter DIR]
 """
@@ -40,6 +40,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.restoration import (
     fit_projections,
     kv_rows_by_layer,
@@ -51,7 +52,6 @@ from lib.restoration import (
 )
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, LinearProjection, RestorationPlan
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
@@ -59,7 +59,7 @@ from kv_cache_proposer.restoration.drafter_context import DrafterContext
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier model directory (default: bundled)")
+    add_model_option(p, "the verifier")
     p.add_argument("--budget", type=float, default=0.25, help="kept bytes per evicted position / full (default 0.25)")
     p.add_argument("--lengths", default="1024,2048", help="needle context lengths (default 1024,2048)")
     p.add_argument("--samples", type=int, default=5, help="needle documents per length (default 5)")
@@ -86,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.samples < 1 or args.texts < 1 or not 0 < args.budget <= 1:
         p.error("--samples and --texts must be >= 1, --budget in (0, 1]")
+    drafter = args.drafter or args.model / "dflash"
+    if args.sources != "layers" and not (drafter / "config.json").is_file():
+        p.error(
+            f"--sources {args.sources} reads a DFlash drafter: there is none at {drafter} (name one with --drafter)"
+        )
     return args
 
 

@@ -14,7 +14,7 @@ safetensors next to it), and a log to `results/train_f_theta_<stamp>.json` with 
 Only closed-form least squares on K/V is implemented: no attention-output or logit distillation.
 
 Usage:
-    python scripts/train_f_theta.py [--model DIR] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
+    python scripts/train_f_theta.py [--model NAME|DIR|GGUF] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
         [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0] [--drafter DIR]
 """
 
@@ -32,10 +32,10 @@ import numpy as np
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.model_option import add_model_option
 from lib.restoration import DRAFTER_ROWS, fit_projections, kv_rows_by_layer, token_stream
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.restoration import PLAN_FILE, RestorationPlan
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
@@ -44,7 +44,7 @@ from kv_cache_proposer.restoration.plan import plan_from_spec
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=BUNDLED_MODEL_DIR, help="verifier model directory (default: bundled)")
+    add_model_option(p, "the verifier")
     p.add_argument("--plan", required=True, help="restoration plan: a manifest path or a per-layer spec")
     p.add_argument("--texts", type=int, default=24, help="training sequences (default 24)")
     p.add_argument("--length", type=int, default=1024, help="tokens per training sequence (default 1024)")

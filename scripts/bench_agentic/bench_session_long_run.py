@@ -18,10 +18,11 @@ PNG of latency and KV bytes against turn for both arms.
 Usage:
     python scripts/bench_agentic/bench_session_long_run.py [--turns 200] [--user-tokens-per-turn 24]
         [--max-tokens 16] [--initial-tokens 256] [--kv-strategy sink_window] [--sink 4] [--window 1024]
-        [--duration-s 0] [--buckets 4] [--baseline-every 1] [--address HOST:PORT | --model DIR] [--out results]
+        [--duration-s 0] [--buckets 4] [--baseline-every 1] [--address HOST:PORT | --model NAME|DIR|GGUF]
+        [--out results]
 
-    Without --address it starts `kakeya-runtime serve` on a free loopback port (the bundled model unless --model)
-    and stops it at the end.
+    Without --address it starts `kakeya-runtime serve` on a free loopback port, serving --model (default:
+    kakeya-tiny), and stops it at the end.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lib.daemon import Daemon
+from lib.model_option import add_model_option
 from lib.results import write_results
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -243,10 +245,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--token-id-limit", type=int, default=256, help="workload token ids are drawn below this")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--address", help="use a running daemon instead of starting one")
-    parser.add_argument("--model", default="", help="model directory for the started daemon (default: bundled)")
+    add_model_option(parser, "the model the started daemon serves (not used with --address)")
     parser.add_argument("--out", type=Path, default=ROOT / "results")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    if args.address is not None:  # the running daemon's model, whatever --model says
+        args.model = args.model_name = None
     for name in ("turns", "user_tokens_per_turn", "max_tokens", "buckets", "baseline_every", "window"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -260,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     daemon = None
     if args.address is None:
         flags = ["--kv-strategy", args.kv_strategy, "--sink", str(args.sink), "--window", str(args.window)]
-        daemon = Daemon([*flags, "--model", args.model] if args.model else flags)
+        daemon = Daemon([*flags, "--model", str(args.model)])
         args.address = daemon.wait_listening()
     try:
         with kakeya.Client(args.address, timeout_s=300.0) as client:

@@ -26,6 +26,7 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
     assert json_path.with_suffix(".png").stat().st_size > 0
     data = json.loads(json_path.read_text())
     samples, summary = data["samples"], data["summary"]
+    assert data["config"]["model_name"] == "kakeya-tiny", "the results name the model, not only its directory"
     arms = {(s["backend"], s["arm"]) for s in samples["decode"]}
     assert arms == {
         ("torch", "daemon:none"),

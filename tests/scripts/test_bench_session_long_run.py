@@ -45,6 +45,7 @@ def test_a_tiny_run_on_its_own_daemon_writes_samples_buckets_summary_and_plot(tm
     assert summary["baseline_token_agreement"] == 1.0, "a fresh session given the history continues identically"
     assert summary["baseline_over_session_latency_p50_last_bucket"] > 0
     assert report["config"]["kv_strategy"] == "sink_window" and report["environment"]["daemon_command"]
+    assert report["config"]["model_name"] == "kakeya-tiny"
 
 
 def test_a_run_against_a_running_daemon_uses_it(serve, tmp_path):
@@ -52,6 +53,7 @@ def test_a_run_against_a_running_daemon_uses_it(serve, tmp_path):
     args = [*TINY, "--kv-strategy", "full", "--token-id-limit", "128", "--baseline-every", "3"]
     report = _run(*args, "--address", server.address, "--out", str(tmp_path), "--quiet")
     assert report["environment"]["daemon_command"] is None
+    assert report["config"]["model_name"] is None, "the running daemon's model, whatever --model says"
     assert [s["turn"] for s in report["samples"] if s["arm"] == "baseline"] == [0, 3]
     assert server.runtime.store.sessions() == [], "every session the run created was closed"
 
