@@ -6,7 +6,9 @@ stream stay in the model's dtype, and only the matrix product runs on bfloat16 i
 path). int8 holds one symmetric scale per output channel; int4 holds asymmetric 4-bit codes in groups of 32 inputs
 (a scale and a zero point per group), the layout of a GGUF Q4_1 block, whose dequantized weights it represents
 exactly up to the bfloat16 rounding of the block's scale and offset. The token embedding stays in the model's dtype
-(a lookup reads one row); a tied LM head gets its own quantized copy.
+(a lookup reads one row); a tied LM head gets its own quantized copy, held as int8 under int4: a 4-bit head moves a
+small model's answers (SmolLM2 answers the capital of France wrongly with one) where every 4-bit block layer does
+not, which is also why GGUF files keep the head at 8 bits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Final
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import PreTrainedModel
 
 from kv_cache_proposer.errors import ModelLoadError
 
@@ -134,7 +137,7 @@ def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
 
 def pack_linears(model: nn.Module, weights: str) -> int:
     """Replace every linear layer of `model` (the LM head included, untied from the embedding) by a `PackedLinear`
-    holding `weights` (bfloat16, int8 or int4); returns how many were replaced."""
+    holding `weights` (bfloat16, int8 or int4; the LM head int8 under int4); returns how many were replaced."""
     if weights not in _KINDS:
         raise ValueError(f"pack_linears takes bfloat16, int8 or int4, not {weights!r}")
     device = next(model.parameters()).device
@@ -143,11 +146,13 @@ def pack_linears(model: nn.Module, weights: str) -> int:
             f"--weights {weights} runs on a CPU (PyTorch's packed CPU kernels); on {device.type} use "
             "float32 or bfloat16"
         )
+    head = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
     replaced = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, PackedLinear(child, weights))
+                held = "int8" if weights == "int4" and child is head else weights
+                setattr(module, name, PackedLinear(child, held))
                 replaced += 1
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "tie_word_embeddings", False):

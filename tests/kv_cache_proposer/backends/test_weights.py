@@ -14,6 +14,8 @@ from safetensors.torch import load_file, save_file
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
+    INT4,
+    INT8,
     PackedLinear,
     held_values,
     int4_codes,
@@ -65,9 +67,12 @@ def _held_copy(checkpoint: Path, weights: str, directory: Path) -> Path:
             (directory / name).write_bytes((checkpoint / name).read_bytes())
     tensors = load_file(str(checkpoint / "model.safetensors"))
     linears = {name for name, t in tensors.items() if t.ndim == 2 and "embed_tokens" not in name}
+    head_weights = "int8" if weights == "int4" else weights  # a 4-bit model's head is held at 8 bits
     held = {name: held_values(t, weights) if name in linears else t for name, t in tensors.items()}
-    if "lm_head.weight" not in held:  # tied: the head gets its own packed copy, the embedding stays float32
-        held["lm_head.weight"] = held_values(tensors["model.embed_tokens.weight"], weights)
+    if "lm_head.weight" in held:
+        held["lm_head.weight"] = held_values(tensors["lm_head.weight"], head_weights)
+    else:  # tied: the head gets its own packed copy, the embedding stays float32
+        held["lm_head.weight"] = held_values(tensors["model.embed_tokens.weight"], head_weights)
         config = (
             (directory / "config.json")
             .read_text()
@@ -123,6 +128,16 @@ def test_a_q4_1_block_is_held_at_its_own_codes_scale_and_offset():
     held = int4_values(codes, scale.to(torch.bfloat16), zero.to(torch.bfloat16))
     step = scale.repeat_interleave(32, dim=1)
     assert float(((held - stored).abs() / step).max()) < 0.1  # within a tenth of a quantization step
+
+
+def test_int4_holds_the_lm_head_at_int8(checkpoints):
+    model = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4").model
+    head = model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.kind == INT8
+    assert (
+        isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
+        and model.model.layers[0].mlp.down_proj.kind == INT4
+    )
 
 
 def test_int8_and_int4_refuse_a_device_their_kernels_do_not_run_on():
