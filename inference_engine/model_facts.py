@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from inference_engine.model_source import model_name
 from kv_cache_proposer.restoration import find_plan
 
 
@@ -37,7 +38,7 @@ class ModelFacts:
             eos = _token_ids(config.get("eos_token_id")) or _token_ids(text_config.get("eos_token_id"))
         context = text_config.get("max_position_embeddings") or config.get("max_position_embeddings") or 0
         return cls(
-            name=model_dir.name,
+            name=model_name(model_dir),
             eos_token_ids=eos,
             trained_context_tokens=int(context) if isinstance(context, int) else 0,
             chat_template=_chat_template(model_dir),

@@ -202,6 +202,15 @@ def model_identity(directory: Path) -> str:
         return str(directory.resolve())
 
 
+def model_name(directory: Path) -> str:
+    """What to call the model of `directory`: the GGUF file's name (less `.gguf`) for a conversion, else the
+    directory's name."""
+    try:
+        return Path(json.loads((directory / MANIFEST).read_text())["source"]).name.removesuffix(".gguf")
+    except (OSError, ValueError, KeyError, TypeError):
+        return directory.name
+
+
 def source_tensor_types(directory: Path) -> tuple[str, ...]:
     """The GGUF tensor types the model of `directory` was converted from; empty for a model not converted here."""
     try:

@@ -30,6 +30,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kv_cache_proposer.backends.mlx_backend import config_keys
+
 COPIED_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -51,30 +53,10 @@ class ConversionError(ValueError):
 
 def mlx_config_keys(config: dict[str, Any]) -> dict[str, Any]:
     """The config keys mlx-lm's model classes read that a transformers 5 config spells differently."""
-    extra: dict[str, Any] = {}
-    rope = config.get("rope_parameters")
-    if isinstance(rope, dict) and "full_attention" in rope:
-        full, sliding = rope["full_attention"], rope.get("sliding_attention", {})
-        extra["rope_theta"] = full["rope_theta"]
-        if "rope_theta" in sliding:
-            extra["rope_local_base_freq"] = sliding["rope_theta"]
-        if full.get("rope_type", "default") != "default":
-            extra["rope_scaling"] = full
-    elif isinstance(rope, dict) and "rope_theta" in rope:
-        extra["rope_theta"] = rope["rope_theta"]
-        if rope.get("rope_type", "default") != "default":
-            extra["rope_scaling"] = rope
-    if config.get("model_type") == "gemma3_text" and "layer_types" in config:
-        extra["sliding_window_pattern"] = _sliding_window_pattern(config["layer_types"])
-    return {key: value for key, value in extra.items() if key not in config}
-
-
-def _sliding_window_pattern(layer_types: list[str]) -> int:
-    """The period p such that layer i is full attention exactly when i % p == p - 1."""
-    for period in range(1, len(layer_types) + 1):
-        if all((kind == "full_attention") == (i % period == period - 1) for i, kind in enumerate(layer_types)):
-            return period
-    raise ConversionError(f"layer_types {layer_types} have no period mlx-lm's sliding_window_pattern can express")
+    try:
+        return config_keys.mlx_config_keys(config)
+    except config_keys.ConfigKeysError as exc:
+        raise ConversionError(str(exc)) from None
 
 
 def convert(hf_dir: Path, mlx_dir: Path, *, dtype: str = "auto", force: bool = False) -> Path:

