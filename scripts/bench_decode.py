@@ -19,22 +19,34 @@ transformers' cache, mlx-lm's cache trimmed back), so repeats cost no prefill an
 Every other MLX arm, in this process and in the daemons, runs on the CBLAS library of `--mlx-blas` (default
 `bundled`, the reference BLAS of the Linux `mlx[cpu]` wheel).
 
-Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms alternate within each repeat, so
-machine noise hits them alike; the summary holds medians and every arm's ratio to the bare loop of its backend
-(`bare_loop` on torch, `mlx_lm` on MLX), and per arm the per-token decode time at the longest history over the
+On torch every arm, decode and prefill, runs once per `--weights` choice (how the linear layers are held: float32,
+bfloat16, int8, int4; activations and K/V stay float32): the daemon started with `--weights W`, the engine and the
+bare loops over one `TorchVerifier` loaded with `weights=W` (the bare loops call its transformers modules, whose
+linear layers are the same packed ones). float32 arms keep the plain names; the others carry `@W`
+(`daemon:none@int4`, `bare_loop@int4`). MLX takes no choice: its arms run float32.
+
+Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms, of every weights choice, alternate
+within each repeat, so machine noise hits them alike; the summary holds, per backend, medians
+(`decode_tokens_per_s`), every arm's ratio to the bare loop of its backend and weights (`bare_loop[@W]` on torch,
+`mlx_lm` on MLX: `decode_ratio_to_bare`), and per arm the per-token decode time at the longest history over the
 shortest. The prefill part (`--prefill-repeats` times) appends `--prefill-tokens` to a fresh session and times it
 to the first token: the daemon (its own prefill seconds), the engine with its default chunk (`engine`) and with each
 of `--prefill-chunks` (`engine:N`), the daemons of `--mlx-daemon-blas`, and one bare forward (on MLX, of the model
-as mlx-lm loads it). Greedy tokens of daemon:none (and its BLAS variants), engine and the bare loop must agree
-(float32).
+as mlx-lm loads it), each over the one bare forward of its weights (`prefill_ratio_to_one_forward`). Greedy tokens of
+daemon:none (and its BLAS variants), engine and the bare loop of one weights choice must agree (float32
+activations: `tokens_agree`). `weights` holds per choice the daemon without a proposer: its decode and prefill
+tokens/s, their ratios to the float32 daemon's (`daemon:none@W / daemon:none`, when float32 is among the choices),
+whether its weights' arms agree, and, for information only, how many decoded tokens it shares with the float32
+daemon before the first that differs.
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 
 Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
         [--mlx-engine-bursts 1] [--mlx-blas bundled] [--mlx-daemon-blas auto] [--new-tokens 128]
-        [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3]
-        [--threads 0] [--daemon-proposers none,dflash] [--model NAME|DIR|GGUF] [--out results]
+        [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3] [--prefill-chunks 2048,8192]
+        [--weights float32,bfloat16,int8,int4] [--threads 0] [--daemon-proposers none,dflash]
+        [--model NAME|DIR|GGUF] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
 
@@ -56,9 +68,23 @@ from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import model_drafter
+from kv_cache_proposer.backends import WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 
 BARE = {"torch": "bare_loop", "mlx": "mlx_lm"}
+# The hatch of each weights choice's bars in the plot (the colour is the arm's).
+HATCHES = {"float32": "", "bfloat16": "//", "int8": "xx", "int4": ".."}
+
+
+def named(arm: str, weights: str) -> str:
+    """An arm's name at a weights choice: float32 keeps the plain name, the others carry `@<weights>`."""
+    return arm if weights == "float32" else f"{arm}@{weights}"
+
+
+def unnamed(name: str) -> tuple[str, str]:
+    """The arm and the weights choice of a name `named` gave."""
+    arm, _, weights = name.partition("@")
+    return arm, weights or "float32"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -84,6 +110,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="2048,8192",
         help="more engine prefill arms, one per chunk size, beside the default chunk (default: 2048,8192)",
     )
+    p.add_argument(
+        "--weights",
+        default="float32",
+        help="torch: every arm once per choice of how the linear layers are held, comma-separated: "
+        f"{', '.join(WEIGHTS)} (default: float32; MLX arms run float32)",
+    )
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
     p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
     add_model_option(p, "the model both backends load and the daemons serve")
@@ -102,11 +134,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.prefill_chunks = [int(c) for c in args.prefill_chunks.split(",") if c]
     args.mlx_daemon_blas = [c for c in args.mlx_daemon_blas.split(",") if c]
     args.mlx_engine_bursts = [int(b) for b in args.mlx_engine_bursts.split(",") if b]
+    args.weights = list(dict.fromkeys(w for w in args.weights.split(",") if w))
     if args.threads == 0:
         args.threads = len(os.sched_getaffinity(0))
     unknown = set(args.backends) - set(BARE)
     if unknown:
         p.error(f"unknown backends {sorted(unknown)}")
+    if not args.weights or set(args.weights) - set(WEIGHTS):
+        p.error(f"--weights takes a comma-separated list of {', '.join(WEIGHTS)}, not {','.join(args.weights)!r}")
+    if "mlx" in args.backends and args.weights != ["float32"]:
+        print("note: MLX takes no --weights: the MLX arms run float32", file=sys.stderr)
     if "dflash" in args.daemon_proposers and model_drafter(args.model) is None:
         print(f"note: {args.model_name} ships no DFlash drafter (dflash/): no daemon:dflash arm", file=sys.stderr)
         args.daemon_proposers.remove("dflash")
@@ -120,54 +157,85 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
+def lineup(
+    backend: str, weights: str, args: argparse.Namespace, daemons: list[DaemonArm]
+) -> tuple[dict[str, Arm], dict[str, Prefill]]:
+    """The decode and the prefill arms of one backend at one weights choice, by their names (`named`); the daemons
+    started join `daemons`, which the caller stops."""
+    arms, bare_prefill, verifier = torch_arms(args, weights) if backend == "torch" else mlx_arms(args)
+    started: dict[str, DaemonArm] = {}
+    for proposer in args.daemon_proposers:
+        daemon = DaemonArm(backend, proposer, args, weights=weights)
+        daemons.append(daemon)
+        started[f"daemon:{proposer}"] = daemon
+    for choice in args.mlx_daemon_blas if backend == "mlx" else []:
+        daemon = DaemonArm(backend, "none", args, blas=choice)
+        daemons.append(daemon)
+        started[f"daemon:none:blas={choice}"] = daemon
+    decode: dict[str, Arm] = {**started, **arms}
+    prefill: dict[str, Prefill] = {name: d.prefill for name, d in started.items() if name.startswith("daemon:none")}
+    prefill["engine"] = engine_prefill(verifier)
+    prefill |= {f"engine:{chunk}": engine_prefill(verifier, chunk) for chunk in args.prefill_chunks}
+    prefill["one_forward"] = bare_prefill
+    return (
+        {named(name, weights): arm for name, arm in decode.items()},
+        {named(name, weights): arm for name, arm in prefill.items()},
+    )
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     samples: dict[str, Any] = {"decode": [], "prefill": []}
     longest = max([*args.histories, *args.mlx_histories, args.prefill_tokens])
     text = history_tokens(args.model, longest)
     for backend in args.backends:
-        arms, bare_prefill, verifier = torch_arms(args) if backend == "torch" else mlx_arms(args)
-        daemons = {f"daemon:{p}": DaemonArm(backend, p, args) for p in args.daemon_proposers}
-        if backend == "mlx":
-            daemons |= {f"daemon:none:blas={c}": DaemonArm(backend, "none", args, blas=c) for c in args.mlx_daemon_blas}
+        daemons: list[DaemonArm] = []
         try:
-            every: dict[str, Arm] = {**daemons, **arms}
+            # name -> (weights, arm); every weights choice's arms in one lineup, so they alternate within a repeat
+            every: dict[str, tuple[str, Arm]] = {}
+            prefills: dict[str, tuple[str, Prefill]] = {}
+            for weights in args.weights if backend == "torch" else ["float32"]:
+                arms, prefill_arms = lineup(backend, weights, args, daemons)
+                every |= {name: (weights, arm) for name, arm in arms.items()}
+                prefills |= {name: (weights, prefill) for name, prefill in prefill_arms.items()}
             histories = args.histories if backend == "torch" else args.mlx_histories
             for history_len in histories:
                 history = text[:history_len]
-                decodings = {name: arm(history) for name, arm in every.items()}
+                decodings = {name: (weights, arm(history)) for name, (weights, arm) in every.items()}
                 for repeat in range(args.repeats):
                     order = list(decodings) if repeat % 2 == 0 else list(reversed(decodings))
                     for name in order:
-                        result = decodings[name](args.new_tokens)
-                        samples["decode"].append({"backend": backend, "arm": name, "history": history_len, **result})
+                        weights, decoding = decodings[name]
+                        result = decoding(args.new_tokens)
+                        samples["decode"].append(
+                            {"backend": backend, "arm": name, "weights": weights, "history": history_len, **result}
+                        )
                         print(
-                            f"{backend} {name:>18} history {history_len:>6}: "
+                            f"{backend} {name:>22} history {history_len:>6}: "
                             f"{result['decode_tokens_per_s']:7.1f} tok/s",
                             flush=True,
                         )
                 del decodings
             appended = text[: args.prefill_tokens]
-            prefills: dict[str, Prefill] = {
-                name: daemon.prefill for name, daemon in daemons.items() if name.startswith("daemon:none")
-            }
-            prefills["engine"] = engine_prefill(verifier)
-            prefills |= {f"engine:{chunk}": engine_prefill(verifier, chunk) for chunk in args.prefill_chunks}
-            prefills["one_forward"] = bare_prefill
             for _ in range(args.prefill_repeats):
-                for name, prefill in prefills.items():
+                for name, (weights, prefill) in prefills.items():
                     result = prefill(appended)
-                    samples["prefill"].append({"backend": backend, "arm": name, "tokens": len(appended), **result})
-                    print(f"{backend} prefill {name:>12}: {result['prefill_s']:.3f} s", flush=True)
+                    samples["prefill"].append(
+                        {"backend": backend, "arm": name, "weights": weights, "tokens": len(appended), **result}
+                    )
+                    print(f"{backend} prefill {name:>17}: {result['prefill_s']:.3f} s", flush=True)
         finally:
-            for daemon in daemons.values():
+            for daemon in daemons:
                 daemon.close()
     return samples
 
 
+# -- the summary ---------------------------------------------------------------------------------------------------
 def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for backend in args.backends:
         decode = [s for s in samples["decode"] if s["backend"] == backend]
+        prefill = [s for s in samples["prefill"] if s["backend"] == backend]
+        weights_of = {s["arm"]: s["weights"] for s in decode + prefill}
         rates: dict[str, dict[int, float]] = {}
         for sample in decode:
             rates.setdefault(sample["arm"], {}).setdefault(sample["history"], [])  # type: ignore[arg-type]
@@ -175,37 +243,84 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
             for history in by_history:
                 values = [s["decode_tokens_per_s"] for s in decode if s["arm"] == arm and s["history"] == history]
                 by_history[history] = statistics.median(values)
-        bare = rates[BARE[backend]]
-        histories = sorted(bare)
+        histories = sorted({s["history"] for s in decode})
+        bare = {arm: rates[named(BARE[backend], weights_of[arm])] for arm in rates}  # of the arm's own weights
         part: dict[str, Any] = {
             "decode_tokens_per_s": {arm: {str(h): round(r, 1) for h, r in v.items()} for arm, v in rates.items()}
         }
         part["decode_ratio_to_bare"] = {
-            arm: {str(h): round(v[h] / bare[h], 3) for h in histories} for arm, v in rates.items()
+            arm: {str(h): round(v[h] / bare[arm][h], 3) for h in histories} for arm, v in rates.items()
         }
         part["per_token_time_longest_over_shortest"] = {
             arm: round(v[histories[0]] / v[histories[-1]], 3) for arm, v in rates.items()
         }
-        part["tokens_agree"] = tokens_agree(decode, backend)
+        choices = list(dict.fromkeys(s["weights"] for s in decode))
+        agree = {weights: tokens_agree(decode, backend, weights) for weights in choices}
+        part["tokens_agree"] = all(agree.values())
         part["repeats_agree"] = repeats_agree(decode)
-        prefill = [s for s in samples["prefill"] if s["backend"] == backend]
         medians = {
             arm: statistics.median(s["prefill_s"] for s in prefill if s["arm"] == arm)
-            for arm in {s["arm"] for s in prefill}
+            for arm in dict.fromkeys(s["arm"] for s in prefill)
         }
-        tokens = args.prefill_tokens
-        part["prefill_tokens_per_s"] = {arm: round(tokens / s, 1) for arm, s in medians.items()}
-        part["prefill_ratio_to_one_forward"] = {arm: round(medians["one_forward"] / s, 3) for arm, s in medians.items()}
+        prefill_rates = {arm: args.prefill_tokens / s for arm, s in medians.items()}
+        part["prefill_tokens_per_s"] = {arm: round(r, 1) for arm, r in prefill_rates.items()}
+        part["prefill_ratio_to_one_forward"] = {
+            arm: round(medians[named("one_forward", weights_of[arm])] / s, 3) for arm, s in medians.items()
+        }
+        part["weights"] = {
+            weights: by_weights(weights, rates, prefill_rates, decode, histories, agree[weights]) for weights in choices
+        }
         summary[backend] = part
     return summary
 
 
-def tokens_agree(decode: list[dict[str, Any]], backend: str) -> bool:
-    """Whether the greedy tokens of the daemons without a proposer (on every BLAS), the engine and the bare loop
-    agree."""
-    compared = {"engine", BARE[backend]}
+def by_weights(
+    weights: str,
+    rates: dict[str, dict[int, float]],
+    prefill_rates: dict[str, float],
+    decode: list[dict[str, Any]],
+    histories: list[int],
+    agree: bool,
+) -> dict[str, Any]:
+    """The daemon without a proposer at one weights choice: its decode and prefill tokens/s, their ratios to the
+    float32 daemon's (when float32 was measured), whether its weights' arms agree, and how many decoded tokens it
+    shares with the float32 daemon before the first that differs (information: other weights may decode others)."""
+    daemon = named("daemon:none", weights)
+    part: dict[str, Any] = {
+        "daemon_decode_tokens_per_s": {str(h): round(rates[daemon][h], 1) for h in histories},
+        "daemon_prefill_tokens_per_s": round(prefill_rates[daemon], 1),
+        "tokens_agree": agree,
+    }
+    if "daemon:none" in rates:
+        part["daemon_decode_ratio_to_float32"] = {
+            str(h): round(rates[daemon][h] / rates["daemon:none"][h], 3) for h in histories
+        }
+        part["daemon_prefill_ratio_to_float32"] = round(prefill_rates[daemon] / prefill_rates["daemon:none"], 3)
+        first = {(s["arm"], s["history"]): s["tokens"] for s in reversed(decode)}  # each arm's first repeat
+        part["tokens_before_diverging_from_float32"] = {
+            str(h): shared_prefix(first[daemon, h], first["daemon:none", h]) for h in histories
+        }
+    return part
+
+
+def shared_prefix(tokens: list[int], others: list[int]) -> int:
+    """How many leading tokens two decodings share."""
+    same = 0
+    for token, other in zip(tokens, others, strict=False):
+        if token != other:
+            break
+        same += 1
+    return same
+
+
+def tokens_agree(decode: list[dict[str, Any]], backend: str, weights: str) -> bool:
+    """Whether the greedy tokens of the daemons without a proposer (on every BLAS), the engine and the bare loop at
+    one weights choice agree."""
+    compared = {named("engine", weights), named(BARE[backend], weights)}
     by_history: dict[int, set[tuple[int, ...]]] = {}
     for sample in decode:
+        if sample["weights"] != weights:
+            continue
         if sample["arm"] in compared or sample["arm"].startswith("daemon:none"):
             by_history.setdefault(sample["history"], set()).add(tuple(sample["tokens"]))
     return all(len(outputs) == 1 for outputs in by_history.values())
@@ -219,39 +334,57 @@ def repeats_agree(decode: list[dict[str, Any]]) -> bool:
     return all(len(outputs) == 1 for outputs in by_arm.values())
 
 
+# -- the plot ------------------------------------------------------------------------------------------------------
 def plot(summary: dict[str, Any], path: Path) -> None:
+    """One decode panel per backend (bars: the arm's colour, the weights choice's hatch) and one prefill panel."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     backends = list(summary)
-    fig, axes = plt.subplots(1, len(backends) + 1, figsize=(6 * (len(backends) + 1), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(backends) + 1, figsize=(6.5 * (len(backends) + 1), 4.8), squeeze=False)
+    colours = [f"C{i}" for i in range(10)]  # the default colour cycle
     for ax, backend in zip(axes[0], backends, strict=False):
         rates = summary[backend]["decode_tokens_per_s"]
-        arms = list(rates)
+        names = list(rates)
+        plain = list(dict.fromkeys(unnamed(name)[0] for name in names))
+        choices = list(dict.fromkeys(unnamed(name)[1] for name in names))
         histories = list(next(iter(rates.values())))
-        width = 0.8 / len(arms)
-        for i, arm in enumerate(arms):
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            arm, weights = unnamed(name)
             xs = np.arange(len(histories)) + i * width
-            ax.bar(xs, [rates[arm][h] for h in histories], width, label=arm)
+            colour = colours[plain.index(arm) % len(colours)]
+            ax.bar(xs, [rates[name][h] for h in histories], width, color=colour, hatch=HATCHES[weights])
         ax.set_xticks(np.arange(len(histories)) + 0.4 - width / 2, [f"{int(h):,}" for h in histories])
         ax.set_xlabel("history tokens")
         ax.set_ylabel("decode tokens/s (median)")
         ax.set_title(f"{backend}: decode")
-        ax.legend(fontsize=7)
+        handles = [Patch(color=colours[i % len(colours)], label=arm) for i, arm in enumerate(plain)]
+        if len(choices) > 1:  # a second block of the legend: the hatch of each weights choice
+            handles += [Patch(facecolor="white", edgecolor="black", hatch=HATCHES[w], label=w) for w in choices]
+        # below the panel, beside each other: many arms would cover the bars
+        ax.legend(handles=handles, fontsize=7, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.16), frameon=False)
     ax = axes[0][-1]
-    labels, values = [], []
-    for backend in backends:
-        for arm, rate in summary[backend]["prefill_tokens_per_s"].items():
-            labels.append(f"{backend}\n{arm}")
-            values.append(rate)
-    ax.bar(range(len(values)), values, color="tab:gray")
-    ax.set_xticks(range(len(values)), labels, fontsize=7)
+    bars = [
+        (backend, name, rate) for backend in backends for name, rate in summary[backend]["prefill_tokens_per_s"].items()
+    ]
+    ax.bar(
+        range(len(bars)),
+        [rate for *_, rate in bars],
+        color="tab:gray",
+        hatch=[HATCHES[unnamed(n)[1]] for _, n, _ in bars],
+    )
+    if len(bars) > 8:  # many bars: slanted one-line labels, so they do not overlap
+        ax.set_xticks(range(len(bars)), [f"{b} {n}" for b, n, _ in bars], fontsize=7, rotation=60, ha="right")
+    else:
+        ax.set_xticks(range(len(bars)), [f"{b}\n{n}" for b, n, _ in bars], fontsize=7)
     ax.set_ylabel("prefill tokens/s (median)")
     ax.set_title("prefill of one append")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

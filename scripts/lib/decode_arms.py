@@ -1,5 +1,5 @@
 """The arms of `scripts/bench_decode.py`: the daemon through the SDK, the engine in-process and the bare library
-loops.
+loops; on torch, each at one `--weights` choice (how the linear layers are held).
 
 An arm is prepared once per history: it prefills the history (untimed) and decodes its first token. What it
 returns decodes `new_tokens` more greedy tokens from a copy of that state, the same state at every call: a fork of
@@ -57,7 +57,9 @@ def timed_tokens(stream: Iterator[int], started: float) -> dict[str, Any]:
 
 
 # -- torch arms ----------------------------------------------------------------------------------------------------
-def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
+def torch_arms(args: argparse.Namespace, weights: str = "float32") -> tuple[dict[str, Arm], Prefill, Any]:
+    """The engine, the bare loop and `generate` over one verifier whose linear layers are held as `weights`: the
+    bare loops call its transformers modules, whose linear layers are the verifier's own packed ones."""
     import torch
     from transformers import DynamicCache
     from transformers.generation.streamers import BaseStreamer
@@ -66,7 +68,7 @@ def torch_arms(args: argparse.Namespace) -> tuple[dict[str, Arm], Prefill, Any]:
     from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
     torch.set_num_threads(args.threads)
-    verifier = load_verifier("torch", args.model, device="cpu", dtype="float32")
+    verifier = load_verifier("torch", args.model, device="cpu", dtype="float32", weights=weights)
     assert isinstance(verifier, TorchVerifier)
     model = verifier.model
 
@@ -261,13 +263,28 @@ def engine_prefill(verifier: Any, chunk: int | None = None) -> Prefill:
 # -- daemon arms ---------------------------------------------------------------------------------------------------
 class DaemonArm:
     """A daemon serving the model with one backend and proposer, driven through the Python SDK: prepared, it holds
-    one session with the history and its first token, and every decoding runs on a fork of it."""
+    one session with the history and its first token, and every decoding runs on a fork of it.
 
-    def __init__(self, backend: str, proposer: str, args: argparse.Namespace, *, blas: str | None = None) -> None:
+    On torch the daemon holds its linear layers as `weights`, always named on its command line (its own default,
+    auto, would choose int4 for a 4-bit GGUF model); MLX daemons take no choice and run float32."""
+
+    def __init__(
+        self,
+        backend: str,
+        proposer: str,
+        args: argparse.Namespace,
+        *,
+        weights: str = "float32",
+        blas: str | None = None,
+    ) -> None:
         import kakeya
 
         flags = ["--model", str(args.model), "--backend", backend, "--device", "cpu", "--dtype", "float32"]
         flags += ["--proposer", proposer, "--kv-strategy", "full", "--threads", str(args.threads)]
+        if backend == "torch":
+            flags += ["--weights", weights]
+        elif weights != "float32":
+            raise ValueError(f"the MLX daemon arms run float32 weights, not {weights}")
         if backend == "mlx":
             flags += ["--mlx-blas", blas or args.mlx_blas]
         self.daemon = Daemon(flags)

@@ -1,10 +1,13 @@
-"""scripts/bench_decode.py: a smoke run measures every arm on both backends and writes ratios to the bare loops."""
+"""scripts/bench_decode.py: a smoke run measures every arm on both backends and writes ratios to the bare loops,
+and on torch every arm once per weights choice."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -53,3 +56,37 @@ def test_a_smoke_run_measures_every_arm_and_writes_the_ratios(tmp_path):
         blas_arms = {"daemon:none:blas=auto"} if backend == "mlx" else set()
         assert set(part["prefill_tokens_per_s"]) == {"daemon:none", "engine", "engine:16", "one_forward"} | blas_arms
         assert set(part["per_token_time_longest_over_shortest"]) >= {"engine", bare}
+
+
+def test_each_weights_choice_runs_every_torch_arm_and_is_compared_to_float32(tmp_path):
+    bench = _bench()
+    assert bench.main(["--smoke", "--backends", "torch", "--weights", "float32,int4", "--out", str(tmp_path)]) == 0
+
+    (json_path,) = tmp_path.glob("bench_decode_*.json")
+    data = json.loads(json_path.read_text())
+    samples, part = data["samples"], data["summary"]["torch"]
+    plain = {"daemon:none", "engine", "bare_loop", "generate"}
+    arms = {s["arm"] for s in samples["decode"]}
+    assert arms == plain | {f"{arm}@int4" for arm in plain}, "float32 arms keep their names, int4 arms carry @int4"
+    assert {s["weights"] for s in samples["decode"] if s["arm"].endswith("@int4")} == {"int4"}
+    assert len(samples["decode"]) == 2 * 2 * len(arms), "two repeats of every arm at each of two histories"
+
+    assert part["tokens_agree"] is True and part["repeats_agree"] is True
+    assert part["decode_ratio_to_bare"]["bare_loop@int4"] == {"48": 1.0, "96": 1.0}, "int4 over int4's bare loop"
+    rates = part["decode_tokens_per_s"]
+    ratio = rates["daemon:none@int4"]["96"] / rates["bare_loop@int4"]["96"]
+    assert part["decode_ratio_to_bare"]["daemon:none@int4"]["96"] == pytest.approx(ratio, rel=0.02)  # rates rounded
+
+    int4, float32 = part["weights"]["int4"], part["weights"]["float32"]
+    assert int4["tokens_agree"] is True, "the daemon, the engine and the bare loop at int4 decode the same tokens"
+    assert float32["daemon_decode_ratio_to_float32"] == {"48": 1.0, "96": 1.0}
+    ratio = rates["daemon:none@int4"]["96"] / rates["daemon:none"]["96"]
+    assert int4["daemon_decode_ratio_to_float32"]["96"] == pytest.approx(ratio, rel=0.02)
+    prefill = part["prefill_tokens_per_s"]
+    assert set(prefill) == {
+        f"{arm}{w}" for arm in ("daemon:none", "engine", "engine:16", "one_forward") for w in ("", "@int4")
+    }
+    ratio = prefill["daemon:none@int4"] / prefill["daemon:none"]
+    assert int4["daemon_prefill_ratio_to_float32"] == pytest.approx(ratio, rel=0.02)
+    assert part["prefill_ratio_to_one_forward"]["one_forward@int4"] == 1.0
+    assert all(0 <= n <= 6 for n in int4["tokens_before_diverging_from_float32"].values()), "recorded, not checked"
