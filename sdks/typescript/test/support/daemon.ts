@@ -30,10 +30,14 @@ export async function startDaemon(args: string[] = [], startupTimeoutMs = 150_00
   if (!existsSync(RUNTIME_BIN)) {
     throw new Error(`${RUNTIME_BIN} is missing: run scripts/bootstrap.sh at the repository root`);
   }
-  const child = spawn(RUNTIME_BIN, ["serve", "--model", "kakeya-tiny", "--port", "0", "--metrics-port", "-1", "--log-format", "json", ...args], {
-    stdio: ["ignore", "ignore", "pipe"],
-    env: { ...process.env, HF_HUB_OFFLINE: "1" },
-  });
+  const child = spawn(
+    RUNTIME_BIN,
+    ["serve", "--model", "kakeya-tiny", "--port", "0", "--metrics-port", "-1", "--log-format", "json", ...args],
+    {
+      stdio: ["ignore", "ignore", "pipe"],
+      env: { ...process.env, HF_HUB_OFFLINE: "1" },
+    },
+  );
   const log: string[] = [];
   const exited = new Promise<number | null>((done) => child.once("exit", (code) => done(code)));
   const address = await new Promise<string>((resolveAddress, reject) => {
