@@ -8,6 +8,7 @@ from pathlib import Path
 
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.metrics import Metrics
+from inference_engine.model_source import choose_weights
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from tests.support.server import generate, start_server
 
@@ -20,7 +21,9 @@ def _python_blocks(markdown: str) -> list[str]:
 
 
 def test_the_quickstart_python_chat_answers_from_the_default_model(capsys, monkeypatch, smollm2_dir):
-    verifier = TorchVerifier.load(smollm2_dir, device="cpu", dtype="float32")
+    weights, _ = choose_weights("auto", smollm2_dir, backend="torch", on_cpu=True)
+    assert weights == "int4", "the default model is served as a user's daemon serves it"
+    verifier = TorchVerifier.load(smollm2_dir, device="cpu", dtype="float32", weights=weights)
     server = start_server(verifier, model=str(smollm2_dir), model_dir=smollm2_dir)
     try:
         (block,) = _python_blocks((DOCS / "quickstart.md").read_text())
