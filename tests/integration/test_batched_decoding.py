@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import re
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ import pytest
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
+from tests.support.concurrently import concurrently
 from tests.support.server import RunningServer, create, generate
 
 pytestmark = pytest.mark.parametrize("backend", BACKENDS)
@@ -45,26 +45,6 @@ def _session(server: RunningServer, index: int) -> str:
     return create(server.stub, initial=_prompt(index, length), **options)
 
 
-def _concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Run the calls on threads released together; returns each one's result or the exception it raised."""
-    results: list[Any] = [None] * len(calls)
-    barrier = threading.Barrier(len(calls))
-
-    def run(index: int) -> None:
-        barrier.wait()
-        try:
-            results[index] = calls[index]()
-        except Exception as exc:
-            results[index] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    return results
-
-
 def _sample(text: str, series: str) -> float:
     found = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
     assert found is not None, f"{series} is not exported"
@@ -92,7 +72,7 @@ def test_concurrent_sessions_get_the_tokens_they_get_alone(serve, proposer):
     assert _batched_forwards(server)[0] == 0, "sessions generating one after another never share a forward"
 
     sessions = [_session(server, i) for i in range(len(SPECS))]
-    together = _concurrently(
+    together = concurrently(
         [
             lambda i=i: generate(server.stub, sessions[i], max_tokens=MAX_TOKENS, **SPECS[i][2]).tokens
             for i in range(len(SPECS))
@@ -109,7 +89,7 @@ def test_concurrent_sessions_get_the_tokens_they_get_alone(serve, proposer):
 def test_batch_size_one_runs_a_forward_per_step(serve):
     server = serve(max_concurrent=4, max_batch_size=1, decode_burst_tokens=1)
     sessions = [_session(server, i) for i in range(3)]
-    _concurrently([lambda s=s: generate(server.stub, s, max_tokens=8) for s in sessions])
+    concurrently([lambda s=s: generate(server.stub, s, max_tokens=8) for s in sessions])
     shared, forwards = _batched_forwards(server)
     assert shared == 0 and forwards >= 3 * 8
 
@@ -134,7 +114,7 @@ def test_cancelling_one_session_leaves_its_batch_mates_undisturbed(serve):
     calls += [
         lambda i=i: generate(server.stub, sessions[i], max_tokens=long, **SPECS[i][2]).tokens for i in range(1, 4)
     ]
-    together = _concurrently(calls)
+    together = concurrently(calls)
 
     assert together[0] == alone[0][:3]
     assert together[1:] == alone[1:]
@@ -151,7 +131,7 @@ def test_an_invariant_violation_inside_a_batch_fails_only_its_session(serve):
     sessions = [_session(server, i) for i in range(4)]
     broken = server.runtime.store.get(sessions[2], touch=False)
     broken.seq.cache._layers[0].held += 1  # corrupt one layer's bookkeeping: its first commit finds it
-    together = _concurrently(
+    together = concurrently(
         [lambda i=i: generate(server.stub, sessions[i], max_tokens=MAX_TOKENS, **SPECS[i][2]).tokens for i in range(4)]
     )
     error = together[2]

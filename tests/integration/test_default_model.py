@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from kakeya.tokenization import AppendOnlyChat, load_tokenizer, tokens_for_chat
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from tests.support.concurrently import concurrently
 from tests.support.daemon import Daemon
 from tests.support.server import Generation, RunningServer, create, generate, info, start_server
 
@@ -288,26 +288,6 @@ def test_logprobs_equal_a_plain_forward_of_the_model_and_the_greedy_token_is_the
         assert scored.top_logprobs[0].token_id == scored.token_id
 
 
-def _concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Run the calls on threads released together; returns each one's result or the exception it raised."""
-    results: list[Any] = [None] * len(calls)
-    barrier = threading.Barrier(len(calls))
-
-    def run(index: int) -> None:
-        barrier.wait()
-        try:
-            results[index] = calls[index]()
-        except Exception as exc:
-            results[index] = exc
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(240)
-    return results
-
-
 def _shared_forwards(server: RunningServer) -> int:
     """Verifier forwards that held more than one session's step, from the batch size histogram."""
     text = server.metrics_text()
@@ -336,7 +316,7 @@ def test_concurrent_sessions_share_forwards_yet_each_gets_the_tokens_it_gets_alo
     assert "Mars" in _text(tokenizer, alone[0])
 
     sessions = [create(server.stub, initial=p) for p in prompts]
-    together = _concurrently([lambda s=s: generate(server.stub, s, max_tokens=16).tokens for s in sessions])
+    together = concurrently([lambda s=s: generate(server.stub, s, max_tokens=16).tokens for s in sessions])
     assert together == alone
     assert _shared_forwards(server) > before, "the concurrent generations never shared a forward"
 
