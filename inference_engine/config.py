@@ -70,9 +70,9 @@ class ServerConfig:
     weights: str = _opt(
         "auto",
         "how the linear layers' weights are held: float32 (as --dtype), bfloat16, int8 (per-channel) or int4 (groups "
-        "of 32, the layout of a GGUF Q4_1 block), weight-only, activations and K/V in --dtype; int8 and int4 on the "
-        "torch backend on a CPU. auto: int4 there for a model distributed as a 4-bit GGUF file (the default model), "
-        "else float32 (docs/models.md#weights)",
+        "of 32, the layout of a GGUF Q4_1 block), weight-only, activations and K/V in --dtype; torch: int8 and int4 "
+        "on a CPU; mlx: int8 and int4 quantized at load. auto: int4 on torch on a CPU for a model distributed as a "
+        "4-bit GGUF file (the default model), else float32 (docs/models.md#weights)",
         choices=("auto", *WEIGHTS),
     )
     torch_forward: str = _opt(

@@ -229,7 +229,7 @@ def choose_weights(requested: str, directory: Path, *, backend: str, on_cpu: boo
     if backend == "torch" and on_cpu and four_bit:
         return "int4", f"auto: the GGUF file's weights are {', '.join(four_bit)}, 4-bit already"
     if backend != "torch" or not on_cpu:
-        return "float32", f"auto: int4 runs on the torch backend on a CPU, not {backend} here"
+        return "float32", f"auto: int4 pays on the torch backend on a CPU, not {backend} here"
     return "float32", "auto: the weights were not distributed at 4 bits"
 
 

@@ -42,6 +42,7 @@ class LoadedModel:
     layer_windows: tuple[int | None, ...]
     # Linear layers and embeddings stored input-major (`layout.input_major`); 0 where mlx-lm's layout is kept.
     input_major_modules: int = 0
+    weights: str = "float32"  # the `--weights` choice the model was loaded at
 
 
 def resolve_device(name: str) -> mx.Device:
@@ -66,9 +67,12 @@ def resolve_dtype(name: str, device: mx.Device) -> mx.Dtype | None:
         raise ModelLoadError(f"unknown dtype {name!r}; expected one of {', '.join(sorted(_DTYPES))}") from None
 
 
-def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None, *, input_major: bool = False) -> LoadedModel:
-    """Load an mlx-lm model directory (config.json + safetensors) through mlx-lm's own loader; `input_major`
-    lays its linear layers and embeddings out for CPU matrix products (`layout.input_major`)."""
+def load_mlx_model(
+    model_dir: str | Path, dtype: mx.Dtype | None, *, input_major: bool = False, weights: str = "float32"
+) -> LoadedModel:
+    """Load an mlx-lm model directory (config.json + safetensors) through mlx-lm's own loader; `weights` int8 or
+    int4 quantizes its linear layers and embeddings at load (`quantize_weights`); `input_major` lays the layers
+    left unquantized out for CPU matrix products (`layout.input_major`)."""
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} is not a model directory: config.json is missing")
@@ -83,6 +87,13 @@ def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None, *, input_major
         raise ModelLoadError(f"cannot load {path} as an mlx-lm model: {exc}") from exc
     if dtype is not None:
         _cast(model, dtype)
+    if weights in QUANTIZED_BITS:
+        quantize_weights(model, weights)
+    elif weights != "float32":
+        raise ModelLoadError(
+            f"--weights {weights} is not available on the MLX backend (float32, int8, int4; "
+            "--dtype bfloat16 holds the whole model in bfloat16)"
+        )
     replaced = layout.input_major(model) if input_major else 0
     num_layers = len(model.layers)
     return LoadedModel(
@@ -94,7 +105,32 @@ def load_mlx_model(model_dir: str | Path, dtype: mx.Dtype | None, *, input_major
         dtype=_floating_dtype(model),
         layer_windows=_layer_windows(model, num_layers, path),
         input_major_modules=replaced,
+        weights=weights,
     )
+
+
+# `--weights` choice -> bits of the layers and of the embedding / LM head (8: a 4-bit head moves a small model's
+# answers, as on the torch backend), in mlx's affine groups of 32 (a GGUF Q4_1 block's layout).
+QUANTIZED_BITS = {"int8": (8, 8), "int4": (4, 8)}
+QUANTIZED_GROUP = 32
+
+
+def quantize_weights(model: nn.Module, weights: str) -> None:
+    """Quantize `model`'s linear layers and embeddings in place with mlx's affine quantization; a module whose
+    input size does not fill groups of 32 stays as it is."""
+    layer_bits, head_bits = QUANTIZED_BITS[weights]
+
+    def choose(path: str, module: nn.Module) -> bool | dict[str, Any]:
+        if not hasattr(module, "to_quantized"):
+            return False
+        width = module.weight.shape[-1]
+        if width % QUANTIZED_GROUP:
+            return False
+        head = isinstance(module, nn.Embedding) or path.endswith("lm_head")
+        return {"group_size": QUANTIZED_GROUP, "bits": head_bits if head else layer_bits, "mode": "affine"}
+
+    nn.quantize(model, class_predicate=choose)
+    mx.eval(model.parameters())
 
 
 def _cast(model: nn.Module, dtype: mx.Dtype) -> None:

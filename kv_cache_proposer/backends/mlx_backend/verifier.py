@@ -19,7 +19,7 @@ from kv_cache_proposer.backends.mlx_backend.features import tap_layers
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
 from kv_cache_proposer.cache import SessionCache
-from kv_cache_proposer.errors import EngineError, ModelLoadError
+from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
@@ -51,6 +51,7 @@ class MlxVerifier(BackendModel[mx.array]):
         self.dtype = loaded.dtype
         self._layer_windows = loaded.layer_windows
         self._input_major = loaded.input_major_modules
+        self.weights = loaded.weights
 
     @classmethod
     def load(
@@ -64,16 +65,11 @@ class MlxVerifier(BackendModel[mx.array]):
     ) -> MlxVerifier:
         """`input_major`: store linear layers and embeddings `[in, out]` (`layout.input_major`); None: on a CPU.
         `weights`: float32 serves the directory's weights as they are stored (an mlx-lm quantized directory stays
-        quantized); the MLX backend quantizes nothing at load yet."""
-        if weights != "float32":
-            raise ModelLoadError(
-                f"--weights {weights} is not available on the MLX backend yet: serve an mlx-lm quantized model "
-                "directory (it is served as it is) with --weights float32, or use --backend torch"
-            )
+        quantized); int8 and int4 quantize the linear layers and embeddings at load (`loader.quantize_weights`)."""
         mlx_device = resolve_device(device)
         if input_major is None:
             input_major = mlx_device.type == mx.cpu
-        loaded = load_mlx_model(model_dir, resolve_dtype(dtype, mlx_device), input_major=input_major)
+        loaded = load_mlx_model(model_dir, resolve_dtype(dtype, mlx_device), input_major=input_major, weights=weights)
         return cls(loaded, device=mlx_device)
 
     @property
@@ -84,6 +80,8 @@ class MlxVerifier(BackendModel[mx.array]):
     @property
     def description(self) -> str:
         parts = [super().description]
+        if self.weights != "float32":
+            parts.append(f"weights: {self.weights}")
         if self._input_major:
             parts.append(f"weights: input-major ({self._input_major} modules)")
         if self.device.type == mx.cpu and sys.platform == "linux":
