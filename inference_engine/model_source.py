@@ -193,30 +193,32 @@ def cache_problem(directory: Path, source_hash: str) -> str | None:
     return None if files else "the manifest lists no files"
 
 
+def _manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a conversion in `directory`; empty for a directory not converted here."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
+
 def model_identity(directory: Path) -> str:
     """What names the weights of `directory` across starts: the source file's hash for a conversion (whatever cache
     it sits in), else the directory's resolved path."""
-    try:
-        return "gguf-sha256:" + json.loads((directory / MANIFEST).read_text())["source_sha256"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return str(directory.resolve())
+    source_hash = _manifest(directory).get("source_sha256")
+    return f"gguf-sha256:{source_hash}" if source_hash else str(directory.resolve())
 
 
 def model_name(directory: Path) -> str:
     """What to call the model of `directory`: the GGUF file's name (less `.gguf`) for a conversion, else the
     directory's name."""
-    try:
-        return Path(json.loads((directory / MANIFEST).read_text())["source"]).name.removesuffix(".gguf")
-    except (OSError, ValueError, KeyError, TypeError):
-        return directory.name
+    source = _manifest(directory).get("source")
+    return Path(source).name.removesuffix(".gguf") if source else directory.name
 
 
 def source_tensor_types(directory: Path) -> tuple[str, ...]:
     """The GGUF tensor types the model of `directory` was converted from; empty for a model not converted here."""
-    try:
-        return tuple(json.loads((directory / MANIFEST).read_text())["tensor_types"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ()
+    return tuple(_manifest(directory).get("tensor_types") or ())
 
 
 def choose_weights(requested: str, directory: Path, *, backend: str, on_cpu: bool) -> tuple[str, str]:

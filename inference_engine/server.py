@@ -28,7 +28,7 @@ from inference_engine.transport.grpc_service import RuntimeServicer
 from inference_engine.transport.http_server import HttpShimServer
 from inference_engine.transport.metrics_http import start_metrics_server
 from inference_engine.transport.text_codec import TextCodec
-from kv_cache_proposer.backends import load_verifier
+from kv_cache_proposer.backends import load_verifier, runs_on_cpu
 from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 from kv_cache_proposer.proposers import load_proposer
 from kv_cache_proposer.verifier import Verifier
@@ -50,7 +50,7 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
             raise ConfigError(str(exc)) from None
         log.info("MLX CPU BLAS: %s", blas, extra={"mlx_blas": blas.library})
     weights, why = choose_weights(
-        config.weights, config.model_dir, backend=config.backend, on_cpu=_runs_on_cpu(config.backend, config.device)
+        config.weights, config.model_dir, backend=config.backend, on_cpu=runs_on_cpu(config.backend, config.device)
     )
     log.info("weights: %s (%s)", weights, why, extra={"weights": weights})
     config = dataclasses.replace(config, weights=weights)  # what the journal records: auto resolved
@@ -75,19 +75,6 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
     if config.proposer != "none":
         log.info("proposer loaded", extra={"proposer": proposer.name, "model": str(options.draft_model or "-")})
     return Runtime(verifier, config, metrics or Metrics(), proposer=proposer)
-
-
-def _runs_on_cpu(backend: str, device: str) -> bool:
-    """Whether the verifier will run on a CPU (`--device auto` resolved as its backend resolves it)."""
-    if device != "auto":
-        return device == "cpu"
-    if backend == "torch":
-        import torch
-
-        return not (torch.cuda.is_available() or torch.backends.mps.is_available())
-    import mlx.core as mx
-
-    return mx.default_device().type == mx.cpu
 
 
 class KakeyaServer:

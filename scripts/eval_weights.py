@@ -24,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.results import RESULTS_DIR, write_results
+from lib.tokens import shared_prefix
 
 from inference_engine.model_source import resolve_model
 from kv_cache_proposer.backends import WEIGHTS
@@ -116,10 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         if choice == "float32":
             reference = generations
         matches = [sum(a == b for a, b in zip(g, r, strict=True)) for g, r in zip(generations, reference, strict=True)]
-        prefixes = [
-            next((i for i, (a, b) in enumerate(zip(g, r, strict=True)) if a != b), len(g))
-            for g, r in zip(generations, reference, strict=True)
-        ]
+        prefixes = [shared_prefix(g, r) for g, r in zip(generations, reference, strict=True)]
         row["greedy_agreement"] = sum(matches) / (len(prompts) * args.agree_tokens)
         row["identical_prefix_mean"] = sum(prefixes) / len(prompts)
         row["seconds"] = time.monotonic() - started

@@ -40,3 +40,19 @@ def load_verifier(
 
         return MlxVerifier.load(model_dir, device=device, dtype=dtype, weights=weights)
     raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+
+
+def runs_on_cpu(backend: str, device: str) -> bool:
+    """Whether a verifier of `backend` loaded on `device` runs on a CPU, `auto` resolved as that backend resolves
+    it."""
+    if backend == "torch":
+        from kv_cache_proposer.backends.torch_backend.loader import resolve_device as torch_device
+
+        return torch_device(device).type == "cpu"
+    if backend == "mlx":
+        import mlx.core as mx
+
+        from kv_cache_proposer.backends.mlx_backend.loader import resolve_device as mlx_device
+
+        return mlx_device(device).type == mx.cpu
+    raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")

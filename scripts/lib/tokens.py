@@ -23,3 +23,13 @@ def spread_windows(ids: np.ndarray, count: int, length: int) -> list[list[int]]:
     """`count` windows of `length` tokens spread evenly over `ids`, from its start to its end."""
     starts = np.linspace(0, len(ids) - length, count).astype(int)
     return [[int(t) for t in ids[s : s + length]] for s in starts]
+
+
+def shared_prefix(tokens: list[int], others: list[int]) -> int:
+    """How many leading tokens two decodings share."""
+    same = 0
+    for token, other in zip(tokens, others, strict=False):
+        if token != other:
+            break
+        same += 1
+    return same

@@ -28,11 +28,18 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     """A Hugging Face causal LM serving per-session caches."""
 
     def __init__(
-        self, model: PreTrainedModel, *, device: torch.device, dtype: torch.dtype, forward: str = "auto"
+        self,
+        model: PreTrainedModel,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        forward: str = "auto",
+        weights: str = "float32",
     ) -> None:
         """`forward`: auto runs the model's forward directly over its weights where the architecture allows
         (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; the same values, less Python) and through
-        transformers' modules otherwise; library always runs transformers' modules."""
+        transformers' modules otherwise; library always runs transformers' modules. `weights`: how `model`'s
+        linear layers are held (`load`)."""
         if forward not in TORCH_FORWARDS:
             raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(TORCH_FORWARDS)}")
         config = model.config.get_text_config()
@@ -50,7 +57,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         self.model = model
         self.device = device
         self.dtype = dtype
-        self.weights = "float32"  # how the linear layers are held (`load`)
+        self.weights = weights
         layer_types = getattr(config, "layer_types", None)
         sliding_window = getattr(config, "sliding_window", None)
         if layer_types is None:
@@ -82,9 +89,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
         if weights != "float32":
             pack_linears(model, weights)
-        verifier = cls(model, device=torch_device, dtype=torch_dtype, forward=forward)
-        verifier.weights = weights
-        return verifier
+        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward, weights=weights)
 
     @property
     def description(self) -> str:

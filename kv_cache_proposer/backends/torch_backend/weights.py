@@ -22,7 +22,6 @@ from transformers import PreTrainedModel
 
 from kv_cache_proposer.errors import ModelLoadError
 
-WEIGHTS: Final = ("auto", "float32", "bfloat16", "int8", "int4")
 # The `kind` of a linear for `linear`: how its weight is held.
 DENSE, BF16, INT8, INT4 = 0, 1, 2, 3
 INT4_GROUP: Final = 32
