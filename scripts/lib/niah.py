@@ -1,9 +1,13 @@
 """Needle-in-a-haystack documents: a key/value fact hidden in filler, asked for at the end.
 
-A document is filler lines (source code) with the needle line `# The secret code for KEY is VALUE.` inserted at a
-chosen depth, followed by the question `# Question: what is the secret code for KEY?` and the answer prefix
-`# Answer: the secret code for KEY is`; the model should continue with ` VALUE.`. Training documents may hold
-several needles, each asked for at the end with its answer.
+Code documents (`build_document`): filler lines (source code) with the needle line
+`# The secret code for KEY is VALUE.` inserted at a chosen depth, followed by the question
+`# Question: what is the secret code for KEY?` and the answer prefix `# Answer: the secret code for KEY is`; the
+model should continue with ` VALUE.`. Training documents may hold several needles, each asked for at the end with
+its answer.
+
+Chat documents (`build_chat_document`): prose paragraphs with the sentence `The secret code for KEY is VALUE.`
+among them and the question in the same user turn, in the model's chat template.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _FIRST = (
     "amber",
@@ -129,3 +134,45 @@ def build_document(
     body += asks[-1]
     spans.append((len(body), len(body) + len(answers[-1])))
     return Document(prompt=body, answer=answers[-1], needles=needles, depths=tuple(depths), answer_spans=tuple(spans))
+
+
+@dataclass(frozen=True, slots=True)
+class ChatDocument:
+    """A chat needle test: `prompt` (the chat template's tokens, ending where the assistant answers) holds a long
+    document with one fact, and the user turn asks for it; the answer recalls it when it contains `value`."""
+
+    prompt: list[int]
+    key: str
+    value: str
+    depth: float
+
+
+def build_chat_document(
+    tokenizer: Any, filler: Sequence[str], length: int, depth: float, rng: random.Random
+) -> ChatDocument:
+    """A document of prose paragraphs from `filler` (starting at a random one) with the sentence `The secret code
+    for KEY is VALUE.` as a paragraph at `depth` (0 = first, 1 = last), then the question, all in one user turn
+    rendered with the model's chat template; about `length` tokens in all."""
+    needle = random_needle(rng)
+    fact = f"The secret code for {needle.key} is {needle.value}."
+    question = f"What is the secret code for {needle.key}? Answer with the code only."
+
+    def render(document: str) -> list[int]:
+        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    paragraphs = [p.strip() for text in filler for p in text.split("\n\n") if p.strip()]
+    budget = length - len(render(fact))
+    start = rng.randrange(len(paragraphs))
+    chosen: list[str] = []
+    used = 0
+    while True:
+        paragraph = paragraphs[(start + len(chosen)) % len(paragraphs)]
+        cost = len(tokenizer(paragraph + "\n\n", add_special_tokens=False)["input_ids"])
+        if used + cost > budget:
+            break
+        chosen.append(paragraph)
+        used += cost
+    chosen.insert(round(depth * len(chosen)), fact)
+    return ChatDocument(render("\n\n".join(chosen)), needle.key, needle.value, depth)
