@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
-from kv_cache_proposer.backends import BACKENDS, TORCH_FORWARDS, WEIGHTS
+from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
@@ -81,6 +81,14 @@ class ServerConfig:
         "directly over their weights, the same operations as transformers' modules with less Python per layer, and "
         "any other model through transformers' modules; library always runs transformers' modules",
         choices=TORCH_FORWARDS,
+    )
+    compile: str = _opt(
+        "auto",
+        "torch: on compiles the direct forward's decode steps and speculative blocks with torch.compile at start "
+        "(inductor; graphs cached in $TORCHINDUCTOR_CACHE_DIR, default ~/.cache/kakeya/inductor), falling back to "
+        "the scripted steps with a warning where compilation fails; off runs them scripted; auto runs them scripted "
+        "on every device (compiled measured no faster on a CPU; docs/operator-guide.md#compiled-decode-steps)",
+        choices=COMPILE_MODES,
     )
     mlx_blas: str = _opt(
         "auto",
@@ -269,6 +277,8 @@ class ServerConfig:
             raise ConfigError(f"http_port must be in -1..65535, got {self.http_port}")
         if self.torch_forward != "auto" and self.backend != "torch":
             raise ConfigError(f"torch_forward {self.torch_forward} applies to the torch backend, not {self.backend}")
+        if self.compile != "auto" and self.backend != "torch":
+            raise ConfigError(f"compile {self.compile} applies to the torch backend, not {self.backend}")
         if self.mlx_blas != "auto" and self.backend != "mlx":
             raise ConfigError(f"mlx_blas {self.mlx_blas} applies to the mlx backend, not {self.backend}")
         if not self.mlx_blas:

@@ -60,6 +60,7 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
         device=config.device,
         dtype=config.dtype,
         torch_forward=config.torch_forward,
+        compile=config.compile,
         weights=weights,
     )
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
@@ -71,6 +72,7 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
         device=config.device,
         dtype=config.dtype,
         torch_forward=config.torch_forward,
+        compile=config.compile,
     )
     if config.proposer != "none":
         log.info("proposer loaded", extra={"proposer": proposer.name, "model": str(options.draft_model or "-")})

@@ -9,6 +9,8 @@ from kv_cache_proposer.verifier import Verifier
 
 BACKENDS = ("torch", "mlx")
 TORCH_FORWARDS = ("auto", "library")
+# Whether the torch backend's direct forward runs its decode steps compiled by torch.compile (`TorchVerifier`).
+COMPILE_MODES = ("auto", "on", "off")
 # How the verifier holds its linear layers' weights (`torch_backend.weights`); `auto` is chosen by the caller.
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 
@@ -20,21 +22,25 @@ def load_verifier(
     device: str = "auto",
     dtype: str = "auto",
     torch_forward: str = "auto",
+    compile: str = "auto",
     weights: str = "float32",
 ) -> Verifier[Any]:
     """Load a verifier from a local model directory with the named backend.
 
     `torch` serves Hugging Face checkpoints (devices auto, cpu, cuda, cuda:N, mps); `mlx` serves mlx-lm model
     directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both. `torch_forward` (one of
-    `TORCH_FORWARDS`) chooses how the torch backend runs a forward (`TorchVerifier`). `weights` (one of `WEIGHTS`)
-    is how the linear layers are held: float32 keeps the dtype's, the others quantize at load.
+    `TORCH_FORWARDS`) chooses how the torch backend runs a forward and `compile` (one of `COMPILE_MODES`) whether
+    it compiles its decode steps (`TorchVerifier`). `weights` (one of `WEIGHTS`) is how the linear layers are held:
+    float32 keeps the dtype's, the others quantize at load.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
     if backend == "torch":
         from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
-        return TorchVerifier.load(model_dir, device=device, dtype=dtype, forward=torch_forward, weights=weights)
+        return TorchVerifier.load(
+            model_dir, device=device, dtype=dtype, forward=torch_forward, compile=compile, weights=weights
+        )
     if backend == "mlx":
         from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 

@@ -48,9 +48,10 @@ def load_proposer(
     device: str = "auto",
     dtype: str = "auto",
     torch_forward: str = "auto",
+    compile: str = "auto",
 ) -> Proposer:
     """Build the proposer `options` names for `verifier` (loaded by `backend`; a draft model is loaded by the same
-    backend on `device` with `dtype`, and on torch runs its forwards as `torch_forward` says)."""
+    backend on `device` with `dtype`, and on torch runs its forwards as `torch_forward` and `compile` say)."""
     drafts = options.num_draft_tokens or DEFAULT_DRAFT_TOKENS.get(options.name, 0)
     if options.name == "none":
         return NoProposer()
@@ -63,7 +64,9 @@ def load_proposer(
         from kv_cache_proposer.backends import load_verifier
         from kv_cache_proposer.proposers.draft_model import DraftModelProposer
 
-        model = load_verifier(backend, options.draft_model, device=device, dtype=dtype, torch_forward=torch_forward)
+        model = load_verifier(
+            backend, options.draft_model, device=device, dtype=dtype, torch_forward=torch_forward, compile=compile
+        )
         chunk = options.prefill_chunk_tokens or model.prefill_chunk_tokens
         return DraftModelProposer(model, verifier, max_draft_tokens=drafts, prefill_chunk=chunk)
     limit = options.block_size - 1 if options.block_size else 0

@@ -123,3 +123,17 @@ def test_the_draft_policy_defaults_to_the_one_measured_faster_for_the_proposer(
         assert server.server.runtime.decoder.draft_policy is DraftPolicy(expected)
     finally:
         server.stop()
+
+
+def test_compile_comes_from_flags_the_environment_or_the_file_and_belongs_to_the_torch_backend(tmp_path):
+    assert load_config({}, environ={}).compile == "auto"
+    path = tmp_path / "kakeya.toml"
+    path.write_text('compile = "on"\n')
+    assert load_config({}, config_file=str(path), environ={}).compile == "on"
+    assert load_config({}, config_file=str(path), environ={"KAKEYA_COMPILE": "off"}).compile == "off"
+    assert load_config({"compile": "on"}, environ={"KAKEYA_COMPILE": "off"}).compile == "on"
+    assert ServerConfig(backend="mlx").compile == "auto"
+    with pytest.raises(ConfigError, match="compile on applies to the torch backend, not mlx"):
+        ServerConfig(backend="mlx", compile="on")
+    with pytest.raises(ConfigError, match="compile: 'always' is not one of auto, on, off"):
+        load_config({}, environ={"KAKEYA_COMPILE": "always"})

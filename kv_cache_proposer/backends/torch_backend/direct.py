@@ -3,10 +3,11 @@
 For Llama, Mistral, Qwen2 and Qwen3 checkpoints attended through PyTorch's SDPA, a forward here runs the
 operations of transformers' modeling code for these models, in the same order and on the same parameter tensors,
 so it computes the same values bit for bit, with one exception below. What it leaves out is the Python around
-them: a decoder layer is two compiled calls (norm, projections, Q/K norms and rotary embedding; then output
-projection, residuals and MLP) on either side of its K/V staging and attention, instead of some forty module calls,
-hooks and keyword merges. On a model whose step is small next to that overhead (any model on a CPU at short
-histories) this is most of a step.
+them: a decoder layer is its K/V staging and attention between spans of compiled compute (`layer_steps`), instead
+of some forty module calls, hooks and keyword merges. On a model whose step is small next to that overhead (any
+model on a CPU at short histories) this is most of a step. The spans run as TorchScript functions, with
+transformers' kernels in their order; after `compile_steps`, blocks of a few queries (decode steps, speculative
+blocks) run them as graphs compiled by `torch.compile` instead, whose fused kernels round differently.
 
 The exception: on a CPU, a block of queries over a long history of an unbounded cache (every earlier key visible,
 its own keys causally) attends in two parts merged by their log-sum-exps, the earlier keys without a mask and its
@@ -21,10 +22,9 @@ Any other architecture, attention implementation or module layout runs through t
 
 from __future__ import annotations
 
-import warnings
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Final, Literal
 
 import torch
@@ -33,6 +33,14 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.modeling_utils import slice_logits_to_keep
 
+from kv_cache_proposer.backends.torch_backend.layer_steps import (
+    CompiledSteps,
+    Inputs,
+    LayerSteps,
+    Linear,
+    Output,
+    ScriptedSteps,
+)
 from kv_cache_proposer.backends.torch_backend.weights import DENSE, PackedLinear, linear
 
 _flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
@@ -49,92 +57,15 @@ Masks = torch.Tensor | Mapping[str, torch.Tensor] | Literal["over history"] | No
 # kernel call and the merge cost more than the mask saves (measured on the bundled model, one thread and two).
 SPLIT_MIN_PAIRS: Final = 131_072
 
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    variance = h.pow(2).mean(-1, keepdim=True)
-    h = h * torch.rsqrt(variance + eps)
-    return weight * h.to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-# A linear layer as `weights.linear` takes it: (weight, bias, qparams, kind, group).
-Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
-
-
-def _attention_inputs(
-    hidden: torch.Tensor,
-    norm: torch.Tensor,
-    eps: float,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    head_eps: float,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    head_dim: int,
-) -> list[torch.Tensor]:
-    """A layer's Q, K and V [B, heads, n, D] from its input [B, n, H]: input norm, projections, the Q/K norms
-    where the model has them (Qwen3), rotary embedding."""
-    batch, n = hidden.shape[0], hidden.shape[1]
-    x = _rms_norm(hidden, norm, eps)
-    q = linear(x, wq[0], wq[1], wq[2], wq[3], wq[4]).view(batch, n, -1, head_dim)
-    k = linear(x, wk[0], wk[1], wk[2], wk[3], wk[4]).view(batch, n, -1, head_dim)
-    v = linear(x, wv[0], wv[1], wv[2], wv[3], wv[4]).view(batch, n, -1, head_dim).transpose(1, 2)
-    if q_norm is not None:
-        q = _rms_norm(q, q_norm, head_eps)
-    if k_norm is not None:
-        k = _rms_norm(k, k_norm, head_eps)
-    q = q.transpose(1, 2)
-    k = k.transpose(1, 2)
-    q = (q * cos) + (_rotate_half(q) * sin)
-    k = (k * cos) + (_rotate_half(k) * sin)
-    return [q, k, v]
-
-
-def _layer_output(
-    hidden: torch.Tensor,
-    attended: torch.Tensor,
-    wo: Linear,
-    norm: torch.Tensor,
-    eps: float,
-    w_gate: Linear,
-    w_up: Linear,
-    w_down: Linear,
-    head_dim: int,
-) -> torch.Tensor:
-    """The layer's output [B, n, H] from its input and attention's output: output projection, residual, norm,
-    SiLU-gated MLP, residual."""
-    batch, n = hidden.shape[0], hidden.shape[1]
-    attended = attended.reshape(batch, -1, n, head_dim).transpose(1, 2).contiguous()
-    hidden = hidden + linear(attended.reshape(batch, n, -1).contiguous(), wo[0], wo[1], wo[2], wo[3], wo[4])
-    x = _rms_norm(hidden, norm, eps)
-    gate = linear(x, w_gate[0], w_gate[1], w_gate[2], w_gate[3], w_gate[4])
-    up = linear(x, w_up[0], w_up[1], w_up[2], w_up[3], w_up[4])
-    x = linear(F.silu(gate) * up, w_down[0], w_down[1], w_down[2], w_down[3], w_down[4])
-    return hidden + x
-
-
-@cache
-def _compiled() -> tuple[Any, Any, Any]:
-    """The layer halves and the norm compiled once per process (`torch.jit.script` warns that it is deprecated;
-    it still runs a small op graph without Python between the ops, with the same kernels)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(_attention_inputs), torch.jit.script(_layer_output), torch.jit.script(_rms_norm)
+# The most queries of a block that runs the compiled spans: decode steps and speculative blocks, of one sequence or
+# a batch of them. A longer block (a prefill chunk) runs the scripted spans: its time is the matrix products'.
+COMPILED_MAX_QUERIES: Final = 64
 
 
 @dataclass(frozen=True, slots=True)
 class _Layer:
-    inputs: tuple[Any, ...]  # the arguments of `_attention_inputs` after the hidden states, less cos/sin/head_dim
-    output: tuple[Any, ...]  # the arguments of `_layer_output` after the hidden states and attention's output
+    inputs: Inputs
+    output: Output
     kind: str  # the layer's attention type, which picks its mask
     groups: int  # query heads per K/V head
     head_dim: int
@@ -174,11 +105,33 @@ class DirectForward:
         self._head = _linear_of(head)
         self._layers = [_read_layer(layer, kind) for layer, kind in zip(decoder.layers, layer_types, strict=True)]
         self._on_cpu = decoder.norm.weight.device.type == "cpu"
+        self._scripted = ScriptedSteps()
+        self._compiled: CompiledSteps | None = None
 
     def splits(self, queries: int, earlier_keys: int) -> bool:
         """Whether a block of `queries` over `earlier_keys` keys of an unbounded cache, all full attention, is
         better handed `OVER_HISTORY` than its mask (module docstring)."""
         return self._on_cpu and queries > 1 and queries * earlier_keys >= SPLIT_MIN_PAIRS
+
+    @property
+    def compiled(self) -> bool:
+        """Whether blocks of up to `COMPILED_MAX_QUERIES` queries run compiled spans (`compile_steps`)."""
+        return self._compiled is not None
+
+    def compile_steps(self) -> float:
+        """Run blocks of up to `COMPILED_MAX_QUERIES` queries through spans compiled by `torch.compile`, compiled
+        here, by a forward of one query and one of two (the two graphs of each span), so that no request waits for
+        them; returns the seconds that took. Raises what compilation raises, and the forward then stays scripted."""
+        steps = CompiledSteps()
+        device = self._norm[0].device
+        started = time.perf_counter()
+        with torch.inference_mode():  # as every forward of the verifier runs, which the graphs' guards check
+            for queries in (1, 2):
+                input_ids = torch.zeros((1, queries), dtype=torch.long, device=device)  # [1, n]
+                positions = torch.arange(queries, device=device)[None]  # [1, n]
+                self._run(steps, input_ids, positions, None, _own_keys, 1, ())
+        self._compiled = steps
+        return time.perf_counter() - started
 
     def __call__(
         self,
@@ -194,25 +147,48 @@ class DirectForward:
         stage their K/V through `stage(layer, k, v) -> (keys, values)`. `masks` is what transformers' attention
         would be given: a boolean mask [B, 1, n, K], one per layer type, or None for a causal block that reads
         only itself or a single query; or `OVER_HISTORY` where `splits` says so."""
-        attention_inputs, layer_output, rms_norm = _compiled()
+        steps: LayerSteps = self._scripted
+        if self._compiled is not None and input_ids.shape[1] <= COMPILED_MAX_QUERIES:
+            steps = self._compiled
+        return self._run(steps, input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
+
+    def _run(
+        self,
+        steps: LayerSteps,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        masks: Masks,
+        stage: Stage,
+        logits_to_keep: int | torch.Tensor,
+        feature_layers: Sequence[int],
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         hidden = self._embed(input_ids)  # [B, n, H]
         cos, sin = self._rotary(hidden, position_ids)  # [B, n, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         features: dict[int, torch.Tensor] = {}
-        last = len(self._layers) - 1
-        for index, layer in enumerate(self._layers):
-            q, k, v = attention_inputs(hidden, *layer.inputs, cos, sin, layer.head_dim)
+        layers = self._layers
+        last = len(layers) - 1
+        q, k, v = steps.first(hidden, layers[0].inputs, layers[0].head_dim, cos, sin)
+        for index, layer in enumerate(layers):
             keys, values = stage(index, k, v)
             mask = masks[layer.kind] if isinstance(masks, Mapping) else masks
             attended = _attend(q, keys, values, mask, layer)
-            hidden = layer_output(hidden, attended, *layer.output, layer.head_dim)
-            if index in feature_layers and index != last:
+            if index == last:  # under the final norm
+                hidden = steps.last(hidden, attended, layer.output, layer.head_dim, self._norm)
+            else:
+                following = layers[index + 1]
+                hidden, (q, k, v) = steps.between(
+                    hidden, attended, layer.output, layer.head_dim, following.inputs, following.head_dim, cos, sin
+                )
+            if index in feature_layers:
                 features[index] = hidden
-        hidden = rms_norm(hidden, *self._norm)
-        if last in feature_layers:
-            features[last] = hidden
         logits = linear(slice_logits_to_keep(hidden, logits_to_keep), *self._head)
         return logits, features
+
+
+def _own_keys(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The staging of a block that reads only itself."""
+    return keys, values
 
 
 def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer) -> torch.Tensor:

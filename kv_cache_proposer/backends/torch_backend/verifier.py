@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -9,19 +10,22 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends import TORCH_FORWARDS
+from kv_cache_proposer.backends import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.base import BackendModel, ModelFacts
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, unsupported
 from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
+from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_dir
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.backends.torch_backend.weights import pack_linears
 from kv_cache_proposer.cache import SessionCache, visible_keys
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
+
+log = logging.getLogger(__name__)
 
 
 class TorchVerifier(BackendModel[torch.Tensor]):
@@ -34,14 +38,21 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         device: torch.device,
         dtype: torch.dtype,
         forward: str = "auto",
+        compile: str = "auto",
         weights: str = "float32",
     ) -> None:
         """`forward`: auto runs the model's forward directly over its weights where the architecture allows
         (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; the same values, less Python) and through
-        transformers' modules otherwise; library always runs transformers' modules. `weights`: how `model`'s
-        linear layers are held (`load`)."""
+        transformers' modules otherwise; library always runs transformers' modules. `compile`: on compiles the
+        direct forward's decode steps and speculative blocks with torch.compile here (`layer_steps.py`; their
+        values then differ from transformers' by float rounding), and runs them scripted, with a warning logged,
+        where that fails; off, and auto (on every device: compiled steps measured no faster on a CPU, and are
+        not yet measured on a GPU), run them scripted. `weights`: how `model`'s linear layers are held
+        (`load`)."""
         if forward not in TORCH_FORWARDS:
             raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(TORCH_FORWARDS)}")
+        if compile not in COMPILE_MODES:
+            raise ValueError(f"unknown compile {compile!r}; expected one of {', '.join(COMPILE_MODES)}")
         config = model.config.get_text_config()
         num_layers = int(config.num_hidden_layers)
         facts = ModelFacts(
@@ -71,6 +82,9 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         reason = unsupported(model) if forward == "auto" else "asked for"
         self._direct = DirectForward(model, self._layer_types) if reason is None else None
         self.forward_path = "direct" if reason is None else f"transformers modules ({reason})"
+        self.compile_s: float | None = None  # seconds compiling took, where the steps run compiled
+        if compile == "on":
+            self._compile_steps()
 
     @classmethod
     def load(
@@ -80,6 +94,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         device: str = "auto",
         dtype: str = "auto",
         forward: str = "auto",
+        compile: str = "auto",
         weights: str = "float32",
     ) -> TorchVerifier:
         """`weights`: float32 keeps the linear layers in `dtype`; bfloat16, int8 or int4 holds them so
@@ -89,12 +104,37 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
         if weights != "float32":
             pack_linears(model, weights)
-        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward, weights=weights)
+        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward, compile=compile, weights=weights)
 
     @property
     def description(self) -> str:
         held = f", weights: {self.weights}" if self.weights != "float32" else ""
         return f"{super().description}{held}, forward: {self.forward_path}"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps and speculative blocks run compiled by torch.compile."""
+        return self._direct is not None and self._direct.compiled
+
+    def _compile_steps(self) -> None:
+        if self._direct is None:
+            log.warning("compile on: not compiled, the forward runs through %s", self.forward_path)
+            return
+        try:
+            seconds = self._direct.compile_steps()
+        except Exception as exc:  # inductor raises many kinds: no C++ compiler, an operation it cannot lower, ...
+            why = f"{type(exc).__name__}: {next(iter(str(exc).strip().splitlines()), '')}"
+            log.warning("compile on: compiling the decode step failed, it runs scripted (%s)", why)
+            self.forward_path = f"direct (compilation failed: {type(exc).__name__})"
+            return
+        self.compile_s = seconds
+        self.forward_path = "direct, compiled"
+        log.info(
+            "compiled the decode step in %.1f s (inductor cache: %s)",
+            seconds,
+            compile_cache_dir(),
+            extra={"compile_s": round(seconds, 2)},
+        )
 
     @torch.inference_mode()
     def forward(
