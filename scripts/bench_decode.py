@@ -23,7 +23,10 @@ On torch every arm, decode and prefill, runs once per `--weights` choice (how th
 bfloat16, int8, int4; activations and K/V stay float32): the daemon started with `--weights W`, the engine and the
 bare loops over one `TorchVerifier` loaded with `weights=W` (the bare loops call its transformers modules, whose
 linear layers are the same packed ones). float32 arms keep the plain names; the others carry `@W`
-(`daemon:none@int4`, `bare_loop@int4`). MLX takes no choice: its arms run float32.
+(`daemon:none@int4`, `bare_loop@int4`). MLX takes no choice: its arms run float32. With `--compile`, every torch
+daemon and the engine also run with their decode steps compiled by torch.compile (`--compile on`), as arms named
+`<arm>+compiled` (`daemon:none+compiled`, `engine+compiled@int4`) beside their scripted selves; `--device` puts
+the torch arms on another device (a GPU: `cuda`).
 
 Decode rate is (tokens - 1) / (time of the last token - time of the first). Arms, of every weights choice, alternate
 within each repeat, so machine noise hits them alike; the summary holds, per backend, medians
@@ -37,7 +40,9 @@ daemon:none (and its BLAS variants), engine and the bare loop of one weights cho
 activations: `tokens_agree`). `weights` holds per choice the daemon without a proposer: its decode and prefill
 tokens/s, their ratios to the float32 daemon's (`daemon:none@W / daemon:none`, when float32 is among the choices),
 whether its weights' arms agree, and, for information only, how many decoded tokens it shares with the float32
-daemon before the first that differs.
+daemon before the first that differs. `compiled` holds per compiled arm its compile seconds (at its start, from the
+inductor cache where that holds the graphs), its decode rate over its scripted self's per history, and whether its
+greedy tokens equal its scripted self's (compiled kernels round differently, so they may part at a near tie).
 
 Writes `results/bench_decode_<stamp>.json` and a PNG plot next to it.
 
@@ -45,8 +50,8 @@ Usage:
     python scripts/bench_decode.py [--backends torch,mlx] [--histories 1024,8192,32768] [--mlx-histories 1024,8192]
         [--mlx-engine-bursts 1] [--mlx-blas bundled] [--mlx-daemon-blas auto] [--new-tokens 128]
         [--prefill-tokens 8192] [--repeats 10] [--prefill-repeats 3] [--prefill-chunks 2048,8192]
-        [--weights float32,bfloat16,int8,int4] [--threads 0] [--daemon-proposers none,dflash]
-        [--model NAME|DIR|GGUF] [--out results]
+        [--weights float32,bfloat16,int8,int4] [--compile] [--device cpu] [--threads 0]
+        [--daemon-proposers none,dflash] [--model NAME|DIR|GGUF] [--out results]
     python scripts/bench_decode.py --smoke    # seconds-long run with tiny sizes (tests)
 """
 
@@ -62,7 +67,16 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.decode_arms import Arm, DaemonArm, Prefill, engine_prefill, history_tokens, mlx_arms, torch_arms
+from lib.decode_arms import (
+    Arm,
+    DaemonArm,
+    Prefill,
+    compiled_engine,
+    engine_prefill,
+    history_tokens,
+    mlx_arms,
+    torch_arms,
+)
 from lib.decode_summary import BARE, named, summarize, unnamed
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
@@ -104,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch: every arm once per choice of how the linear layers are held, comma-separated: "
         f"{', '.join(WEIGHTS)} (default: float32; MLX arms run float32)",
     )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch: the engine and every daemon also run with their decode steps compiled (`<arm>+compiled`)",
+    )
+    p.add_argument("--device", default="cpu", help="device of the torch arms: cpu, cuda, cuda:N (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
     p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
     add_model_option(p, "the model both backends load and the daemons serve")
@@ -146,16 +166,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 # -- the run -------------------------------------------------------------------------------------------------------
 def lineup(
-    backend: str, weights: str, args: argparse.Namespace, daemons: list[DaemonArm]
+    backend: str, weights: str, args: argparse.Namespace, daemons: list[DaemonArm], compile_s: dict[str, float]
 ) -> tuple[dict[str, Arm], dict[str, Prefill]]:
     """The decode and the prefill arms of one backend at one weights choice, by their names (`named`); the daemons
-    started join `daemons`, which the caller stops."""
+    started join `daemons`, which the caller stops, and the compiled arms' compile seconds join `compile_s`."""
     arms, bare_prefill, verifier = torch_arms(args, weights) if backend == "torch" else mlx_arms(args)
+    compiled = args.compile and backend == "torch"
+    if compiled:
+        arms["engine+compiled"], compile_s[named("engine+compiled", weights)] = compiled_engine(verifier)
     started: dict[str, DaemonArm] = {}
     for proposer in args.daemon_proposers:
-        daemon = DaemonArm(backend, proposer, args, weights=weights)
-        daemons.append(daemon)
-        started[f"daemon:{proposer}"] = daemon
+        for compiled_steps in (False, True) if compiled else (False,):
+            daemon = DaemonArm(backend, proposer, args, weights=weights, compiled=compiled_steps)
+            daemons.append(daemon)
+            name = f"daemon:{proposer}" + ("+compiled" if compiled_steps else "")
+            started[name] = daemon
+            if daemon.compile_s is not None:
+                compile_s[named(name, weights)] = daemon.compile_s
     for choice in args.mlx_daemon_blas if backend == "mlx" else []:
         daemon = DaemonArm(backend, "none", args, blas=choice)
         daemons.append(daemon)
@@ -172,7 +199,7 @@ def lineup(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    samples: dict[str, Any] = {"decode": [], "prefill": []}
+    samples: dict[str, Any] = {"decode": [], "prefill": [], "compile": []}
     longest = max([*args.histories, *args.mlx_histories, args.prefill_tokens])
     text = history_tokens(args.model, longest)
     for backend in args.backends:
@@ -182,9 +209,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             every: dict[str, tuple[str, Arm]] = {}
             prefills: dict[str, tuple[str, Prefill]] = {}
             for weights in args.weights if backend == "torch" else ["float32"]:
-                arms, prefill_arms = lineup(backend, weights, args, daemons)
+                compile_s: dict[str, float] = {}
+                arms, prefill_arms = lineup(backend, weights, args, daemons, compile_s)
                 every |= {name: (weights, arm) for name, arm in arms.items()}
                 prefills |= {name: (weights, prefill) for name, prefill in prefill_arms.items()}
+                for name, seconds in compile_s.items():
+                    samples["compile"].append(
+                        {"backend": backend, "arm": name, "weights": weights, "compile_s": seconds}
+                    )
+                    print(f"{backend} {name:>22} compiled in {seconds:.1f} s", flush=True)
             histories = args.histories if backend == "torch" else args.mlx_histories
             for history_len in histories:
                 history = text[:history_len]
@@ -260,7 +293,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         color="tab:gray",
         hatch=[HATCHES[unnamed(n)[1]] for _, n, _ in bars],
     )
-    if len(bars) > 8:  # many bars: slanted one-line labels, so they do not overlap
+    if len(bars) > 6:  # many bars: slanted one-line labels, so they do not overlap
         ax.set_xticks(range(len(bars)), [f"{b} {n}" for b, n, _ in bars], fontsize=7, rotation=60, ha="right")
     else:
         ax.set_xticks(range(len(bars)), [f"{b}\n{n}" for b, n, _ in bars], fontsize=7)

@@ -1,5 +1,6 @@
 """The arms of `scripts/bench_decode.py`: the daemon through the SDK, the engine in-process and the bare library
-loops; on torch, each at one `--weights` choice (how the linear layers are held).
+loops; on torch, each at one `--weights` choice (how the linear layers are held), the engine and the daemons
+also with their decode steps compiled (`--compile on`).
 
 An arm is prepared once per history: it prefills the history (untimed) and decodes its first token. What it
 returns decodes `new_tokens` more greedy tokens from a copy of that state, the same state at every call: a fork of
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +27,8 @@ Arm = Callable[[list[int]], Decoding]
 """Prefills a history, untimed, and returns its decoding."""
 Prefill = Callable[[list[int]], dict[str, float]]
 """Times a fresh prefill of a history to its first token."""
+
+_COMPILE_S = re.compile(r'"compile_s": ([0-9.]+)')
 
 
 def history_tokens(model: Path, length: int) -> list[int]:
@@ -68,15 +72,19 @@ def torch_arms(args: argparse.Namespace, weights: str = "float32") -> tuple[dict
     from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
     torch.set_num_threads(args.threads)
-    verifier = load_verifier("torch", args.model, device="cpu", dtype="float32", weights=weights)
+    verifier = load_verifier("torch", args.model, device=args.device, dtype="float32", weights=weights)
     assert isinstance(verifier, TorchVerifier)
     model = verifier.model
+    device = verifier.device
+
+    def ids(tokens: list[int]) -> Any:
+        return torch.tensor([tokens], device=device)  # [1, n]
 
     @torch.inference_mode()
     def prefilled(history: list[int]) -> tuple[Any, int]:
         """transformers' cache holding `history`, and the greedy token after it."""
         cache = DynamicCache()
-        logits = model(input_ids=torch.tensor([history]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = model(input_ids=ids(history), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache, int(logits.logits[0, -1].argmax())
 
     def bare_loop(history: list[int]) -> Decoding:
@@ -87,12 +95,11 @@ def torch_arms(args: argparse.Namespace, weights: str = "float32") -> tuple[dict
             cache = copy.deepcopy(held)
 
             def stream() -> Iterator[int]:
-                ids = torch.tensor([[first]])
+                token = first
                 for _ in range(new_tokens):
-                    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-                    token = int(logits[0, -1].argmax())
+                    step = model(input_ids=ids([token]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    token = int(step.logits[0, -1].argmax())
                     yield token
-                    ids = torch.tensor([[token]])
 
             return timed_tokens(stream(), time.perf_counter())
 
@@ -113,7 +120,7 @@ def torch_arms(args: argparse.Namespace, weights: str = "float32") -> tuple[dict
 
     def generate(history: list[int]) -> Decoding:
         held, first = prefilled(history)
-        prompt = torch.tensor([[*history, first]])  # the cache holds all but the last token
+        prompt = ids([*history, first])  # the cache holds all but the last token
 
         @torch.inference_mode()
         def decode(new_tokens: int) -> dict[str, Any]:
@@ -140,10 +147,24 @@ def torch_arms(args: argparse.Namespace, weights: str = "float32") -> tuple[dict
     @torch.inference_mode()
     def bare_prefill(history: list[int]) -> dict[str, float]:
         started = time.perf_counter()
-        model(input_ids=torch.tensor([history]), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        logits = model(input_ids=ids(history), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        int(logits.logits[0, -1].argmax())  # waits for the device
         return {"prefill_s": time.perf_counter() - started}
 
     return {"engine": engine_arm(verifier), "bare_loop": bare_loop, "generate": generate}, bare_prefill, verifier
+
+
+def compiled_engine(verifier: Any) -> tuple[Arm, float]:
+    """The engine over `verifier`'s model with its decode steps compiled (`--compile on`), and the seconds
+    compiling took."""
+    from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+
+    compiled = TorchVerifier(
+        verifier.model, device=verifier.device, dtype=verifier.dtype, compile="on", weights=verifier.weights
+    )
+    if compiled.compile_s is None:
+        raise RuntimeError(f"compiling the decode step failed: {compiled.description} (the log says why)")
+    return engine_arm(compiled), compiled.compile_s
 
 
 # -- mlx arms ------------------------------------------------------------------------------------------------------
@@ -275,21 +296,28 @@ class DaemonArm:
         args: argparse.Namespace,
         *,
         weights: str = "float32",
+        compiled: bool = False,
         blas: str | None = None,
     ) -> None:
         import kakeya
 
-        flags = ["--model", str(args.model), "--backend", backend, "--device", "cpu", "--dtype", "float32"]
+        device = args.device if backend == "torch" else "cpu"
+        flags = ["--model", str(args.model), "--backend", backend, "--device", device, "--dtype", "float32"]
         flags += ["--proposer", proposer, "--kv-strategy", "full", "--threads", str(args.threads)]
         if backend == "torch":
-            flags += ["--weights", weights]
-        elif weights != "float32":
-            raise ValueError(f"the MLX daemon arms run float32 weights, not {weights}")
+            flags += ["--weights", weights, "--compile", "on" if compiled else "off"]
+        elif weights != "float32" or compiled:
+            raise ValueError("the MLX daemon arms run float32 weights, uncompiled")
         if backend == "mlx":
             flags += ["--mlx-blas", blas or args.mlx_blas]
         self.daemon = Daemon(flags)
         self.client = kakeya.Client(self.daemon.wait_listening())
         self._held: Any = None
+        # what the daemon logged compiling its decode step, when it did
+        self.compile_s = next((float(m.group(1)) for m in map(_COMPILE_S.search, self.daemon.lines) if m), None)
+        if compiled and self.compile_s is None:
+            self.close()
+            raise RuntimeError("the daemon did not compile its decode step:\n" + "\n".join(self.daemon.lines[-30:]))
 
     def __call__(self, history: list[int]) -> Decoding:
         self._release()

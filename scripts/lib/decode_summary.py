@@ -1,6 +1,7 @@
 """The summary of `scripts/bench_decode.py`: per backend, each arm's median decode rate and its ratio to the bare
-loop of the same weights, prefill rates and their ratio to one bare forward, whether tokens agree, and per weights
-choice the daemon's speed against the float32 daemon's."""
+loop of the same weights, prefill rates and their ratio to one bare forward, whether tokens agree, per weights
+choice the daemon's speed against the float32 daemon's, and per compiled arm its compile time and its speed and
+tokens against its scripted self."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from lib.tokens import shared_prefix
 
 BARE = {"torch": "bare_loop", "mlx": "mlx_lm"}
+COMPILED = "+compiled"  # the suffix of an arm's name whose decode steps are compiled
 
 
 def named(arm: str, weights: str) -> str:
@@ -64,8 +66,31 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         part["weights"] = {
             weights: by_weights(weights, rates, prefill_rates, decode, histories, agree[weights]) for weights in choices
         }
+        compile_s = {s["arm"]: s["compile_s"] for s in samples.get("compile", []) if s["backend"] == backend}
+        if compile_s:
+            part["compiled"] = {arm: by_compiled(arm, seconds, rates, decode) for arm, seconds in compile_s.items()}
         summary[backend] = part
     return summary
+
+
+def by_compiled(
+    arm: str, compile_s: float, rates: dict[str, dict[int, float]], decode: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """A compiled arm against its scripted self (the same name without `+compiled`): the seconds compiling took,
+    its decode rate over the scripted one's per history, and per history whether their greedy tokens are equal
+    (and else how many they share before the first that differs)."""
+    plain, weights = unnamed(arm)
+    scripted = named(plain.removesuffix(COMPILED), weights)
+    first = {(s["arm"], s["history"]): s["tokens"] for s in reversed(decode)}  # each arm's first repeat
+    histories = sorted(rates[arm])
+    shared = {h: shared_prefix(first[arm, h], first[scripted, h]) for h in histories}
+    return {
+        "scripted_arm": scripted,
+        "compile_s": round(compile_s, 2),
+        "decode_ratio_to_scripted": {str(h): round(rates[arm][h] / rates[scripted][h], 3) for h in histories},
+        "tokens_equal": {str(h): first[arm, h] == first[scripted, h] for h in histories},
+        "tokens_before_diverging": {str(h): shared[h] for h in histories},
+    }
 
 
 def by_weights(
@@ -99,11 +124,11 @@ def by_weights(
 
 def tokens_agree(decode: list[dict[str, Any]], backend: str, weights: str) -> bool:
     """Whether the greedy tokens of the daemons without a proposer (on every BLAS), the engine and the bare loop at
-    one weights choice agree."""
+    one weights choice agree (compiled arms are compared with their scripted selves: `by_compiled`)."""
     compared = {named("engine", weights), named(BARE[backend], weights)}
     by_history: dict[int, set[tuple[int, ...]]] = {}
     for sample in decode:
-        if sample["weights"] != weights:
+        if sample["weights"] != weights or COMPILED in sample["arm"]:
             continue
         if sample["arm"] in compared or sample["arm"].startswith("daemon:none"):
             by_history.setdefault(sample["history"], set()).add(tuple(sample["tokens"]))

@@ -90,3 +90,27 @@ def test_each_weights_choice_runs_every_torch_arm_and_is_compared_to_float32(tmp
     assert int4["daemon_prefill_ratio_to_float32"] == pytest.approx(ratio, rel=0.02)
     assert part["prefill_ratio_to_one_forward"]["one_forward@int4"] == 1.0
     assert all(0 <= n <= 6 for n in int4["tokens_before_diverging_from_float32"].values()), "recorded, not checked"
+
+
+def test_compiled_arms_run_beside_their_scripted_selves_and_record_their_compile_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the daemons inherit it
+    bench = _bench()
+    assert bench.main(["--smoke", "--backends", "torch", "--compile", "--out", str(tmp_path)]) == 0
+
+    (json_path,) = tmp_path.glob("bench_decode_*.json")
+    data = json.loads(json_path.read_text())
+    samples, part = data["samples"], data["summary"]["torch"]
+    plain = {"daemon:none", "engine"}
+    arms = {s["arm"] for s in samples["decode"]}
+    assert arms == plain | {f"{arm}+compiled" for arm in plain} | {"bare_loop", "generate"}
+    assert {s["arm"] for s in samples["compile"]} == {"engine+compiled", "daemon:none+compiled"}
+    assert part["tokens_agree"] is True and part["repeats_agree"] is True
+
+    rates = part["decode_tokens_per_s"]
+    for arm, compiled in part["compiled"].items():
+        scripted = arm.removesuffix("+compiled")
+        assert compiled["scripted_arm"] == scripted and compiled["compile_s"] > 0
+        assert compiled["tokens_equal"] == {"48": True, "96": True}, "float rounding moves no greedy token here"
+        ratio = rates[arm]["96"] / rates[scripted]["96"]
+        assert compiled["decode_ratio_to_scripted"]["96"] == pytest.approx(ratio, rel=0.02)  # rates rounded
+    assert any((tmp_path / "inductor").rglob("*.py")), "the graphs went to the inductor cache named"
