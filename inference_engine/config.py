@@ -142,8 +142,10 @@ class ServerConfig:
     draft_policy: str = _opt(
         "auto",
         "draft length per step: full (every proposal may hold the whole --num-draft-tokens), adaptive (shrinks "
-        "after a rejection, grows after a full acceptance) or auto: the one measured faster for the proposer "
-        "(full for ngram and dflash, adaptive for draft_model; docs/speculative-decoding.md)",
+        "after a rejection, grows after a full acceptance), cost (each session times its drafts, verify forwards "
+        "and plain steps and drafts the length expected fastest, or nothing when a plain step is) or auto: the one "
+        "measured faster for the proposer (full for ngram and dflash, adaptive for draft_model; "
+        "docs/speculative-decoding.md)",
         choices=DRAFT_POLICIES,
     )
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")

@@ -263,6 +263,8 @@ async def journal_tokens(runtime: Runtime, session: Session, step: StepResult) -
 def record_step(runtime: Runtime, step: StepResult) -> None:
     metrics = runtime.metrics
     metrics.verifier_forwards.inc(step.forwards)
+    if step.decision is not None:
+        metrics.speculative_decisions.labels(decision=step.decision.value).inc()
     if step.drafted:
         metrics.speculative_drafts.inc()
         metrics.speculative_draft_tokens.inc(step.drafted)

@@ -11,6 +11,8 @@ from collections.abc import Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
+from kv_cache_proposer.proposers.cost_model import DraftDecision
+
 _TOKEN_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ACCEPT_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
@@ -100,6 +102,12 @@ class Metrics:
         self.speculative_accepted_tokens = Counter(
             "kakeya_speculative_accepted_tokens", "Drafted tokens accepted by the verifier", registry=r
         )
+        self.speculative_decisions = Counter(
+            "kakeya_speculative_decisions",
+            "Decode steps whose draft length the cost policy chose, by decision (draft, decline, probe)",
+            ["decision"],
+            registry=r,
+        )
         self.speculative_acceptance_length = Histogram(
             "kakeya_speculative_acceptance_length",
             "Accepted draft tokens per verified draft",
@@ -178,6 +186,8 @@ class Metrics:
             self.cache_invariant_violations.labels(kind=kind)
         for reason in ("ttl", "lru", "budget"):
             self.session_evicted.labels(reason=reason)
+        for decision in DraftDecision:
+            self.speculative_decisions.labels(decision=decision.value)
         for outcome in ("closed", "evicted", "failed"):
             self.session_total.labels(outcome=outcome)
         for outcome in ("max_tokens", "eos", "cancelled", "truncated", "failed", "resource_exhausted"):

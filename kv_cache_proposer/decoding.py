@@ -9,10 +9,14 @@ of the accepted drafts. The verifier's sample after the last accepted position (
 A generation may carry `DecodeControls` (controls.py): a grammar cuts the draft to its longest valid prefix before
 the forward and masks every row, penalties reshape every row, stop sequences end the generation after their first
 complete match (also when it spans steps), and log-probabilities are reported per emitted token.
+
+Under the `cost` draft policy each session's `DraftCostModel` picks the step's draft length (0: a plain step) from
+the times the decoder measures around proposals and forwards and from the acceptance it sees.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +25,7 @@ from kv_cache_proposer.controls import DecodeControls, match_stop_sequence, pick
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftPolicy, NoDraftSession
 from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest, commit_all, propose_all
+from kv_cache_proposer.proposers.cost_model import DraftDecision
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.sequence import (
     DraftLength,
@@ -60,6 +65,9 @@ class _Plan:
     burst: int = 1  # plain greedy steps run back to back in one call (see `Decoder.burst_tokens`)
     wanted: int = 0  # draft tokens to ask the proposer for
     draft_commit: DraftCommit | None = None  # what the draft session learns once the verifier committed
+    decision: DraftDecision | None = None  # the `cost` policy's choice of `wanted`
+    draft_s: float | None = None  # seconds of the proposal
+    forward_s: float | None = None  # seconds of the forward (or of the whole burst)
 
     @property
     def seq(self) -> SequenceState:
@@ -104,10 +112,14 @@ class Decoder:
 
     def _step_alone(self, plan: _Plan) -> StepResult:
         """A planned step in a forward (or a burst) of its own; its draft session then learns the commit."""
+        started = time.perf_counter()
         if plan.burst > 1:
-            result = self._run_burst(plan)
+            tokens = self.verifier.burst(plan.seq.cache, plan.block, plan.burst)
+            plan.forward_s = time.perf_counter() - started
+            result = self._finish_burst(plan, tokens)
         else:
             out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
+            plan.forward_s = time.perf_counter() - started
             result = self._finish(plan, out)
         if plan.draft_commit is not None:
             plan.draft_commit.deliver()
@@ -136,7 +148,10 @@ class Decoder:
                 results[index] = exc
             planned = []
         drafting = [plan for _, plan in planned if plan.wanted > 0]
+        started = time.perf_counter()
         proposed = propose_all([DraftRequest(plan.seq.draft, plan.seq.tokens, plan.wanted) for plan in drafting])
+        for plan in drafting:  # drafters that share a batch drafter propose in one forward, as one wait
+            plan.draft_s = time.perf_counter() - started
         drafts = {id(plan): draft for plan, draft in zip(drafting, proposed, strict=True)}
         plans: list[tuple[int, _Plan]] = []
         for index, plan in planned:
@@ -152,12 +167,15 @@ class Decoder:
             groups.setdefault(tuple(item[1].feature_layers), []).append(item)
         for layers, group in groups.items():
             outs: list[VerifyOutput[Any] | Exception]
+            started = time.perf_counter()
             try:
                 blocks = [BatchBlock(plan.seq.cache, plan.block, plan.logits_rows) for _, plan in group]
                 outs = list(self.verifier.verify_batch(blocks, feature_layers=layers))
             except Exception:  # rerun alone below, each error goes to its own session
                 outs = [self._verify_alone(plan) for _, plan in group]
+            elapsed = time.perf_counter() - started
             for (index, plan), out in zip(group, outs, strict=True):
+                plan.forward_s = elapsed  # every session in the forward waited for all of it
                 if isinstance(out, Exception):
                     results[index] = out
                     continue
@@ -205,10 +223,18 @@ class Decoder:
             raise ValueError("no room left for another token")
         limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
         wanted = max(0, min(limit, room - 1))
-        burst = min(self.burst_tokens, room) if alone and self._bursts(request) else 1
-        plan = _Plan(request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted)
+        decision = None
+        if self.draft_policy is DraftPolicy.COST and wanted > 0:
+            wanted, decision = seq.draft_costs.decide(wanted)
+        burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
+        plan = _Plan(
+            request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
+        )
         if propose and wanted > 0 and burst == 1:
-            self._attach_draft(plan, seq.draft.propose(seq.tokens, wanted))
+            started = time.perf_counter()
+            proposed = seq.draft.propose(seq.tokens, wanted)
+            plan.draft_s = time.perf_counter() - started
+            self._attach_draft(plan, proposed)
         return plan
 
     @staticmethod
@@ -225,23 +251,23 @@ class Decoder:
         plan.logits_rows = len(draft) + 1
 
     @staticmethod
-    def _bursts(request: StepRequest) -> bool:
-        """Whether a step may run plain greedy steps back to back: no proposer, greedy, nothing that reshapes or
+    def _bursts(request: StepRequest, wanted: int) -> bool:
+        """Whether a step may run plain greedy steps back to back: no proposer, or a step that drafts nothing for
+        a drafter that needs no verifier features (a burst returns none), greedy, nothing that reshapes or
         constrains the logits, a cache that needs no token ids to stage K/V, and not the generation's first token
         (whose latency a burst would add to)."""
         seq, controls = request.seq, request.controls
         return (
-            isinstance(seq.draft, NoDraftSession)
+            (isinstance(seq.draft, NoDraftSession) or (wanted == 0 and not seq.draft.feature_layers))
             and request.params.greedy
             and (controls is None or (not controls.transforms_logits and controls.grammar is None))
             and not isinstance(seq.cache.strategy, DlmRestoreStrategy)
             and request.generated > 0
         )
 
-    def _run_burst(self, plan: _Plan) -> StepResult:
-        """`plan.burst` greedy steps in one verifier call; then the stop rules cut the tokens as a speculative step
+    def _finish_burst(self, plan: _Plan, tokens: list[int]) -> StepResult:
+        """After `plan.burst` greedy steps in one verifier call, the stop rules cut the tokens as a speculative step
         whose drafts were all accepted would be cut (the K/V after a cut are never committed)."""
-        tokens = self.verifier.burst(plan.seq.cache, plan.block, plan.burst)
         plan.draft, plan.logits_rows = tokens[:-1], len(tokens)
         return self._finish(plan, None, tokens)
 
@@ -277,6 +303,7 @@ class Decoder:
         burst = plan.burst > 1
         if not burst:
             seq.draft_length.update(len(draft), accepted)
+        self._observe_costs(plan, accepted)
         emitted = sampled[: accepted + 1]
         stop = None
         if dead_end_row is not None and dead_end_row < len(emitted):
@@ -303,7 +330,22 @@ class Decoder:
             stop=stop,
             logprobs=logprobs[: len(emitted)] if logprobs is not None else None,
             stop_sequence_index=stop_index,
+            decision=plan.decision,
         )
+
+    @staticmethod
+    def _observe_costs(plan: _Plan, accepted: int) -> None:
+        """Hand the step's acceptance and times to the session's cost model. Times are kept only for steps whose
+        block holds one pending token: a longer one also prefills, which says nothing of a decode step's cost."""
+        costs, timed = plan.seq.draft_costs, plan.pending == 1
+        if plan.burst > 1:
+            if timed and plan.forward_s is not None:
+                costs.observe_forward(1, plan.forward_s, steps=plan.burst)
+            return
+        if plan.wanted > 0:
+            costs.observe_draft(plan.wanted, accepted, plan.draft_s if timed else None)
+        if timed and plan.forward_s is not None:
+            costs.observe_forward(len(plan.draft) + 1, plan.forward_s)
 
     def _commit(self, plan: _Plan, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
         """Commit `count` block positions in the verifier cache; the draft session learns it after (`draft_commit`,

@@ -14,6 +14,7 @@ from typing import Any
 from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.controls import DecodeControls, TokenLogprob
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
+from kv_cache_proposer.proposers.cost_model import DraftCostModel, DraftDecision
 from kv_cache_proposer.sampling import SamplingParams
 
 
@@ -59,9 +60,11 @@ class SequenceState:
     draft: DraftSession = field(default_factory=NoDraftSession)
     committed: int = 0
     draft_length: DraftLength = field(init=False)
+    draft_costs: DraftCostModel = field(init=False)  # what drafting costs and yields, for the `cost` policy
 
     def __post_init__(self) -> None:
         self.draft_length = DraftLength(self.draft.max_draft_tokens)
+        self.draft_costs = DraftCostModel(self.draft.max_draft_tokens)
 
     @property
     def pending_count(self) -> int:
@@ -89,6 +92,7 @@ class StepResult:
     stop: StopCause | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token, when the controls ask for them
     stop_sequence_index: int | None = None  # which stop sequence matched (stop is STOP_SEQUENCE)
+    decision: DraftDecision | None = None  # the `cost` policy's choice for this step (None: it chose nothing)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,9 @@ the standard-library corpus `scripts/train_tiny.py` trains on, text kakeya-tiny 
 token-id file.
 
 Each speculative proposer runs under every `--draft-policies` entry (`full`: every proposal a whole block;
-`adaptive`: the draft length shrinks after rejections and grows after full acceptances), as arms `NAME` (full)
-and `NAME/adaptive`.
+`adaptive`: the draft length shrinks after rejections and grows after full acceptances; `cost`: each step drafts
+the length its session's cost model expects fastest, or nothing), as arms `NAME` (full), `NAME/adaptive` and
+`NAME/cost`.
 
 The dflash arm uses `--dflash`, else the model directory's own `dflash/` drafter when it has one; without either it
 is left out, with a note. The draft_model arm uses `--draft-model`, else (with `--draft-layers N`) the verifier cut

@@ -15,11 +15,14 @@ class DraftPolicy(StrEnum):
     `full`: every proposal may hold the proposer's whole limit (a DFlash block drafts all of it in one forward, a
     lookup costs nothing per token, so a shorter draft saves nothing but accepted tokens). `adaptive`: the limit
     shrinks by one after a partly rejected draft and grows by two after a fully accepted one, which pays where each
-    drafted token costs a forward of its own (a draft model).
+    drafted token costs a forward of its own (a draft model). `cost`: each session times its proposals, verify
+    forwards and plain steps and estimates its acceptance, and drafts the length expected to give the most tokens per
+    second, or nothing when a plain step is expected faster (`cost_model.py`).
     """
 
     FULL = "full"
     ADAPTIVE = "adaptive"
+    COST = "cost"
 
 
 class DraftSession(Protocol):
@@ -68,7 +71,7 @@ class Proposer(Protocol):
 
     @property
     def draft_policy(self) -> DraftPolicy:
-        """The draft-length policy measured faster for this proposer (the default of `serve --draft-policy`)."""
+        """The draft-length policy `serve --draft-policy auto` runs this proposer under."""
         ...
 
     def open(self, strategy: KVStrategy) -> DraftSession:

@@ -100,3 +100,21 @@ def test_speculation_is_counted_in_generate_done_and_metrics(serve, proposer_set
     assert value("kakeya_verifier_forwards_total") == done.verifier_forward_count
     assert value("kakeya_generate_verifier_forwards_per_token_count") == 1
     assert value("kakeya_speculative_acceptance_length_count") == value("kakeya_speculative_drafts_total") > 0
+
+
+def test_the_cost_policy_counts_its_decisions_in_metrics(serve, proposer_settings):
+    server = serve("qwen3", **proposer_settings["ngram"], draft_policy="cost")
+    sid = create(server.stub, initial=_prompts()[3])
+    generate(server.stub, sid, max_tokens=20)
+    text = server.metrics_text()
+
+    def value(name: str) -> float:
+        match = re.search(rf"^{re.escape(name)} (\S+)$", text, re.MULTILINE)
+        assert match, name
+        return float(match.group(1))
+
+    decisions = {
+        d: value(f'kakeya_speculative_decisions_total{{decision="{d}"}}') for d in ("draft", "decline", "probe")
+    }
+    assert decisions["probe"] >= 1  # a session's first steps measure drafting and plain steps
+    assert 0 < value("kakeya_speculative_drafts_total") <= decisions["draft"] + decisions["probe"]

@@ -45,7 +45,11 @@ def test_the_benchmark_compares_every_proposer_on_the_same_prompts(checkpoints, 
     payload = json.loads(path.read_text())
     proposers = payload["summary"]["proposers"]
     speculative = ("ngram", "draft_model", "dflash")
-    assert set(proposers) == {"none", *speculative, *(f"{name}/adaptive" for name in speculative)}
+    assert set(proposers) == {
+        "none",
+        *speculative,
+        *(f"{name}/{p}" for name in speculative for p in ("adaptive", "cost")),
+    }
     assert all(arm["identical_to_none"] for arm in proposers.values())
     assert all(proposers[name]["propose_ms"] > 0 and proposers[name]["verify_ms"] > 0 for name in speculative)
     assert payload["config"]["prompt_files"] == [str(corpus)]

@@ -1,0 +1,147 @@
+"""A per-session cost model of speculative decoding: whether the next step drafts, and how many tokens.
+
+The model keeps what the session measured, as exponentially weighted averages of recent steps:
+
+- the acceptance of each drafted position, conditional on every earlier position being accepted (a position the
+  proposer left empty, or a grammar cut, counts as not accepted);
+- the seconds of a proposal, per requested draft length;
+- the seconds of a verifier forward, per block length (a block of one token is a plain step; a burst of plain
+  steps counts as that many plain steps of its average length).
+
+For the next step it picks the draft length k (0: a plain step) that maximises the expected tokens per second,
+E[tokens | k] / (t_draft(k) + t_forward(k + 1)), where E[tokens | k] = 1 + sum over j <= k of the product of the
+first j positions' acceptances, against 1 / t_forward(1). A length not measured yet is assumed to cost what the
+nearest longer measured length costs (costs do not fall with length), or, above the longest measured one, that
+cost scaled up in proportion to the length.
+
+Priors: every position's acceptance starts at `PRIOR_ACCEPTANCE`, worth one observation (the averages weigh
+the newest observation by 1 / (observations + 1) until that falls to `ACCEPTANCE_WEIGHT`); times have no prior,
+so a session first drafts the whole limit until a draft is timed, then takes a plain step until one is timed. The
+model keeps probing both: after `probe_after_declines` plain steps in a row it drafts once (the best length) to
+refresh its acceptance, so a session whose text becomes predictable again takes drafting back up; after
+`refresh_plain_after` drafting steps in a row it takes one plain step, as the time of one grows with the history.
+Every decision is a deterministic function of the observations.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+PRIOR_ACCEPTANCE = 0.5  # counts as one observation: the first real one moves an estimate halfway
+# weight of the newest observation in the acceptance averages, once 1 / (observations + 1) is less
+ACCEPTANCE_WEIGHT = 0.2
+TIME_WEIGHT = 0.25  # weight of the newest observation in the time averages
+
+
+class DraftDecision(StrEnum):
+    """What the cost model chose for a step: `draft` (drafting is expected faster), `decline` (a plain step is
+    expected faster) or `probe` (the other arm, taken to refresh its estimate)."""
+
+    DRAFT = "draft"
+    DECLINE = "decline"
+    PROBE = "probe"
+
+
+class DraftCostModel:
+    """One session's estimates of acceptance and step times, and the draft length they make fastest."""
+
+    def __init__(self, max_draft_tokens: int, *, probe_after_declines: int = 8, refresh_plain_after: int = 64) -> None:
+        if max_draft_tokens < 0 or probe_after_declines < 1 or refresh_plain_after < 1:
+            raise ValueError("max_draft_tokens must be >= 0, probe_after_declines and refresh_plain_after >= 1")
+        self.max_draft_tokens = max_draft_tokens
+        self.probe_after_declines = probe_after_declines
+        self.refresh_plain_after = refresh_plain_after
+        self._acceptance = [PRIOR_ACCEPTANCE] * max_draft_tokens  # [i]: position i + 1, given positions <= i
+        self._seen = [0] * max_draft_tokens  # observations of each position
+        self._draft_s: dict[int, float] = {}  # requested draft length -> seconds of a proposal
+        self._forward_s: dict[int, float] = {}  # block length -> seconds of a verifier forward
+        self._plain_streak = 0
+        self._draft_streak = 0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """The estimated acceptance of each drafted position, given that every earlier one was accepted."""
+        return list(self._acceptance)
+
+    def expected_tokens(self, draft_tokens: int) -> float:
+        """Tokens a step that drafts `draft_tokens` is expected to emit (its accepted drafts plus one)."""
+        expected, reach = 1.0, 1.0
+        for rate in self._acceptance[:draft_tokens]:
+            reach *= rate
+            expected += reach
+        return expected
+
+    def tokens_per_second(self, draft_tokens: int) -> float | None:
+        """The expected rate of a step that drafts `draft_tokens` (0: a plain step); None until one is timed."""
+        forward = _estimate(self._forward_s, draft_tokens + 1)
+        if forward is None:
+            return None
+        draft = 0.0
+        if draft_tokens > 0:
+            measured = _estimate(self._draft_s, draft_tokens)
+            if measured is None:
+                return None
+            draft = measured
+        return self.expected_tokens(draft_tokens) / max(draft + forward, 1e-12)
+
+    def decide(self, limit: int) -> tuple[int, DraftDecision]:
+        """The draft length of the next step, at most `limit` (0: a plain step), and why; counts the decision
+        towards the next probe."""
+        limit = min(limit, self.max_draft_tokens)
+        if limit < 1:
+            return 0, DraftDecision.DECLINE
+        if not self._draft_s:
+            return self._count(limit, DraftDecision.PROBE)
+        if 1 not in self._forward_s:
+            return self._count(0, DraftDecision.PROBE)
+        rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
+        best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
+        if rates[best_draft] > rates[0]:
+            if self._draft_streak >= self.refresh_plain_after:
+                return self._count(0, DraftDecision.PROBE)
+            return self._count(best_draft, DraftDecision.DRAFT)
+        if self._plain_streak >= self.probe_after_declines:
+            return self._count(best_draft, DraftDecision.PROBE)
+        return self._count(0, DraftDecision.DECLINE)
+
+    def observe_draft(self, requested: int, accepted: int, seconds: float | None) -> None:
+        """A proposal asked for `requested` tokens, of which the verifier accepted the first `accepted` (fewer
+        drafted tokens than requested count as rejected); `seconds`: the time of the proposal (None: not timed)."""
+        for position in range(min(requested, accepted + 1, self.max_draft_tokens)):
+            outcome = 1.0 if position < accepted else 0.0
+            self._seen[position] += 1
+            weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
+            self._acceptance[position] += weight * (outcome - self._acceptance[position])
+        if seconds is not None and requested > 0:
+            _average(self._draft_s, requested, seconds)
+
+    def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
+        """`steps` verifier forwards of `block_tokens` tokens each took `seconds` in all."""
+        if block_tokens > 0 and steps > 0:
+            _average(self._forward_s, block_tokens, seconds / steps)
+
+    def _count(self, draft_tokens: int, decision: DraftDecision) -> tuple[int, DraftDecision]:
+        if draft_tokens > 0:
+            self._draft_streak, self._plain_streak = self._draft_streak + 1, 0
+        else:
+            self._draft_streak, self._plain_streak = 0, self._plain_streak + 1
+        return draft_tokens, decision
+
+
+def _average(table: dict[int, float], key: int, seconds: float) -> None:
+    previous = table.get(key)
+    table[key] = seconds if previous is None else previous + TIME_WEIGHT * (seconds - previous)
+
+
+def _estimate(table: dict[int, float], length: int) -> float | None:
+    """The measured seconds at `length`, else at the nearest longer measured length, else the longest measured
+    one scaled up to `length` (None when nothing was measured)."""
+    if length in table:
+        return table[length]
+    longer = [key for key in table if key > length]
+    if longer:
+        return table[min(longer)]
+    if not table:
+        return None
+    longest = max(table)
+    return table[longest] * length / longest

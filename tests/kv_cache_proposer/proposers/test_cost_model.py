@@ -1,0 +1,127 @@
+"""The cost model of speculative decoding as a pure function of its observations: it drafts when drafts are cheap
+and accepted, declines when they are costly and rejected, probes both arms, and starts from its priors."""
+
+from __future__ import annotations
+
+import pytest
+
+from kv_cache_proposer.proposers.cost_model import PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+
+PLAIN_S = 0.010
+
+
+def _measured(draft_s: float, verify_s: float, accepted: int, *, limit: int = 4, drafts: int = 20) -> DraftCostModel:
+    """A model that saw `drafts` proposals of `limit` tokens, each taking `draft_s` and accepted up to `accepted`,
+    verified in `verify_s`, and plain steps of `PLAIN_S`."""
+    model = DraftCostModel(limit)
+    for _ in range(drafts):
+        model.observe_draft(limit, accepted, draft_s)
+        model.observe_forward(limit + 1, verify_s)
+    model.observe_forward(1, PLAIN_S)
+    return model
+
+
+def test_before_any_measurement_it_drafts_the_whole_limit_then_takes_a_plain_step():
+    model = DraftCostModel(6)
+    assert model.acceptance == [PRIOR_ACCEPTANCE] * 6
+    assert model.decide(6) == (6, DraftDecision.PROBE)
+    assert model.decide(3) == (3, DraftDecision.PROBE)  # nothing timed yet: still drafting
+    model.observe_draft(6, 2, 0.001)
+    model.observe_forward(7, 0.012)
+    assert model.decide(6) == (0, DraftDecision.PROBE)  # no plain step timed yet
+    model.observe_forward(1, PLAIN_S)
+    assert model.decide(6)[1] is not DraftDecision.PROBE
+
+
+def test_it_declines_when_drafts_are_costly_and_rarely_accepted():
+    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    assert model.decide(4) == (0, DraftDecision.DECLINE)
+    assert model.tokens_per_second(0) == pytest.approx(1 / PLAIN_S)
+
+
+def test_it_drafts_when_drafts_are_cheap_and_accepted():
+    model = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    draft_tokens, decision = model.decide(4)
+    assert decision is DraftDecision.DRAFT and draft_tokens == 4
+    assert model.expected_tokens(4) > 4
+
+
+def test_it_drafts_the_length_whose_expected_tokens_pay_for_its_cost():
+    # Each drafted token costs a forward of a quarter of a plain step; only the first two are ever accepted.
+    model = DraftCostModel(6)
+    for _ in range(30):
+        for k in range(1, 7):
+            model.observe_draft(k, min(k, 2), k * PLAIN_S / 4)
+            model.observe_forward(k + 1, PLAIN_S)
+    model.observe_forward(1, PLAIN_S)
+    assert model.decide(6) == (2, DraftDecision.DRAFT)
+
+
+def test_the_limit_caps_the_draft_and_a_zero_limit_is_a_plain_step():
+    model = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    assert model.decide(2) == (2, DraftDecision.DRAFT)
+    assert model.decide(0) == (0, DraftDecision.DECLINE)
+    assert DraftCostModel(0).decide(8) == (0, DraftDecision.DECLINE)
+
+
+def test_after_a_run_of_declines_it_drafts_once_and_follows_acceptance_back_up():
+    model = DraftCostModel(4, probe_after_declines=3)
+    for _ in range(20):
+        model.observe_draft(4, 0, 0.002)
+        model.observe_forward(5, 0.011)
+    model.observe_forward(1, PLAIN_S)
+    decisions = [model.decide(4) for _ in range(4)]
+    assert [d for _, d in decisions] == [DraftDecision.DECLINE] * 3 + [DraftDecision.PROBE]
+    assert decisions[-1][0] > 0
+    # The text turned predictable: every probe is accepted whole, and the model drafts again.
+    for _ in range(10):
+        draft_tokens, _ = model.decide(4)
+        if draft_tokens:
+            model.observe_draft(draft_tokens, draft_tokens, 0.002)
+            model.observe_forward(draft_tokens + 1, 0.011)
+    assert model.decide(4)[1] is DraftDecision.DRAFT
+
+
+def test_after_a_run_of_drafts_it_refreshes_the_time_of_a_plain_step():
+    model = DraftCostModel(4, refresh_plain_after=5)
+    for _ in range(10):
+        model.observe_draft(4, 4, 0.0005)
+        model.observe_forward(5, 0.011)
+    model.observe_forward(1, PLAIN_S)
+    decisions = [model.decide(4) for _ in range(6)]
+    assert decisions[:5] == [(4, DraftDecision.DRAFT)] * 5
+    assert decisions[5] == (0, DraftDecision.PROBE)
+    assert model.decide(4) == (4, DraftDecision.DRAFT)
+
+
+def test_a_position_after_the_accepted_prefix_is_observed_rejected_and_later_ones_keep_their_estimate():
+    model = DraftCostModel(4)
+    model.observe_draft(4, 1, None)
+    first, second, third, fourth = model.acceptance
+    assert first > PRIOR_ACCEPTANCE > second
+    assert third == fourth == PRIOR_ACCEPTANCE
+
+
+def test_an_unmeasured_length_costs_what_the_nearest_longer_one_costs_or_more_in_proportion():
+    model = DraftCostModel(8)
+    model.observe_draft(4, 0, 0.004)
+    model.observe_forward(5, 0.010)
+    model.observe_forward(1, 0.010)
+    expected = model.expected_tokens(2)
+    assert model.tokens_per_second(2) == pytest.approx(expected / (0.004 + 0.010))
+    assert model.tokens_per_second(8) == pytest.approx(model.expected_tokens(8) / (0.008 + 0.010 * 9 / 5))
+
+
+def test_a_burst_counts_as_plain_steps_of_its_average_time():
+    model = DraftCostModel(2)
+    model.observe_forward(1, 0.040, steps=8)
+    model.observe_draft(2, 0, 0.0)
+    model.observe_forward(3, 0.005)
+    assert model.tokens_per_second(0) == pytest.approx(1 / 0.005)
+
+
+def test_invalid_settings_are_rejected():
+    with pytest.raises(ValueError):
+        DraftCostModel(-1)
+    with pytest.raises(ValueError):
+        DraftCostModel(4, probe_after_declines=0)

@@ -1,0 +1,134 @@
+"""The `cost` draft policy in the decode step: whatever each session's cost model decides (draft, decline, probe,
+bursts of plain steps), the tokens are those of plain decoding, for every proposer and strategy."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult
+from kv_cache_proposer.proposers import ProposerOptions, load_proposer
+from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession
+from kv_cache_proposer.proposers.cost_model import PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter, save_draft_model
+
+STRATEGIES = {"full": FullStrategy(), "sink_window": SinkWindowStrategy(sink=2, window=8)}
+TOKENS = 36
+
+
+def _prompt() -> list[int]:
+    rng = random.Random(5)
+    motif = [rng.randrange(VOCAB_SIZE - 1) for _ in range(6)]
+    return motif * 4  # repeated spans, where prompt lookup drafts
+
+
+def _run(decoder: Decoder, seq: SequenceState) -> tuple[list[int], list[StepResult]]:
+    tokens: list[int] = []
+    steps: list[StepResult] = []
+    while not steps or steps[-1].stop is None:
+        steps.append(decoder.step(seq, SamplingParams(), GenerationBudget(TOKENS), len(tokens)))
+        tokens += steps[-1].tokens
+    return tokens, steps
+
+
+class SlowDraft:
+    """A draft session whose every proposal takes `delay_s` longer, so that drafting costs more than it saves."""
+
+    def __init__(self, inner: DraftSession, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.max_draft_tokens = inner.max_draft_tokens
+        self.feature_layers = inner.feature_layers
+        self.nbytes = inner.nbytes
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        time.sleep(self.delay_s)
+        return self.inner.propose(history, max_tokens)
+
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+        self.inner.on_commit(history, committed, features)
+
+    def release(self) -> None:
+        self.inner.release()
+
+    def clone(self, length: int) -> SlowDraft:
+        return SlowDraft(self.inner.clone(length), self.delay_s)
+
+
+class ContinuationDraft:
+    """Drafts the verifier's own continuation (known in advance): free and always accepted."""
+
+    max_draft_tokens = 4
+    feature_layers = ()
+    nbytes = 0
+
+    def __init__(self, continuation: list[int], prompt_len: int) -> None:
+        self.continuation = continuation
+        self.prompt_len = prompt_len
+
+    def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        offset = len(history) - self.prompt_len
+        return list(self.continuation[offset : offset + max_tokens])
+
+    def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
+        return None
+
+    def release(self) -> None:
+        return None
+
+    def clone(self, length: int) -> ContinuationDraft:
+        return self
+
+
+@pytest.fixture(scope="module")
+def proposer_options(tmp_path_factory) -> dict[str, ProposerOptions]:
+    root = tmp_path_factory.mktemp("cost_policy")
+    return {
+        "ngram": ProposerOptions(name="ngram", num_draft_tokens=4, ngram_max_n=3),
+        "draft_model": ProposerOptions(name="draft_model", draft_model=save_draft_model(root / "draft")),
+        "dflash": ProposerOptions(name="dflash", draft_model=save_dflash_drafter(root / "dflash")),
+    }
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("proposer_name", ["ngram", "draft_model", "dflash"])
+def test_declining_probing_and_bursting_sessions_emit_exactly_the_plain_tokens(
+    verifiers, proposer_options, proposer_name, strategy
+):
+    verifier = verifiers["qwen3"]
+    kv_strategy = STRATEGIES[strategy]
+    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(kv_strategy), tokens=_prompt()))
+
+    proposer = load_proposer(proposer_options[proposer_name], verifier, backend="torch")
+    draft = SlowDraft(proposer.open(kv_strategy), delay_s=0.05)
+    seq = SequenceState(cache=verifier.new_cache(kv_strategy), tokens=_prompt(), draft=draft)
+    seq.draft_costs = DraftCostModel(draft.max_draft_tokens, probe_after_declines=3)
+    tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4), seq)
+
+    assert tokens == reference
+    decisions = [step.decision for step in steps]
+    assert DraftDecision.DECLINE in decisions and DraftDecision.PROBE in decisions
+    assert sum(step.drafted for step in steps) > 0
+    bursts = [step for step in steps if step.forwards > 1]
+    if draft.feature_layers:  # a burst returns no verifier features for the drafter to learn from
+        assert not bursts
+    else:
+        assert bursts and all(step.decision is not DraftDecision.DRAFT for step in bursts)
+
+
+def test_a_session_learns_the_acceptance_of_its_drafts_from_the_steps_it_verifies(verifiers):
+    verifier = verifiers["llama"]
+    prompt = _prompt()
+    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
+    draft = ContinuationDraft(reference, len(prompt))
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft=draft)
+    tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST), seq)
+    assert tokens == reference
+    assert sum(step.accepted for step in steps) > 0
+    assert all(rate > PRIOR_ACCEPTANCE for rate in seq.draft_costs.acceptance)
