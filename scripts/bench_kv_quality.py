@@ -91,7 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--answer-tokens", type=int, default=24, help="greedy tokens a needle answer may take")
     p.add_argument("--agree-prompts", type=int, default=2, help="needle documents continued for greedy agreement")
     p.add_argument("--agree-tokens", type=int, default=256, help="greedy tokens compared with none per prompt")
-    p.add_argument("--mlx-bits", default="8,4", help="mlx-lm QuantizedKVCache bits to run, or 'none'")
+    p.add_argument(
+        "--mlx-bits",
+        default="8,4",
+        help="mlx-lm QuantizedKVCache bits to run, or 'none' (mlx-lm's CPU forward is slow: over 20 minutes per arm "
+        "for SmolLM2's windows on a 2-core CPU)",
+    )
     p.add_argument("--mlx-chunk", type=int, default=512, help="tokens per mlx-lm forward")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
