@@ -51,13 +51,12 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import read_text, split_sources, stdlib_sources
-from lib.kv_formats import KVFormat, kv_format
+from lib.format_attention import ATTENTION, FormatAttention
+from lib.kv_formats import kv_format
 from lib.model_option import add_model_option
 from lib.niah import build_chat_document, build_document
 from lib.results import RESULTS_DIR, write_results
 from lib.tokens import shared_prefix
-
-ATTENTION = "kakeya_kv_quality"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +69,6 @@ DEFAULT_FORMATS = (
     "none,kakeya_d4:10,kakeya_d4:19,kakeya_d4:38,kakeya_d4:76,kakeya_e8:37,"
     "q8_0,q4_0,q4_0_rot,fp8_e4m3,affine8_g64,affine4_g64"
 )
-_flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -110,87 +108,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if min(args.contexts) < 16 or args.windows < 1 or args.agree_prompts > args.needles:
         p.error("contexts must be >= 16, --windows >= 1 and --agree-prompts <= --needles")
     return args
-
-
-# -- the attention that reads earlier K/V through a format --------------------------------------------------------
-
-
-class FormatAttention:
-    """Attention as a compressed cache gives it (module docstring). `use(fmt)` picks the format and forgets every
-    layer's read-back K/V; within one sequence, positions already read back are kept and only new ones coded."""
-
-    def __init__(self) -> None:
-        self.format: KVFormat | None = None
-        self._read: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.held_bits = 0.0
-        self.values = 0
-
-    def use(self, fmt: KVFormat) -> None:
-        self.format = fmt
-        self._read = {}
-
-    def _read_back(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self.format is not None
-        done_k, done_v = self._read.get(layer, (keys[:, :, :0], values[:, :, :0]))
-        start = done_k.shape[2]
-        if start < keys.shape[2]:
-            parts = []
-            for x in (keys[:, :, start:], values[:, :, start:]):
-                flat = x.reshape(-1, x.shape[-1])
-                read, bits = self.format.roundtrip(flat)
-                self.held_bits += bits * flat.numel()
-                self.values += flat.numel()
-                parts.append(read.reshape(x.shape).to(x.dtype))
-            done_k = torch.cat([done_k, parts[0]], dim=2)
-            done_v = torch.cat([done_v, parts[1]], dim=2)
-            self._read[layer] = (done_k, done_v)
-        return done_k, done_v
-
-    def __call__(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        **_: Any,
-    ) -> tuple[torch.Tensor, None]:
-        """Query `[B, H, n, D]` at the last n of key's K positions `[B, Hkv, K, D]` (batch 1, full attention)."""
-        n, total = query.shape[2], key.shape[2]
-        read_k, read_v = self._read_back(int(module.layer_idx), key, value)  # type: ignore[arg-type]
-        groups = query.shape[1] // key.shape[1]
-        scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
-        own_k, own_v = key[:, :, total - n :], value[:, :, total - n :]
-        if groups > 1:
-            read_k, read_v = read_k.repeat_interleave(groups, 1), read_v.repeat_interleave(groups, 1)
-            own_k, own_v = own_k.repeat_interleave(groups, 1), own_v.repeat_interleave(groups, 1)
-        own_score = (query * own_k).sum(-1) * scale  # [B, H, n]
-        earlier = total - n
-        if earlier == 0 and n == 1:
-            return own_v.transpose(1, 2).contiguous(), None
-        if earlier == 0:
-            # row i reads the read-back keys 0..i-1: the queries after the first over the keys before the last,
-            # causally; the first query reads only itself
-            past, past_lse = _flash_cpu(
-                query[:, :, 1:], read_k[:, :, :-1], read_v[:, :, :-1], is_causal=True, scale=scale
-            )
-            first = torch.full_like(past_lse[:, :, :1], -math.inf)
-            past = torch.cat([torch.zeros_like(past[:, :, :1]), past], dim=2)
-            past_lse = torch.cat([first, past_lse], dim=2)
-        elif n == 1:
-            past, past_lse = _flash_cpu(query, read_k[:, :, :earlier], read_v[:, :, :earlier], scale=scale)
-        else:
-            positions = torch.arange(earlier, total)
-            visible = torch.arange(total)[None, :] < positions[:, None]  # [n, K]: strictly earlier positions
-            mask = torch.zeros(visible.shape, dtype=query.dtype).masked_fill(~visible, -math.inf)
-            past, past_lse = _flash_cpu(query, read_k, read_v, attn_mask=mask[None, None], scale=scale)
-        top = torch.maximum(past_lse, own_score)
-        past_weight = torch.exp(past_lse - top).unsqueeze(-1)
-        own_weight = torch.exp(own_score - top).unsqueeze(-1)
-        merged = (past * past_weight + own_v * own_weight) / (past_weight + own_weight)
-        return merged.transpose(1, 2).contiguous(), None
 
 
 # -- texts --------------------------------------------------------------------------------------------------------
@@ -361,6 +278,20 @@ def mlx_arms(
 # -- the run --------------------------------------------------------------------------------------------------------
 
 
+def distortion(kinds: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """Per text kind the perplexity, its change against `reference`'s (%) and the mean KL, from the summed NLL,
+    KL and token counts of each kind; then the mean and worst change and the mean KL over the kinds."""
+    row: dict[str, float] = {}
+    deltas, kls = [], []
+    for kind, entry in kinds.items():
+        ppl, base = (math.exp(e["nll"] / e["tokens"]) for e in (entry, reference[kind]))
+        deltas.append(100 * (ppl / base - 1))
+        kls.append(entry["kl"] / entry["tokens"])
+        row.update({f"ppl[{kind}]": ppl, f"dppl_pct[{kind}]": deltas[-1], f"kl[{kind}]": kls[-1]})
+    row.update(dppl_pct_mean=float(np.mean(deltas)), dppl_pct_max=float(np.max(deltas)), kl_mean=float(np.mean(kls)))
+    return row
+
+
 def frontier(points: list[tuple[float, float]], bits: float) -> float | None:
     """The field's curve (lowest Δ at or below each rate, linear between points) at `bits`, or None outside it."""
     points = sorted(points)
@@ -436,18 +367,7 @@ def main(argv: list[str] | None = None) -> int:
             "family": fmt.family,
             "bits_per_value": total["held_bits"] / total["values"] if total["values"] else None,
         }
-        deltas, kls = [], []
-        for kind, entry in total["kinds"].items():
-            ppl = math.exp(entry["nll"] / entry["tokens"])
-            base = math.exp(base_kinds[kind]["nll"] / base_kinds[kind]["tokens"])
-            row[f"ppl[{kind}]"] = ppl
-            row[f"dppl_pct[{kind}]"] = 100 * (ppl / base - 1)
-            row[f"kl[{kind}]"] = entry["kl"] / entry["tokens"]
-            deltas.append(100 * (ppl / base - 1))
-            kls.append(entry["kl"] / entry["tokens"])
-        row["dppl_pct_mean"] = float(np.mean(deltas))
-        row["dppl_pct_max"] = float(np.max(deltas))
-        row["kl_mean"] = float(np.mean(kls))
+        row.update(distortion(total["kinds"], base_kinds))
         if documents:
             outputs = generations[fmt.name]
             answers = [tokenizer.decode(o[: args.answer_tokens], skip_special_tokens=True) for o in outputs]
@@ -472,16 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             if name == "mlx_lm":
                 continue
             row = {"family": "field (mlx-lm itself)", "bits_per_value": mrow["bits_per_value"]}
-            deltas, kls = [], []
-            for kind, entry in mrow["kinds"].items():
-                ppl, ref = (math.exp(e["nll"] / e["tokens"]) for e in (entry, base[kind]))
-                row[f"ppl[{kind}]"] = ppl
-                row[f"dppl_pct[{kind}]"] = 100 * (ppl / ref - 1)
-                row[f"kl[{kind}]"] = entry["kl"] / entry["tokens"]
-                deltas.append(100 * (ppl / ref - 1))
-                kls.append(entry["kl"] / entry["tokens"])
-            row.update(dppl_pct_mean=float(np.mean(deltas)), dppl_pct_max=float(np.max(deltas)))
-            row["kl_mean"] = float(np.mean(kls))
+            row.update(distortion(mrow["kinds"], base))
             summary["formats"][name] = row
             print(name, row, flush=True)
 
