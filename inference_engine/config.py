@@ -116,7 +116,8 @@ class ServerConfig:
     kv_compressor: str = _opt(
         "none",
         "default KV compressor of new sessions: none keeps K/V dense; kakeya_d4 / kakeya_e8 hold committed K/V as "
-        "packed KakeyaLattice D4 / E8 codes",
+        "packed KakeyaLattice D4 / E8 codes with an fp16 norm and scale per vector; kakeya_d4s / kakeya_e8s the "
+        "same codes with one fp16 scale (16 bits fewer per vector)",
         choices=COMPRESSORS,
     )
     kv_q_range: int = _opt(

@@ -66,7 +66,8 @@ class Needle:
 
 
 DEFAULT_FORMATS = (
-    "none,kakeya_d4:10,kakeya_d4:19,kakeya_d4:38,kakeya_d4:76,kakeya_e8:37,"
+    "none,kakeya_d4:10,kakeya_d4:19,kakeya_d4:38,kakeya_d4:76,kakeya_e8:37,kakeya_d4s:10,kakeya_d4s:19,kakeya_d4s:38,"
+    "kakeya_e8s:37,"
     "q8_0,q4_0,q4_0_rot,fp8_e4m3,affine8_g64,affine4_g64"
 )
 

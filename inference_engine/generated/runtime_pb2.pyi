@@ -14,6 +14,8 @@ class KvCompressor(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_COMPRESSOR_NONE: _ClassVar[KvCompressor]
     KV_COMPRESSOR_KAKEYA_D4: _ClassVar[KvCompressor]
     KV_COMPRESSOR_KAKEYA_E8: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_D4S: _ClassVar[KvCompressor]
+    KV_COMPRESSOR_KAKEYA_E8S: _ClassVar[KvCompressor]
 
 class KvStrategy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +37,8 @@ KV_COMPRESSOR_UNSPECIFIED: KvCompressor
 KV_COMPRESSOR_NONE: KvCompressor
 KV_COMPRESSOR_KAKEYA_D4: KvCompressor
 KV_COMPRESSOR_KAKEYA_E8: KvCompressor
+KV_COMPRESSOR_KAKEYA_D4S: KvCompressor
+KV_COMPRESSOR_KAKEYA_E8S: KvCompressor
 KV_STRATEGY_UNSPECIFIED: KvStrategy
 KV_STRATEGY_FULL: KvStrategy
 KV_STRATEGY_SINK_WINDOW: KvStrategy

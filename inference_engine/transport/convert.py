@@ -36,6 +36,8 @@ _COMPRESSOR_NAMES = {
     pb.KV_COMPRESSOR_NONE: "none",
     pb.KV_COMPRESSOR_KAKEYA_D4: "kakeya_d4",
     pb.KV_COMPRESSOR_KAKEYA_E8: "kakeya_e8",
+    pb.KV_COMPRESSOR_KAKEYA_D4S: "kakeya_d4s",
+    pb.KV_COMPRESSOR_KAKEYA_E8S: "kakeya_e8s",
 }
 _COMPRESSOR_ENUMS = {name: value for value, name in _COMPRESSOR_NAMES.items() if name}
 

@@ -12,14 +12,17 @@ from kv_cache_proposer.compression.codec import LatticeCodec
 from kv_cache_proposer.compression.lattice import MAX_Q_RANGE, LatticeKind, LatticeSpec
 from kv_cache_proposer.compression.packed_store import PackedLayerStore
 
-COMPRESSORS = ("none", "kakeya_d4", "kakeya_e8")
+COMPRESSORS = ("none", "kakeya_d4", "kakeya_e8", "kakeya_d4s", "kakeya_e8s")
 DEFAULT_Q_RANGE = 38
-_LATTICES: dict[str, LatticeKind] = {"kakeya_d4": "d4", "kakeya_e8": "e8"}
+_LATTICES: dict[str, LatticeKind] = {"kakeya_d4": "d4", "kakeya_e8": "e8", "kakeya_d4s": "d4", "kakeya_e8s": "e8"}
+# The one-scale variants: one fp16 scale per vector instead of a norm and a scale (see `lattice.py`).
+_ONE_SCALE = ("kakeya_d4s", "kakeya_e8s")
 
 
 @dataclass(frozen=True, slots=True)
 class KVCompressor:
-    """A session's KV compressor: `none` (dense K/V) or a KakeyaLattice lattice at `q_range`."""
+    """A session's KV compressor: `none` (dense K/V) or a KakeyaLattice lattice at `q_range` (`kakeya_d4`,
+    `kakeya_e8`: the reference codec, bit for bit; `kakeya_d4s`, `kakeya_e8s`: the same lattices with one scale)."""
 
     name: str = "none"
     q_range: int = DEFAULT_Q_RANGE
@@ -54,7 +57,7 @@ class KVCompressor:
         """The lattice layout for vectors of `head_dim` values."""
         if self.lattice is None:
             raise ValueError("the `none` compressor has no lattice")
-        return LatticeSpec(self.lattice, head_dim, self.q_range)
+        return LatticeSpec(self.lattice, head_dim, self.q_range, one_scale=self.name in _ONE_SCALE)
 
 
 def _torch_codec(compressor: KVCompressor, like: Any) -> LatticeCodec[Any]:

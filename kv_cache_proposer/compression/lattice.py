@@ -1,7 +1,9 @@
 """The KakeyaLattice bit layout: which lattice, how many bits, and how lattice points become packed bytes.
 
 A K/V vector of dimension D is coded (by a backend's `LatticeCodec`) as D lattice coordinates in `[-Q, Q]`, split
-into blocks of 4 (D4) or 8 (E8), plus an fp16 norm and an fp16 per-vector scale (qmax). Here, on the host, every
+into blocks of 4 (D4) or 8 (E8), plus an fp16 norm and an fp16 per-vector scale (qmax), or, in the one-scale
+variant, the fp16 scale alone (the norm and qmax only ever multiply each other, so one number carries both and
+saves 16 bits per vector: a quarter of a bit per value at D = 64). Here, on the host, every
 block becomes one integer index below the number of lattice points in `[-Q, Q]^block`, written with
 `bits_per_block` bits (SPEC §6.6 budget), and the blocks of a vector are bit-packed into whole bytes.
 
@@ -31,11 +33,13 @@ MAX_Q_RANGE = {"d4": 4096, "e8": 116}
 
 @dataclass(frozen=True, slots=True)
 class LatticeSpec:
-    """One lattice at one `q_range` for vectors of `head_dim` values."""
+    """One lattice at one `q_range` for vectors of `head_dim` values; `one_scale`: the vector's largest rotated
+    coordinate is its only fp16 scale (no separate norm)."""
 
     kind: LatticeKind
     head_dim: int
     q_range: int
+    one_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in _BLOCK_DIM:
@@ -64,9 +68,14 @@ class LatticeSpec:
         return math.ceil(real)
 
     @property
+    def scale_bytes(self) -> int:
+        """Bytes of a vector's fp16 scales: the norm and qmax, or the one scale."""
+        return 2 if self.one_scale else 4
+
+    @property
     def bits_per_vector(self) -> int:
-        """The bit budget of one vector: lattice bits plus the fp16 norm and fp16 qmax."""
-        return self.blocks * self.bits_per_block + 32
+        """The bit budget of one vector: lattice bits plus its fp16 scales."""
+        return self.blocks * self.bits_per_block + 8 * self.scale_bytes
 
     @property
     def code_bytes(self) -> int:

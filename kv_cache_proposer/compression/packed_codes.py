@@ -2,8 +2,9 @@
 
 Entries are addressed by (tensor, slot, row): tensor 0 is K and 1 is V, slots are the session cache's, rows are the
 batch × KV heads of one position. Codes are `[2, slots, rows, code_bytes]` uint8 and norms and scales `[2, slots,
-rows]` fp16; a block the lattice cannot index after clamping is kept by escape (see `lattice.py`): its code is 0 and
-its doubled coordinates sit in a side table keyed by (tensor, slot, row, block).
+rows]` fp16 (a one-scale lattice holds no norms: its codec writes 1.0 there, and reads get 1.0 back); a block the
+lattice cannot index after clamping is kept by escape (see `lattice.py`): its code is 0 and its doubled
+coordinates sit in a side table keyed by (tensor, slot, row, block).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class PackedCodes:
         self.spec = spec
         self.rows = rows
         self.codes = np.zeros((2, 0, rows, spec.code_bytes), dtype=np.uint8)
-        self.norms = np.zeros((2, 0, rows), dtype=np.float16)
+        self.norms = None if spec.one_scale else np.zeros((2, 0, rows), dtype=np.float16)
         self.qmax = np.zeros((2, 0, rows), dtype=np.float16)
         self.escape_keys = np.zeros((0, 4), dtype=np.int32)  # [E, (tensor, slot, row, block)]
         self.escape_points = np.zeros((0, spec.block_dim), dtype=np.int16)  # [E, block_dim]: doubled coordinates
@@ -30,7 +31,8 @@ class PackedCodes:
     def nbytes(self) -> int:
         """Bytes held: codes, norms, scales and escapes."""
         escapes = self.escape_keys.nbytes + self.escape_points.nbytes
-        return int(self.codes.nbytes + self.norms.nbytes + self.qmax.nbytes + escapes)
+        norms = 0 if self.norms is None else self.norms.nbytes
+        return int(self.codes.nbytes + norms + self.qmax.nbytes + escapes)
 
     @property
     def escaped_blocks(self) -> int:
@@ -44,7 +46,7 @@ class PackedCodes:
     def room_nbytes(self, slots: int) -> int:
         """Bytes of the room after the first `slots` slots (what `trim` drops when they hold every entry)."""
         spare = self.qmax.shape[1] - slots
-        return 0 if spare <= 0 else spare * 2 * self.rows * (self.spec.code_bytes + 4)
+        return 0 if spare <= 0 else spare * 2 * self.rows * (self.spec.code_bytes + self.spec.scale_bytes)
 
     def reserve(self, needed: int) -> None:
         """Room for `needed` slots, growing by half at least (appends stay amortised O(1))."""
@@ -68,7 +70,8 @@ class PackedCodes:
         flat_doubled = doubled.reshape(2 * count * rows, spec.head_dim)
         indices, escaped = block_indices(spec, flat_doubled)  # [2·m·rows, blocks] x2
         self.codes[:, slots] = pack_codes(spec, indices).reshape(2, count, rows, -1)
-        self.norms[:, slots] = norms
+        if self.norms is not None:
+            self.norms[:, slots] = norms
         self.qmax[:, slots] = qmax
         keys, points = self._escapes_outside(slots)
         flat, block = np.nonzero(escaped)
@@ -87,7 +90,8 @@ class PackedCodes:
             return
         self.reserve(int(slots.max()) + 1)
         self.codes[:, slots] = source.codes[:, source_slots]
-        self.norms[:, slots] = source.norms[:, source_slots]
+        if self.norms is not None and source.norms is not None:
+            self.norms[:, slots] = source.norms[:, source_slots]
         self.qmax[:, slots] = source.qmax[:, source_slots]
         keys, points = self._escapes_outside(slots)
         theirs = source.escape_keys
@@ -117,9 +121,13 @@ class PackedCodes:
                 vector = keys[hit, 2] * count + order[keys[hit, 1]]
                 blocks[vector, keys[hit, 3]] = self.escape_points[hit]
                 doubled = blocks.reshape(rows * count, spec.head_dim)
+        if self.norms is None:
+            norms = np.ones(rows * count, dtype=np.float16)
+        else:
+            norms = self.norms[tensor, slots].transpose(1, 0).reshape(-1)
         return LatticeCoding(
             doubled=doubled,
-            norms=self.norms[tensor, slots].transpose(1, 0).reshape(-1),
+            norms=norms,
             qmax=self.qmax[tensor, slots].transpose(1, 0).reshape(-1),
         )
 
@@ -135,4 +143,6 @@ class PackedCodes:
             out[:, :kept] = array[:, :kept]
             return out
 
-        self.codes, self.norms, self.qmax = resized(self.codes), resized(self.norms), resized(self.qmax)
+        self.codes, self.qmax = resized(self.codes), resized(self.qmax)
+        if self.norms is not None:
+            self.norms = resized(self.norms)

@@ -5,7 +5,8 @@ stores them, and gives back `(read back [N, D] float32, bits held per value)`:
 
 - `none`, `bf16`, `f16`: the dense formats (32, 16, 16 bits).
 - `kakeya_d4:Q`, `kakeya_e8:Q`: this project's codec (`TorchLatticeCodec`, the packed store's coding), with the
-  bits the packed store actually holds: codes, fp16 norm and scale, and the escape table.
+  bits the packed store actually holds: codes, fp16 norm and scale, and the escape table; `kakeya_d4s:Q`,
+  `kakeya_e8s:Q`: its one-scale variants (one fp16 scale per vector, no norm).
 - `q8_0`, `q4_0`: llama.cpp's K/V cache types, ggml's reference row quantizers (`quantize_row_q8_0_ref`,
   `quantize_row_q4_0_ref`): blocks of 32 values along the head dimension with an fp16 scale; q8_0 rounds
   `x / (amax / 127)` half away from zero, q4_0 takes the signed value of largest magnitude `m`, `d = m / -8`, and
@@ -141,17 +142,17 @@ def dense(dtype: torch.dtype) -> Roundtrip:
     return roundtrip
 
 
-def kakeya(kind: LatticeKind, q_range: int) -> Roundtrip:
-    """The packed store's coding: what its codes decode to, and its held bits per value (codes, fp16 norm and
-    qmax per vector, and per escaped block its key and raw coordinates: 4 int32 and block_dim int16)."""
+def kakeya(kind: LatticeKind, q_range: int, one_scale: bool = False) -> Roundtrip:
+    """The packed store's coding: what its codes decode to, and its held bits per value (codes, fp16 scales per
+    vector, and per escaped block its key and raw coordinates: 4 int32 and block_dim int16)."""
 
     def roundtrip(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        spec = LatticeSpec(kind, int(x.shape[-1]), q_range)
+        spec = LatticeSpec(kind, int(x.shape[-1]), q_range, one_scale=one_scale)
         codec = TorchLatticeCodec(spec, torch.device("cpu"))
         flat = x.float().reshape(-1, spec.head_dim)
         coding = codec.encode(flat)
         _, escaped = block_indices(spec, coding.doubled)
-        held = coding.count * (spec.code_bytes + 4) + int(escaped.sum()) * (16 + 2 * spec.block_dim)
+        held = coding.count * (spec.code_bytes + spec.scale_bytes) + int(escaped.sum()) * (16 + 2 * spec.block_dim)
         read = codec.decode(coding, tuple(flat.shape), torch.float32)
         return read.reshape(x.shape), 8.0 * held / (coding.count * spec.head_dim)
 
@@ -159,13 +160,13 @@ def kakeya(kind: LatticeKind, q_range: int) -> Roundtrip:
 
 
 def kv_format(name: str) -> KVFormat:
-    """The format called `name` (module docstring; the lattices as `kakeya_d4:Q` / `kakeya_e8:Q`)."""
+    """The format called `name` (module docstring; the lattices as `kakeya_d4:Q`, `kakeya_e8s:Q`, ...)."""
     base, _, q = name.partition(":")
-    if base in ("kakeya_d4", "kakeya_e8"):
+    if base in ("kakeya_d4", "kakeya_e8", "kakeya_d4s", "kakeya_e8s"):
         if not q.isdigit():
             raise ValueError(f"{base} needs its Q range, as in {base}:38")
-        kind: LatticeKind = "d4" if base == "kakeya_d4" else "e8"
-        return KVFormat(name, "kakeya", kakeya(kind, int(q)))
+        kind: LatticeKind = "d4" if base.startswith("kakeya_d4") else "e8"
+        return KVFormat(name, "kakeya", kakeya(kind, int(q), one_scale=base.endswith("s")))
     if q:
         raise ValueError(f"format {base} takes no parameter")
     field: dict[str, Roundtrip] = {

@@ -58,6 +58,22 @@ def test_the_server_default_compressor_applies_to_new_sessions_and_the_sdk_can_o
             client.create_session(kv_compressor="kakeya_z8")
 
 
+def test_a_one_scale_session_holds_two_bytes_fewer_per_vector_and_reports_its_compressor(serve):
+    server = serve("qwen3")
+    with kakeya.Client(server.address) as client:
+        held = {}
+        for name in ("kakeya_d4", "kakeya_d4s"):
+            session = client.create_session(initial_tokens=PROMPT, kv_compressor=name, kv_q_range=38)
+            assert len(list(session.generate(max_tokens=6))) == 6
+            described = session.info()
+            assert described.kv_compressor is kakeya.KvCompressor(name) and described.kv_q_range == 38
+            held[name] = described
+    # head_dim 16 at Q=38: 13 bytes of D4 codes per vector, then an fp16 norm and scale (17) or the scale (15).
+    one, two = held["kakeya_d4s"], held["kakeya_d4"]
+    assert one.kv_dense_equivalent_bytes == two.kv_dense_equivalent_bytes
+    assert one.kv_compressed_bytes / two.kv_compressed_bytes == pytest.approx(15 / 17, rel=0.01)
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

@@ -11,6 +11,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
+from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
+from kv_cache_proposer.compression import KVCompressor
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
@@ -91,6 +94,16 @@ def test_a_lattice_format_is_the_packages_roundtrip_with_the_bits_the_store_hold
     assert kv_format("kakeya_d4:10").roundtrip(x)[1] < bits
 
 
+def test_a_one_scale_lattice_format_reads_back_the_daemons_coding_at_a_quarter_bit_less():
+    x = _vectors(3)
+    read, bits = kv_format("kakeya_d4s:10").roundtrip(x)
+    codec = TorchLatticeCodec(KVCompressor("kakeya_d4s", 10).spec(64), torch.device("cpu"))
+    assert torch.equal(read, codec.decode(codec.encode(x.reshape(-1, 64)), tuple(x.shape), torch.float32))
+    two_scale_bits = kv_format("kakeya_d4:10").roundtrip(x)[1]
+    assert two_scale_bits - bits == pytest.approx(0.25)  # 16 bits per 64 values (no escapes at D4, Q=10 here)
+    assert bits == pytest.approx(4.5)
+
+
 @pytest.mark.parametrize("name", ["kakeya_d4", "q4_0:3", "int3", "kakeya_e8:x"])
 def test_a_bad_format_name_is_refused(name):
     with pytest.raises(ValueError):
@@ -136,7 +149,7 @@ def test_a_lattice_format_reads_what_a_compressed_session_of_the_daemon_reads(fo
     from bench_kv_quality import log_probs
 
     from kv_cache_proposer.backends import load_verifier
-    from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
+    from kv_cache_proposer.compression import compressor_layer_store
     from kv_cache_proposer.strategies import FullStrategy
 
     attention, model = format_model

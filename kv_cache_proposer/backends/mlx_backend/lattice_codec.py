@@ -1,5 +1,5 @@
 """KakeyaLattice on MLX: the reference codec's math (Sylvester Hadamard rotation, per-vector fp16 scale,
-Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step."""
+Conway-Sloane closest point of D4 / E8, clamp) ported to `mlx.core` step by step, and its one-scale variant."""
 
 from __future__ import annotations
 
@@ -56,9 +56,15 @@ class MlxLatticeCodec:
         flat = vectors.reshape(-1, spec.head_dim).astype(mx.float32)  # [N, D]
         n = flat.shape[0]
         eps = float(np.finfo(np.float32).eps)
-        norms = mx.maximum(mx.sqrt((flat * flat).sum(axis=1, keepdims=True)), eps)  # [N, 1]
-        rotated = (flat / norms) @ self._hadamard
-        qmax_f16 = mx.maximum(mx.abs(rotated).max(axis=1, keepdims=True), eps).astype(mx.float16)
+        if spec.one_scale:  # rotated as they are: qmax alone scales them, clamped to fp16's largest finite value
+            norms = mx.ones((n, 1), dtype=mx.float32)
+            rotated = flat @ self._hadamard
+            largest = mx.clip(mx.abs(rotated).max(axis=1, keepdims=True), eps, 65504.0)
+        else:
+            norms = mx.maximum(mx.sqrt((flat * flat).sum(axis=1, keepdims=True)), eps)  # [N, 1]
+            rotated = (flat / norms) @ self._hadamard
+            largest = mx.maximum(mx.abs(rotated).max(axis=1, keepdims=True), eps)
+        qmax_f16 = largest.astype(mx.float16)
         scale = qmax_f16.astype(mx.float32) / float(spec.q_range)
         blocks = (rotated / scale).reshape(n, spec.blocks, spec.block_dim)
         closest = _closest_even_sum(blocks) if spec.kind == "d4" else _closest_e8(blocks)

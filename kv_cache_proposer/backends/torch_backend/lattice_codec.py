@@ -39,19 +39,28 @@ def _closest_even_sum(y: torch.Tensor) -> torch.Tensor:
 
 
 def _code(
-    vectors: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool
+    vectors: torch.Tensor, hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool, one_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lattice coordinates float32 (shaped as `vectors` `[..., D]`), norms and qmax `[..., 1]` float16, and the
     scale `[..., 1]` float32 (qmax as stored, over Q) of `vectors`. Every value meets the ops and operands it meets
-    in the reference, whatever the leading axes (K/V `[B, H, n, D]` are coded as they come)."""
+    in the reference, whatever the leading axes (K/V `[B, H, n, D]` are coded as they come).
+
+    `one_scale`: the vectors are rotated as they are, not normalised first, so qmax alone scales them (clamped to
+    fp16's largest finite value) and the norms are 1.0 (decoding multiplies by them exactly)."""
     if vectors.dtype != torch.float32:
         vectors = vectors.to(torch.float32)
     shape = vectors.shape
     dim = shape[-1]
     eps = 1.1920928955078125e-07  # float32 eps
-    norms = torch.linalg.vector_norm(vectors, 2.0, [-1], True).clamp(min=eps)
-    rotated = (vectors / norms) @ hadamard
-    qmax = rotated.abs().amax(dim=-1, keepdim=True).clamp(min=eps).to(torch.float16)
+    if one_scale:
+        norms = torch.ones_like(vectors[..., :1])
+        rotated = vectors @ hadamard
+        largest = rotated.abs().amax(dim=-1, keepdim=True).clamp(min=eps, max=65504.0)
+    else:
+        norms = torch.linalg.vector_norm(vectors, 2.0, [-1], True).clamp(min=eps)
+        rotated = (vectors / norms) @ hadamard
+        largest = rotated.abs().amax(dim=-1, keepdim=True).clamp(min=eps)
+    qmax = largest.to(torch.float16)
     scale = qmax.to(torch.float32) / float(q_range)
     blocks_shape = list(shape[:-1]) + [dim // block_dim, block_dim]  # noqa: RUF005 (TorchScript has no list unpacking)
     blocks = (rotated / scale).reshape(blocks_shape)
@@ -74,7 +83,13 @@ def _decoded(lattice: torch.Tensor, scale: torch.Tensor, norms: torch.Tensor, ha
 
 
 def _code_blocks(
-    parts: list[torch.Tensor], hadamard: torch.Tensor, q_range: int, block_dim: int, e8: bool, dtype: torch.dtype
+    parts: list[torch.Tensor],
+    hadamard: torch.Tensor,
+    q_range: int,
+    block_dim: int,
+    e8: bool,
+    one_scale: bool,
+    dtype: torch.dtype,
 ) -> list[list[torch.Tensor]]:
     """`code_blocks` in one compiled pass. `parts` holds each block's K `[B, H, n, D]` then its V, every block of
     the same `B`; the result holds the decoded K and V of every block, in that order and in `dtype`, then per block
@@ -84,7 +99,7 @@ def _code_blocks(
     for part in parts:
         if part.shape[0] != batch:
             raise ValueError("every block coded together must have the same batch size")
-    lattice, norms, qmax, scale = _code(torch.cat(parts, 0), hadamard, q_range, block_dim, e8)
+    lattice, norms, qmax, scale = _code(torch.cat(parts, 0), hadamard, q_range, block_dim, e8, one_scale)
     decoded = _decoded(lattice, scale, norms, hadamard)
     if decoded.dtype != dtype:
         decoded = decoded.to(dtype)
@@ -123,7 +138,8 @@ def _single_threaded() -> None:
 
 
 class TorchLatticeCodec:
-    """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes."""
+    """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes
+    (a one-scale spec's differ where the module docstring of `lattice.py` says)."""
 
     def __init__(self, spec: LatticeSpec, device: torch.device) -> None:
         self.spec = spec
@@ -137,7 +153,9 @@ class TorchLatticeCodec:
     def encode(self, vectors: torch.Tensor) -> LatticeCoding:
         spec = self.spec
         flat = vectors.reshape(-1, spec.head_dim)
-        lattice, norms, qmax, _ = self._code(flat, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8")
+        lattice, norms, qmax, _ = self._code(
+            flat, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8", spec.one_scale
+        )
         n = lattice.shape[0]
         return LatticeCoding(
             doubled=(lattice * 2).to(torch.int16).cpu().numpy(),
@@ -159,7 +177,7 @@ class TorchLatticeCodec:
         spec = self.spec
         parts = [part for pair in blocks for part in pair]
         decoded, doubled, norms, qmax = self._code_blocks(
-            parts, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8", dtype
+            parts, self._hadamard, spec.q_range, spec.block_dim, spec.kind == "e8", spec.one_scale, dtype
         )
         codings = [StagedCoding(*arrays) for arrays in zip(doubled, norms, qmax, strict=True)]
         return [(decoded[2 * i], decoded[2 * i + 1], coding) for i, coding in enumerate(codings)]

@@ -77,6 +77,8 @@ const COMPRESSORS: Record<KvCompressor, WireKvCompressor> = {
   none: WireKvCompressor.KV_COMPRESSOR_NONE,
   kakeya_d4: WireKvCompressor.KV_COMPRESSOR_KAKEYA_D4,
   kakeya_e8: WireKvCompressor.KV_COMPRESSOR_KAKEYA_E8,
+  kakeya_d4s: WireKvCompressor.KV_COMPRESSOR_KAKEYA_D4S,
+  kakeya_e8s: WireKvCompressor.KV_COMPRESSOR_KAKEYA_E8S,
 };
 
 const COMPRESSOR_NAMES = new Map<WireKvCompressor, KvCompressor>(

@@ -16,7 +16,7 @@ export interface ForkOptions extends CallOptions {
   label?: string;
 }
 /** How a session's committed K/V are held: dense, or packed KakeyaLattice codes; unset uses the server's default. */
-export type KvCompressor = "none" | "kakeya_d4" | "kakeya_e8";
+export type KvCompressor = "none" | "kakeya_d4" | "kakeya_e8" | "kakeya_d4s" | "kakeya_e8s";
 
 export interface CreateSessionOptions extends CallOptions {
   /** Free-form label shown in the server's logs and in `SessionInfo.clientLabel`. */

@@ -24,6 +24,7 @@ SESSION_OPTIONS: dict[str, dict[str, Any]] = {
     "dlm_restore": {"kv_strategy": pb.KV_STRATEGY_DLM_RESTORE, **WINDOW},
     "full+kakeya_d4": {"kv_strategy": pb.KV_STRATEGY_FULL, "kv_compressor": pb.KV_COMPRESSOR_KAKEYA_D4},
     "full+kakeya_e8": {"kv_strategy": pb.KV_STRATEGY_FULL, "kv_compressor": pb.KV_COMPRESSOR_KAKEYA_E8},
+    "full+kakeya_d4s": {"kv_strategy": pb.KV_STRATEGY_FULL, "kv_compressor": pb.KV_COMPRESSOR_KAKEYA_D4S},
     "sink_window+kakeya_d4": {
         **WINDOW,
         "kv_strategy": pb.KV_STRATEGY_SINK_WINDOW,

@@ -61,6 +61,11 @@ def test_the_bit_budget_is_the_spec_formula():
     assert LatticeSpec("e8", 128, 37).bits_per_vector == 832
     assert LatticeSpec("d4", 64, 38).bits_per_vector == 16 * 25 + 32
     assert LatticeSpec("d4", 64, 10).bits_per_vector == 16 * 17 + 32
+    assert LatticeSpec("d4", 64, 10, one_scale=True).bits_per_vector == 16 * 17 + 16  # 4.5 bits per value
+    assert LatticeSpec("e8", 128, 37, one_scale=True).bits_per_vector == 816
+    assert KVCompressor("kakeya_d4s", 10).spec(64) == LatticeSpec("d4", 64, 10, one_scale=True)
+    assert KVCompressor.parse("kakeya_e8s:37").spec(64).one_scale
+    assert not KVCompressor.parse("kakeya_e8:37").spec(64).one_scale
 
 
 @pytest.mark.parametrize(("kind", "q_range"), LATTICES)
@@ -128,12 +133,13 @@ def test_torch_decoding_equals_the_reference_roundtrip_on_the_bundled_models_kv_
     assert coding_matches(codec, vectors)
 
 
+@pytest.mark.parametrize("one_scale", [False, True], ids=["two-scales", "one-scale"])
 @pytest.mark.parametrize(("kind", "q_range"), LATTICES)
-def test_the_mlx_codec_gives_the_torch_codes_and_values_within_one_fp16_step_of_the_norm(kind, q_range):
+def test_the_mlx_codec_gives_the_torch_codes_and_values_within_one_fp16_step_of_the_norm(kind, q_range, one_scale):
     mx = pytest.importorskip("mlx.core", reason="the MLX port is compared only where mlx is installed")
     from kv_cache_proposer.backends.mlx_backend.lattice_codec import MlxLatticeCodec
 
-    spec = LatticeSpec(kind, 64, q_range)
+    spec = LatticeSpec(kind, 64, q_range, one_scale=one_scale)
     vectors = _vectors(4)
     reference = TorchLatticeCodec(spec, torch.device("cpu"))
     port = MlxLatticeCodec(spec)
@@ -147,6 +153,44 @@ def test_the_mlx_codec_gives_the_torch_codes_and_values_within_one_fp16_step_of_
     error = np.abs(mlx_values - torch_values)[same_codes].max(axis=1)
     norms = np.linalg.norm(vectors.numpy(), axis=1)[same_codes]
     assert (error <= 2.0**-9 * norms + 1e-5).all()
+
+
+ONE_SCALE = [("d4", 10), ("d4", 38), ("e8", 37)]
+
+
+@pytest.mark.parametrize(("kind", "q_range"), ONE_SCALE)
+def test_one_scale_codes_decode_to_their_scaled_rotation_with_the_error_of_the_two_scale_codes(kind, q_range):
+    one = TorchLatticeCodec(LatticeSpec(kind, 64, q_range, one_scale=True), torch.device("cpu"))
+    two = TorchLatticeCodec(LatticeSpec(kind, 64, q_range), torch.device("cpu"))
+    vectors = torch.cat([_vectors(6), _tie_vectors()])
+    coding = one.encode(vectors)
+    assert (coding.norms == 1).all()  # no norm: the scale alone carries the size
+    lattice = torch.from_numpy(coding.doubled).float() / 2
+    scale = torch.from_numpy(coding.qmax).float().reshape(-1, 1) / q_range
+    decoded = one.decode(coding, tuple(vectors.shape), torch.float32)
+    assert torch.equal(decoded, (lattice * scale) @ one.reference.H)
+    # The largest rotated coordinate lands on ±Q: the scale is that coordinate's fp16 value over Q.
+    rotated = vectors @ one.reference.H
+    largest = rotated.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).eps).half()
+    assert torch.equal(torch.from_numpy(coding.qmax), largest)
+    assert (torch.from_numpy(coding.doubled).abs().amax(dim=1)[:-4] >= 2 * q_range - 2).all()
+    assert torch.equal(decoded[-4:], torch.zeros(4, 64))  # zero vectors stay zero
+    # Dropping the norm loses nothing: the error is the two-scale codec's to within a percent.
+    error_one = (decoded - vectors).norm() / vectors.norm()
+    error_two = (two.decode(two.encode(vectors), tuple(vectors.shape), torch.float32) - vectors).norm() / vectors.norm()
+    assert abs(float(error_one / error_two) - 1.0) < 0.01
+    # A forward's block coding gives the same codes and values as `encode` and `decode`.
+    keys, values = vectors[:1000].reshape(1, 2, 500, 64), vectors[1000:2000].reshape(1, 2, 500, 64)
+    ((decoded_keys, decoded_values, staged),) = one.code_blocks([(keys, values)], torch.float32)
+    assert torch.equal(torch.cat([decoded_keys, decoded_values]).reshape(-1, 64), decoded[:2000])
+    assert torch.equal(staged.doubled.reshape(-1, 64), torch.from_numpy(coding.doubled[:2000]))
+
+
+def test_one_scale_codes_keep_vectors_beyond_fp16s_range_finite():
+    one = TorchLatticeCodec(LatticeSpec("d4", 64, 38, one_scale=True), torch.device("cpu"))
+    vectors = _vectors(7, n=8) * 1e5  # rotated coordinates far above 65504
+    decoded = one.decode(one.encode(vectors), tuple(vectors.shape), torch.float32)
+    assert torch.isfinite(decoded).all()
 
 
 def test_a_compressor_rejects_unknown_names_and_q_ranges_outside_its_lattice():

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
 STRATEGIES = [FullStrategy(), SinkWindowStrategy(sink=2, window=10)]
 STRATEGY_IDS = ["full", "sink"]
-COMPRESSORS = [KVCompressor("kakeya_d4", 38), KVCompressor("kakeya_e8", 10)]
-COMPRESSOR_IDS = ["d4", "e8"]
+COMPRESSORS = [KVCompressor("kakeya_d4", 38), KVCompressor("kakeya_e8", 10), KVCompressor("kakeya_d4s", 10)]
+COMPRESSOR_IDS = ["d4", "e8", "d4s"]
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -96,9 +96,10 @@ def test_a_prompt_prefilled_in_chunks_of_any_size_is_followed_by_the_same_tokens
     assert runs[0] == runs[1] == runs[2]
 
 
+@pytest.mark.parametrize("name", ["kakeya_d4", "kakeya_d4s"])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
-def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, backend, strategy):
-    compressor = KVCompressor("kakeya_d4", 38)
+def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, backend, strategy, name):
+    compressor = KVCompressor(name, 38)
     verifier = verifiers["qwen3"]
     tracemalloc.start()
     try:
@@ -116,7 +117,8 @@ def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, back
     spec = compressor.spec(16)
     rows = 2  # batch 1 x 2 KV heads in the tiny checkpoints
     slots = resident  # full: one slot per position; sink_window: sink + window slots, all occupied
-    per_layer = 2 * slots * rows * (spec.code_bytes + 4)  # K and V codes, fp16 norm + qmax
+    scales = 2 if name == "kakeya_d4s" else 4  # fp16 qmax alone, or fp16 norm + qmax
+    per_layer = 2 * slots * rows * (spec.code_bytes + scales)  # K and V codes and scales
     escapes = sum(layer.packed.escape_keys.nbytes + layer.packed.escape_points.nbytes for layer in layers)
     assert cache.nbytes == cache._positions.nbytes + len(layers) * per_layer + escapes
     assert cache.escaped_vectors == sum(layer.packed.escape_keys.shape[0] for layer in layers) == 0  # D4: none here

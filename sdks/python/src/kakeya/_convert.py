@@ -34,6 +34,8 @@ _COMPRESSOR_ENUMS = {
     KvCompressor.NONE: pb.KV_COMPRESSOR_NONE,
     KvCompressor.KAKEYA_D4: pb.KV_COMPRESSOR_KAKEYA_D4,
     KvCompressor.KAKEYA_E8: pb.KV_COMPRESSOR_KAKEYA_E8,
+    KvCompressor.KAKEYA_D4S: pb.KV_COMPRESSOR_KAKEYA_D4S,
+    KvCompressor.KAKEYA_E8S: pb.KV_COMPRESSOR_KAKEYA_E8S,
 }
 _COMPRESSORS = {value: compressor for compressor, value in _COMPRESSOR_ENUMS.items()}
 _STOP_REASONS = {

@@ -50,6 +50,10 @@ class KvCompressor(Enum):
     """Packed KakeyaLattice codes on the D4 lattice."""
     KAKEYA_E8 = "kakeya_e8"
     """Packed KakeyaLattice codes on the E8 lattice."""
+    KAKEYA_D4S = "kakeya_d4s"
+    """D4 codes with one fp16 scale per vector instead of a norm and a scale."""
+    KAKEYA_E8S = "kakeya_e8s"
+    """E8 codes with one fp16 scale per vector instead of a norm and a scale."""
 
 
 @dataclass(frozen=True, slots=True)

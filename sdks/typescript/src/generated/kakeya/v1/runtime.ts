@@ -40,6 +40,10 @@ export enum KvCompressor {
   KV_COMPRESSOR_KAKEYA_D4 = 2,
   /** KV_COMPRESSOR_KAKEYA_E8 - Packed KakeyaLattice codes on the E8 lattice (v1.5). */
   KV_COMPRESSOR_KAKEYA_E8 = 3,
+  /** KV_COMPRESSOR_KAKEYA_D4S - D4 codes with one fp16 scale per vector instead of a norm and a scale (16 bits fewer per vector). */
+  KV_COMPRESSOR_KAKEYA_D4S = 4,
+  /** KV_COMPRESSOR_KAKEYA_E8S - E8 codes with one fp16 scale per vector instead of a norm and a scale (16 bits fewer per vector). */
+  KV_COMPRESSOR_KAKEYA_E8S = 5,
   UNRECOGNIZED = -1,
 }
 
