@@ -202,3 +202,20 @@ def test_a_stalled_async_conversation_raises_inter_token_timeout(server):
             await blocker.aclose()
 
     asyncio.run(main())
+
+
+def test_closing_an_async_conversation_cancels_its_unfinished_generation(server):
+    async def main() -> None:
+        async with kakeya.AsyncClient(server.address) as client:
+            session = await client.create_session(initial_tokens=[1, 2, 3])
+            conversation = await session.converse().open()
+            stream = await conversation.generate(5000)
+            await anext(stream)
+            started = time.monotonic()
+            await conversation.close()
+            assert time.monotonic() - started < 30  # not the rest of a 5,000-token generation
+            info = await _wait_idle(session)
+            assert not info.generating and 3 < info.history_length < 3 + 5000
+            assert session.last_generation is None or session.last_generation.stop_reason is StopReason.CANCELLED
+
+    asyncio.run(main())

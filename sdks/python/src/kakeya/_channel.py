@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
-from kakeya.errors import InvalidArgument
+from kakeya.errors import InvalidArgument, from_rpc_error
 from kakeya.types import RetryPolicy, TlsConfig
 
 log = logging.getLogger("kakeya")
@@ -81,16 +82,35 @@ def routed(metadata: Metadata, key: str) -> Metadata:
     return (*metadata, (ROUTING_KEY_HEADER, key))
 
 
-def should_retry(error: grpc.RpcError, idempotent: bool, attempt: int, retry: RetryPolicy) -> bool:
-    return idempotent and error.code() == grpc.StatusCode.UNAVAILABLE and attempt < retry.max_attempts
+class Attempts:
+    """The attempts of one unary call: the time left before its deadline and, after a failure, whether and when to
+    try again (an idempotent call on UNAVAILABLE, within the retry policy and the deadline)."""
 
+    def __init__(self, method: str, idempotent: bool, retry: RetryPolicy, timeout_s: float | None) -> None:
+        self._method = method
+        self._idempotent = idempotent
+        self._retry = retry
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._attempt = 1
 
-def log_retry(method: str, attempt: int, retry: RetryPolicy, delay_s: float, error: grpc.RpcError) -> None:
-    log.info(
-        "retrying %s after UNAVAILABLE (attempt %d of %d failed; next in %.2f s): %s",
-        method,
-        attempt,
-        retry.max_attempts,
-        delay_s,
-        error.details(),
-    )
+    def remaining_s(self) -> float | None:
+        """The timeout of the next attempt: what is left of the deadline (None: no deadline)."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def backoff_s(self, error: grpc.RpcError) -> float:
+        """How long to wait before the next attempt; raises `error` as a `KakeyaError` when there is none."""
+        retry = self._retry
+        if self._idempotent and error.code() == grpc.StatusCode.UNAVAILABLE and self._attempt < retry.max_attempts:
+            delay = retry.backoff_s(self._attempt)
+            if self._deadline is None or time.monotonic() + delay < self._deadline:
+                log.info(
+                    "retrying %s after UNAVAILABLE (attempt %d of %d failed; next in %.2f s): %s",
+                    self._method,
+                    self._attempt,
+                    retry.max_attempts,
+                    delay,
+                    error.details(),
+                )
+                self._attempt += 1
+                return delay
+        raise from_rpc_error(error) from None

@@ -120,15 +120,16 @@ def compressor(value: KvCompressor | str | None) -> int:
 
 def create_request(
     *,
-    label: str,
-    eos_token_ids: Iterable[int] | None,
-    initial_tokens: Iterable[int],
-    kv_strategy: KvStrategy | str | None,
-    sink_tokens: int | None,
-    window_tokens: int | None,
+    label: str = "",
+    eos_token_ids: Iterable[int] | None = None,
+    initial_tokens: Iterable[int] = (),
+    kv_strategy: KvStrategy | str | None = None,
+    sink_tokens: int | None = None,
+    window_tokens: int | None = None,
     kv_compressor: KvCompressor | str | None = None,
     kv_q_range: int | None = None,
 ) -> pb.CreateSessionRequest:
+    """A `CreateSessionRequest` from the settings of `create_session` (`SessionSettings`), checked."""
     if not isinstance(label, str):
         raise InvalidArgument(f"label must be a string, got {label!r}")
     eos = None if eos_token_ids is None else token_ids(eos_token_ids, "eos_token_ids")
@@ -153,12 +154,12 @@ def create_request(
 def generate_fields(
     *,
     max_tokens: int,
-    seed: int | None,
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    stop_token_ids: Iterable[int],
     max_generate_tokens: int | None = None,
+    seed: int | None = None,
+    temperature: float | None = None,
+    top_p: float | None = None,
+    top_k: int | None = None,
+    stop_token_ids: Iterable[int] = (),
     controls: GenerationControls | None = None,
 ) -> dict[str, object]:
     """The fields shared by `GenerateRequest` and `GenerateCommand`, checked; unset ones are left out.

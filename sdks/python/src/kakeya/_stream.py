@@ -1,16 +1,23 @@
-"""Pieces shared by the token streams: the per-generation tally of events and the sync inter-event watchdog."""
+"""Pieces shared by the token streams: the per-generation tally of events, what every stream tells of it, the part
+of `TokenStream` and `AsyncTokenStream` that does not wait, and the sync inter-event watchdog."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kakeya import _convert
-from kakeya.errors import ProtocolError
+from kakeya.errors import InterTokenTimeout, ProtocolError
 from kakeya.types import GenerationStats, TokenLogprobs
+
+if TYPE_CHECKING:
+    from kakeya._core import SessionCore
+
+SessionT = TypeVar("SessionT", bound="SessionCore[Any, Any, Any]")
 
 
 class Tally:
@@ -49,6 +56,80 @@ class Tally:
 
     def abandoned(self) -> GenerationStats:
         return _convert.abandoned_stats(len(self.tokens), self.truncated_token_count)
+
+
+class TokensSoFar:
+    """What a token stream tells of its generation: the tokens, log-probabilities and truncation received so far, and
+    the statistics once it has ended."""
+
+    _tally: Tally
+
+    @property
+    def tokens(self) -> list[int]:
+        """Tokens received so far; once a conversation's stream has ended, exactly the tokens it added to the
+        history."""
+        return list(self._tally.tokens)
+
+    @property
+    def logprobs(self) -> list[TokenLogprobs]:
+        """Log-probabilities of the tokens received so far (one per token; empty unless the generation asked for
+        them with `GenerationControls(logprobs=True)`)."""
+        return list(self._tally.logprobs)
+
+    @property
+    def stats(self) -> GenerationStats | None:
+        """The generation's statistics once it has ended (see `GenerationStats.server_reported`)."""
+        return self._tally.stats
+
+    @property
+    def truncated_token_count(self) -> int:
+        """History positions no longer resident when the generation started (0 when none were evicted)."""
+        return self._tally.truncated_token_count
+
+
+class GenerationStream(TokensSoFar, Generic[SessionT]):
+    """The part of a `Generate` call's token stream that does not wait: its tally, cancelling, and its end."""
+
+    def __init__(self, session: SessionT, call: Any, inter_token_timeout_s: float | None) -> None:
+        self.session = session
+        self._call = call
+        self._tally = Tally()
+        self._finished = False
+        self._timeout_s = inter_token_timeout_s
+
+    def cancel(self) -> None:
+        """Cancel the generation on the server (no-op once the stream has ended)."""
+        if not self._finished:
+            self._finish(self._tally.abandoned())
+            self._call.cancel()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_finished", True):
+            with contextlib.suppress(Exception):  # at shutdown the channel or the event loop is already gone
+                self.cancel()
+
+    def _accept(self, reply: Any) -> int | None:
+        """Record one reply; returns its token, or None (once the reply was the final message, the stream ends)."""
+        token = self._tally.feed(reply.WhichOneof("payload"), reply)
+        if token is None and self._tally.stats is not None:
+            self._finish(self._tally.stats)
+        return token
+
+    def _finish(self, stats: GenerationStats | None) -> None:
+        self._finished = True
+        self._tally.stats = stats
+        self.session.last_generation = stats
+
+    def _cut_off(self) -> ProtocolError:
+        """End the stream that the server closed without its final message."""
+        self._finish(None)
+        return ProtocolError("the Generate stream ended without its final message")
+
+    def _timed_out(self) -> InterTokenTimeout:
+        return InterTokenTimeout(
+            f"no event within inter_token_timeout_s={self._timeout_s} on session {self.session.id!r}; "
+            "the generation was cancelled"
+        )
 
 
 class Watchdog:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, TypedDict
 
 from kakeya.errors import InvalidArgument
 
@@ -307,3 +307,39 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class SessionSettings(TypedDict, total=False):
+    """The settings of a new session, each optional: the keyword arguments of `Client.create_session` and
+    `AsyncClient.create_session` besides `routing_key`.
+
+    `initial_tokens` start the history (pending until the first generation); `eos_token_ids` end every generation
+    of the session with stop reason EOS (None, the default, takes the model's ids; an empty list gives none);
+    `label` names the session in `SessionInfo`; `kv_strategy`, `sink_tokens`, `window_tokens`, `kv_compressor` and
+    `kv_q_range` override the server's defaults for this session.
+    """
+
+    initial_tokens: Iterable[int]
+    eos_token_ids: Iterable[int] | None
+    label: str
+    kv_strategy: KvStrategy | str | None
+    sink_tokens: int | None
+    window_tokens: int | None
+    kv_compressor: KvCompressor | str | None
+    kv_q_range: int | None
+
+
+class SamplingOptions(TypedDict, total=False):
+    """How a generation picks its tokens, each optional: the keyword arguments every `generate` takes.
+
+    Unset `temperature` (or 0) is greedy decoding; `seed` makes sampling reproducible; `top_p` and `top_k` narrow
+    the candidates; `stop_token_ids` end the generation with stop reason EOS (the stop token is streamed);
+    `controls` adds a grammar, stop sequences, log-probabilities and penalties.
+    """
+
+    seed: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    stop_token_ids: Iterable[int]
+    controls: GenerationControls | None
