@@ -1,4 +1,4 @@
-"""Kakeya's daemon: sessions, scheduling, transport, metrics and the command line.
+"""Kakeya's daemon: sessions, admission, step scheduling, transport, metrics and the command line.
 
 It drives the tensor engine in `kv_cache_proposer`; the engine never imports this package.
 """

@@ -51,7 +51,7 @@ class JournaledSessions:
     _open_session: Callable[[str, str, Iterable[int], KVStrategy, list[int], float, KVCompressor], Session]
     """Adds a new session to the store, its `tokens` pending (the runtime's method)."""
 
-    def model_identity(self) -> dict[str, Any]:
+    def journal_identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
         identity: dict[str, Any] = {
             "model": model_identity(self.config.model_dir),

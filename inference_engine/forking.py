@@ -20,4 +20,6 @@ def fork_sequence(seq: SequenceState, length: int) -> SequenceState:
         cache = seq.cache.clone(keep)
     except ValueError:
         keep, cache = 0, seq.cache.clone(0)
-    return SequenceState(cache=cache, tokens=list(seq.tokens[:length]), draft=seq.draft.clone(keep), committed=keep)
+    return SequenceState(
+        cache=cache, tokens=list(seq.tokens[:length]), draft_session=seq.draft_session.clone(keep), committed=keep
+    )

@@ -1,9 +1,9 @@
-"""One generation's loop: its steps through the step batcher, its tokens journaled and streamed as they come.
+"""One generation's loop: its steps through the step scheduler, its tokens journaled and streamed as they come.
 
 The loop queues a step's successor as soon as the step returns, before its tokens are streamed: the model worker
 computes the next step while the event loop journals, counts and streams this one's tokens, so the per-token work
 of the transport never sits between two forwards. While the generation steps alone, the worker starts that
-successor itself as the step returns (the step batcher's chaining), and the loop takes it over instead of queueing
+successor itself as the step returns (the step scheduler's chaining), and the loop takes it over instead of queueing
 one. A step that ends the generation (a stop, the token budget) has no successor. When the generation ends
 otherwise (the client goes away, a cancellation, an error), a successor already in a forward completes — its
 tokens are in the session's history, as any completed step's are — and is streamed (on a cancellation) or
@@ -20,7 +20,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from inference_engine.batching import StepBatcher, StepTicket
 from inference_engine.domain import (
     DoneEvent,
     GenerateEvent,
@@ -32,6 +31,7 @@ from inference_engine.domain import (
 from inference_engine.errors import ResourceExhausted
 from inference_engine.journal import JournalAppended, JournalError
 from inference_engine.sessions import Session
+from inference_engine.step_scheduler import StepScheduler, StepTicket
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import GenerationBudget, StepRequest, StepResult, StopCause
 from kv_cache_proposer.errors import InvariantViolation
@@ -91,38 +91,38 @@ class Tally:
 
 
 class _Successor:
-    """A generation's next step: queued on the step batcher before the current step's tokens are streamed, or
+    """A generation's next step: queued on the step scheduler before the current step's tokens are streamed, or
     chained by the worker after the current step."""
 
-    def __init__(self, batcher: StepBatcher, ticket: StepTicket, cancel: asyncio.Event) -> None:
-        self._batcher = batcher
+    def __init__(self, scheduler: StepScheduler, ticket: StepTicket, cancel: asyncio.Event) -> None:
+        self._scheduler = scheduler
         self._ticket = ticket
         self._cancel = cancel
 
     @classmethod
-    def submit(cls, batcher: StepBatcher, request: StepRequest, cancel: asyncio.Event) -> _Successor:
+    def submit(cls, scheduler: StepScheduler, request: StepRequest, cancel: asyncio.Event) -> _Successor:
         """Queue `request` as the generation's next step."""
-        return cls(batcher, batcher.submit(request, cancel), cancel)
+        return cls(scheduler, scheduler.submit(request, cancel), cancel)
 
     def chained(self) -> _Successor | None:
         """The step the worker chained after this one (known once this one's result is in), taken over by the
         generation."""
         ticket = self._ticket.chained
-        return None if ticket is None else _Successor(self._batcher, ticket, self._cancel)
+        return None if ticket is None else _Successor(self._scheduler, ticket, self._cancel)
 
     async def result(self) -> StepResult:
         """The step's result; raises what the step raised. A cancelled task marks the generation cancelled at
-        once; a step already in a forward completes first (see `StepBatcher.step`)."""
-        return await self._batcher.result(self._ticket, self._cancel)
+        once; a step already in a forward completes first (see `StepScheduler.step`)."""
+        return await self._scheduler.result(self._ticket, self._cancel)
 
     async def withdraw(self) -> StepResult | None:
         """Drop the step if it has not reached a forward (None); else wait for it and return its result, so the
         caller accounts for the tokens it added to the history. Raises what the step raised. The worker chains
         no step after it (one it already chained is still found by `chained`)."""
         self._ticket.chain = False
-        if self._batcher.withdraw(self._ticket):
+        if self._scheduler.withdraw(self._ticket):
             return None
-        return await self._batcher.settled(self._ticket)
+        return await self._scheduler.settled(self._ticket)
 
 
 async def run_generation(
@@ -136,14 +136,14 @@ async def run_generation(
     seq = session.seq
     cancel = session.cancel
     assert cancel is not None
-    metrics, batcher = runtime.metrics, runtime.batcher
+    metrics, scheduler = runtime.metrics, runtime.step_scheduler
     clock = time.perf_counter
     tally = Tally(started=clock(), prefill_tokens=seq.pending_count)
     metrics.session_history_tokens.observe(len(seq.tokens))
     outcome = "cancelled"  # unless the loop below ends otherwise, the client went away mid-stream
     reason: StopReason | None = None
     successor: _Successor | None = None
-    batcher.begin_generation()
+    scheduler.begin_generation()
     try:
         while reason is None or successor is not None:
             try:
@@ -161,7 +161,7 @@ async def run_generation(
                 else:
                     if successor is None:
                         request = StepRequest(seq, sampling, budget, tally.generated, controls)
-                        successor = _Successor.submit(batcher, request, cancel)
+                        successor = _Successor.submit(scheduler, request, cancel)
                     step = await successor.result()
                 # A step the worker chained after this one is the generation's from now on (settled if it ends).
                 successor = successor.chained()
@@ -185,7 +185,7 @@ async def run_generation(
                 raise runtime.fail_unjournaled(session, exc) from exc
             if successor is None and step.stop is None and reason is None:
                 request = StepRequest(seq, sampling, budget, tally.generated + len(step.tokens), controls)
-                successor = _Successor.submit(batcher, request, cancel)
+                successor = _Successor.submit(scheduler, request, cancel)
             metrics.generate_tokens.inc(len(step.tokens))
             for index, token in enumerate(step.tokens):
                 now = clock()
@@ -227,7 +227,7 @@ async def run_generation(
     finally:
         if successor is not None:
             await settle_successor(runtime, session, successor)
-        batcher.end_generation()
+        scheduler.end_generation()
         metrics.generate_requests.labels(outcome=outcome).inc()
 
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import aclosing, asynccontextmanager
 
 from inference_engine import __version__
-from inference_engine.batching import StepBatcher
+from inference_engine.admission import Admission
 from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
 from inference_engine.describe import describe_model, describe_session
@@ -25,10 +25,10 @@ from inference_engine.generation import run_generation
 from inference_engine.grammars import ModelGrammars
 from inference_engine.journal import Journal, JournalAppended
 from inference_engine.metrics import Metrics
-from inference_engine.model_facts import ModelFacts
+from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.restoration import restoration_setup
-from inference_engine.scheduling import Scheduler
 from inference_engine.sessions import Session, SessionStore
+from inference_engine.step_scheduler import StepScheduler
 from inference_engine.validation import RequestChecks
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
@@ -53,21 +53,21 @@ class Runtime(JournaledSessions):
         metrics: Metrics,
         *,
         proposer: Proposer | None = None,
-        model_facts: ModelFacts | None = None,
+        model_dir_info: ModelDirInfo | None = None,
     ) -> None:
-        """`model_facts` default to what `config.model_dir` says; pass them when the verifier was loaded from
+        """`model_dir_info` defaults to what `config.model_dir` says; pass it when the verifier was loaded from
         another directory."""
         self.verifier = verifier
         self.config = config
         self.metrics = metrics
         self.proposer = proposer or NoProposer()
         self.checks = RequestChecks(config, verifier.vocab_size)
-        self.model_facts = model_facts or ModelFacts.read(config.model_dir)
-        self.default_eos_token_ids = self._model_eos(self.model_facts)
+        self.model_dir_info = model_dir_info or ModelDirInfo.read(config.model_dir)
+        self.default_eos_token_ids = self._model_eos(self.model_dir_info)
         metrics.build_info.labels(
             version=__version__,
             backend=config.backend,
-            model=self.model_facts.name,
+            model=self.model_dir_info.name,
             proposer=self.proposer.name,
             kv_strategy=config.kv_strategy,
         ).set(1)
@@ -80,7 +80,7 @@ class Runtime(JournaledSessions):
                 self.proposer.draft_policy if config.draft_policy == "auto" else DraftPolicy(config.draft_policy)
             ),
         )
-        self.batcher = StepBatcher(
+        self.step_scheduler = StepScheduler(
             self.worker,
             self.decoder,
             metrics,
@@ -93,7 +93,7 @@ class Runtime(JournaledSessions):
             kv_budget_bytes=config.kv_budget_bytes,
             metrics=metrics,
         )
-        self.scheduler = Scheduler(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
+        self.admission = Admission(max_concurrent=config.max_concurrent, queue_deadline_s=config.queue_deadline_s)
         self._accepting = True
         self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
         self._generations_in_flight = 0  # running or queued
@@ -101,7 +101,7 @@ class Runtime(JournaledSessions):
         self.cluster_metrics = ClusterMetrics(metrics.registry)
         self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
-        self.restoration = restoration_setup(config, verifier.num_layers, self.model_facts.restore_plan)
+        self.restoration = restoration_setup(config, verifier.num_layers, self.model_dir_info.restore_plan)
 
     # -- requests ----------------------------------------------------------------------------------------------
     async def create_session(self, params: CreateParams) -> tuple[str, int]:
@@ -132,7 +132,7 @@ class Runtime(JournaledSessions):
         """Append tokens to a session's history (pending until the next generation); returns the history length."""
         self._check_accepting()
         session = await self.acquire(session_id)
-        async with self.scheduler.session_turn(session):
+        async with self.admission.session_turn(session):
             tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
             await self._journal_write(JournalAppended(session_id, tuple(tokens), time.time()))
             session.seq.tokens.extend(tokens)
@@ -212,7 +212,7 @@ class Runtime(JournaledSessions):
         positions whose K/V were copied)."""
         self._check_accepting()
         parent = await self.acquire(session_id)
-        async with self.scheduler.session_turn(parent):
+        async with self.admission.session_turn(parent):
             history = len(parent.seq.tokens)
             length = history if prefix_tokens is None else prefix_tokens
             if not 0 <= length <= history:
@@ -323,7 +323,7 @@ class Runtime(JournaledSessions):
         return self.active_generations == 0
 
     def shutdown(self) -> None:
-        self.batcher.close()
+        self.step_scheduler.close()
         self.worker.shutdown()
 
     # -- internals ---------------------------------------------------------------------------------------------
@@ -341,7 +341,7 @@ class Runtime(JournaledSessions):
         seq = SequenceState(
             cache=self.verifier.new_cache(strategy, layer_store=layer_store, restoration=self.restoration),
             tokens=list(tokens),
-            draft=self.proposer.open(strategy),
+            draft_session=self.proposer.open(strategy),
         )
         session = Session(
             session_id=session_id,
@@ -366,12 +366,13 @@ class Runtime(JournaledSessions):
 
     @asynccontextmanager
     async def _queued_generation_turn(self, session: Session) -> AsyncIterator[None]:
-        """The scheduler's generation turn, with the wait counted in the queue depth and queue wait metrics."""
+        """A generation turn (`Admission.generation_turn`), with the wait counted in the queue depth and queue wait
+        metrics."""
         queued_at = time.perf_counter()
         waiting = True
         self.metrics.generate_queue_depth.inc()
         try:
-            async with self.scheduler.generation_turn(session):
+            async with self.admission.generation_turn(session):
                 waiting = False
                 self.metrics.generate_queue_depth.dec()
                 self.metrics.generate_queue_wait_seconds.observe(time.perf_counter() - queued_at)
@@ -380,12 +381,12 @@ class Runtime(JournaledSessions):
             if waiting:
                 self.metrics.generate_queue_depth.dec()
 
-    def _model_eos(self, facts: ModelFacts) -> tuple[int, ...]:
-        inside = tuple(t for t in facts.eos_token_ids if 0 <= t < self.verifier.vocab_size)
-        if inside != facts.eos_token_ids:
+    def _model_eos(self, info: ModelDirInfo) -> tuple[int, ...]:
+        inside = tuple(t for t in info.eos_token_ids if 0 <= t < self.verifier.vocab_size)
+        if inside != info.eos_token_ids:
             log.warning(
                 "end-of-sequence ids outside the vocabulary are ignored",
-                extra={"eos_token_ids": list(facts.eos_token_ids), "vocab_size": self.verifier.vocab_size},
+                extra={"eos_token_ids": list(info.eos_token_ids), "vocab_size": self.verifier.vocab_size},
             )
         return inside
 

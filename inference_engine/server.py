@@ -216,7 +216,7 @@ class KakeyaServer:
         """Open the session journal and bring its sessions back; raises `JournalError` when it must not be used."""
         config = self.config
         opened = open_journal(
-            state_dir, self.runtime.model_identity(), sync=config.journal_sync, recovery=config.journal_recovery
+            state_dir, self.runtime.journal_identity(), sync=config.journal_sync, recovery=config.journal_recovery
         )
         self._journal = opened.journal
         self.runtime.attach_journal(opened.journal)
@@ -243,7 +243,7 @@ class KakeyaServer:
         config = self.config
         node = config.node_name or f"{socket.gethostname()}:{config.port or os.getpid()}"
         opened = open_shared_journal(
-            config.journal_url, self.runtime.model_identity(), node=node, sync=config.journal_sync
+            config.journal_url, self.runtime.journal_identity(), node=node, sync=config.journal_sync
         )
         self._journal = opened.journal
         self.runtime.attach_journal(opened.journal)

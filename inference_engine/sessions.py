@@ -22,7 +22,8 @@ _TOMBSTONES = 4096
 
 @dataclass(eq=False)
 class Session:
-    """One client conversation: its history bound to a verifier cache, and its scheduling state."""
+    """One client conversation: its history bound to a verifier cache, and the state of its requests (turns,
+    generation, cancellation)."""
 
     session_id: str
     label: str
@@ -45,21 +46,21 @@ class Session:
     @property
     def kv_bytes(self) -> int:
         """Bytes of K/V the session holds: the verifier cache and any drafter state."""
-        return int(self.seq.cache.nbytes) + int(self.seq.draft.nbytes)
+        return int(self.seq.cache.nbytes) + int(self.seq.draft_session.nbytes)
 
     @property
-    def kv_budget_bytes(self) -> int:
-        """What the session counts against the KV byte budget: `kv_bytes` less what only a generating session
-        holds (a compressed cache's decoded K/V, the growth room of its buffers; freed when it parks). Between
-        generations the two are equal; while it generates, that part is bounded by the sessions generating at once,
-        not by the sessions held, so charging it would shrink every session's share of the budget (and refuse a
-        generation whose session fits the budget parked)."""
+    def kv_charged_bytes(self) -> int:
+        """Bytes the session is charged against the store's KV byte budget: `kv_bytes` less what only a generating
+        session holds (a compressed cache's decoded K/V, the growth room of its buffers; freed when it parks).
+        Between generations the two are equal; while it generates, that part is bounded by the sessions generating
+        at once, not by the sessions held, so charging it would shrink every session's share of the budget (and
+        refuse a generation whose session fits the budget parked)."""
         return self.kv_bytes - int(self.seq.cache.working_bytes)
 
     def release(self) -> None:
         """Free the session's cache and drafting state."""
         self.seq.cache.release()
-        self.seq.draft.release()
+        self.seq.draft_session.release()
 
 
 class SessionStore:
@@ -161,14 +162,14 @@ class SessionStore:
     def enforce_budget(self, protect: Session | None) -> bool:
         """Evict idle sessions, least recently used first, until the KV bytes fit the budget.
 
-        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_budget_bytes`.
+        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_charged_bytes`.
         """
-        total = sum(s.kv_budget_bytes for s in self._sessions.values())
+        total = sum(s.kv_charged_bytes for s in self._sessions.values())
         while total > self.kv_budget_bytes:
             victim = self._least_recent_idle(exclude=protect, holding_memory=True)
             if victim is None:
                 return False
-            total -= victim.kv_budget_bytes
+            total -= victim.kv_charged_bytes
             self.evict(victim, "budget")
         return True
 

@@ -149,7 +149,9 @@ class Decoder:
             planned = []
         drafting = [plan for _, plan in planned if plan.wanted > 0]
         started = time.perf_counter()
-        proposed = propose_all([DraftRequest(plan.seq.draft, plan.seq.tokens, plan.wanted) for plan in drafting])
+        proposed = propose_all(
+            [DraftRequest(plan.seq.draft_session, plan.seq.tokens, plan.wanted) for plan in drafting]
+        )
         for plan in drafting:  # drafters that share a batch drafter propose in one forward, as one wait
             plan.draft_s = time.perf_counter() - started
         drafts = {id(plan): draft for plan, draft in zip(drafting, proposed, strict=True)}
@@ -210,7 +212,7 @@ class Decoder:
         pending = seq.pending_count
         if pending < 1:
             raise ValueError("the session has no pending token to continue from")
-        layers = seq.draft.feature_layers
+        layers = seq.draft_session.feature_layers
         start = seq.committed
         if pending > self.prefill_chunk_tokens:
             chunk = self.prefill_chunk_tokens
@@ -232,7 +234,7 @@ class Decoder:
         )
         if propose and wanted > 0 and burst == 1:
             started = time.perf_counter()
-            proposed = seq.draft.propose(seq.tokens, wanted)
+            proposed = seq.draft_session.propose(seq.tokens, wanted)
             plan.draft_s = time.perf_counter() - started
             self._attach_draft(plan, proposed)
         return plan
@@ -258,7 +260,7 @@ class Decoder:
         (whose latency a burst would add to)."""
         seq, controls = request.seq, request.controls
         return (
-            (isinstance(seq.draft, NoDraftSession) or (wanted == 0 and not seq.draft.feature_layers))
+            (isinstance(seq.draft_session, NoDraftSession) or (wanted == 0 and not seq.draft_session.feature_layers))
             and request.params.greedy
             and (controls is None or (not controls.transforms_logits and controls.grammar is None))
             and not isinstance(seq.cache.strategy, DlmRestoreStrategy)
@@ -358,7 +360,9 @@ class Decoder:
         if expected > len(seq.tokens):
             raise InvariantViolation("inv1", f"{expected} committed positions for a history of {len(seq.tokens)}")
         seq.committed = expected
-        plan.draft_commit = DraftCommit(seq.draft, seq.tokens, expected, None if features is None else features[:count])
+        plan.draft_commit = DraftCommit(
+            seq.draft_session, seq.tokens, expected, None if features is None else features[:count]
+        )
 
     @staticmethod
     def _check_position(seq: SequenceState, expected: int | None = None) -> None:

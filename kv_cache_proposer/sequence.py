@@ -57,14 +57,14 @@ class SequenceState:
 
     cache: SessionCache[Any]
     tokens: list[int] = field(default_factory=list)
-    draft: DraftSession = field(default_factory=NoDraftSession)
+    draft_session: DraftSession = field(default_factory=NoDraftSession)
     committed: int = 0
     draft_length: DraftLength = field(init=False)
     draft_costs: DraftCostModel = field(init=False)  # what drafting costs and yields, for the `cost` policy
 
     def __post_init__(self) -> None:
-        self.draft_length = DraftLength(self.draft.max_draft_tokens)
-        self.draft_costs = DraftCostModel(self.draft.max_draft_tokens)
+        self.draft_length = DraftLength(self.draft_session.max_draft_tokens)
+        self.draft_costs = DraftCostModel(self.draft_session.max_draft_tokens)
 
     @property
     def pending_count(self) -> int:

@@ -172,7 +172,7 @@ def decode(
     decoder = Decoder(cast(Any, TimedVerifier(verifier, verify_clock)), draft_policy=policy, burst_tokens=1)
     strategy = FullStrategy()
     draft = TimedDraft(proposer.open(strategy), draft_clock)
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=cast(Any, draft))
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft_session=cast(Any, draft))
     budget = GenerationBudget(max_new_tokens=max_tokens)
     tokens: list[int] = []
     forwards = drafted = accepted = drafting_steps = drafting_tokens = 0
@@ -190,7 +190,7 @@ def decode(
             break
     seconds = time.perf_counter() - started
     seq.cache.release()
-    seq.draft.release()
+    seq.draft_session.release()
     return {
         "tokens": tokens,
         "seconds": seconds,

@@ -92,7 +92,7 @@ def decode(
     in length (a constrained output ends when its grammar completes)."""
     decoder = Decoder(verifier, burst_tokens=1)  # one forward per step in every arm, counted alike
     strategy = FullStrategy()
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=proposer.open(strategy))
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft_session=proposer.open(strategy))
     stops = controls.eos if controls is not None else frozenset()
     budget = GenerationBudget(max_new_tokens=args.max_tokens, stop_token_ids=stops)
     tokens: list[int] = []
@@ -112,7 +112,7 @@ def decode(
             break
     seconds = time.perf_counter() - started
     seq.cache.release()
-    seq.draft.release()
+    seq.draft_session.release()
     return {
         "tokens": tokens,
         "seconds": seconds,

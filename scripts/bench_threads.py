@@ -67,7 +67,9 @@ def decode_tokens_per_s(verifier: TorchVerifier, prompt: list[int], max_tokens: 
     """Greedy decode of `max_tokens` after `prompt` (prefill excluded from the clock)."""
     decoder = Decoder(verifier, burst_tokens=1)  # one forward per step: the threads' effect on a forward
     strategy = FullStrategy()
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=NoProposer().open(strategy))
+    seq = SequenceState(
+        cache=verifier.new_cache(strategy), tokens=list(prompt), draft_session=NoProposer().open(strategy)
+    )
     budget = GenerationBudget(max_new_tokens=max_tokens + 1)
     generated = len(decoder.step(seq, SamplingParams(), budget, 0).tokens)  # prefill and the first token
     started = time.perf_counter()

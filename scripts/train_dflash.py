@@ -163,7 +163,7 @@ def mean_acceptance_length(
     steps = generated = drafted = accepted = 0
     for prompt in prompts:
         seq = SequenceState(
-            cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft=proposer.open(FullStrategy())
+            cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft_session=proposer.open(FullStrategy())
         )
         budget = GenerationBudget(max_new_tokens=tokens)
         produced = 0
@@ -178,7 +178,7 @@ def mean_acceptance_length(
             if step.stop is not None:
                 break
         seq.cache.release()
-        seq.draft.release()
+        seq.draft_session.release()
     return {
         "mean_acceptance_length": generated / steps if steps else 0.0,
         "draft_acceptance_rate": accepted / drafted if drafted else 0.0,

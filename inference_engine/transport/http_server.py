@@ -71,7 +71,7 @@ class HttpShimServer:
 
     def __init__(self, runtime: Runtime, codec: TextCodec) -> None:
         self.runtime = runtime
-        model_id = runtime.model_facts.name
+        model_id = runtime.model_dir_info.name
         self.app = build_app(runtime, codec, model_id=model_id)
         self.port = 0
         self._server: _EmbeddedServer | None = None

@@ -1,4 +1,4 @@
-"""What the backends' verifiers share: the model's facts and session caches over the backend's array seam."""
+"""What the backends' verifiers share: the loaded model's spec and session caches over the backend's array seam."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ _MLX_CPU_DECODE_BURST_TOKENS = 8
 
 
 @dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """What a backend reads off a loaded model."""
+class LoadedModelSpec:
+    """What a backend reads off a loaded model: its architecture's sizes and where it runs (device, dtype)."""
 
     backend: str
     model_type: str
@@ -71,35 +71,35 @@ class ModelFacts:
 class BackendModel(ABC, Generic[A]):
     """The backend-neutral half of a verifier: a backend adds the forward over a staged block."""
 
-    def __init__(self, facts: ModelFacts, array_ops: ArrayOps[A]) -> None:
-        self.facts = facts
+    def __init__(self, spec: LoadedModelSpec, array_ops: ArrayOps[A]) -> None:
+        self.model_spec = spec
         self.array_ops = array_ops
 
     @property
     def vocab_size(self) -> int:
-        return self.facts.vocab_size
+        return self.model_spec.vocab_size
 
     @property
     def num_layers(self) -> int:
-        return self.facts.num_layers
+        return self.model_spec.num_layers
 
     @property
     def prefill_chunk_tokens(self) -> int:
-        return self.facts.prefill_chunk_tokens
+        return self.model_spec.prefill_chunk_tokens
 
     @property
     def decode_burst_tokens(self) -> int:
-        return self.facts.decode_burst_tokens
+        return self.model_spec.decode_burst_tokens
 
     @property
     def hidden_size(self) -> int:
-        return self.facts.hidden_size
+        return self.model_spec.hidden_size
 
     @property
     def description(self) -> str:
         """Human-readable summary: backend, model type, device, dtype."""
-        f = self.facts
-        return f"{f.backend} {f.model_type} ({f.num_layers} layers) on {f.device} {f.dtype}"
+        s = self.model_spec
+        return f"{s.backend} {s.model_type} ({s.num_layers} layers) on {s.device} {s.dtype}"
 
     def new_cache(
         self,

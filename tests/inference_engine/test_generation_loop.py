@@ -10,7 +10,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, DoneEvent, GenerateParams, TokenEvent
 from inference_engine.journal import open_journal
 from inference_engine.metrics import Metrics
-from inference_engine.model_facts import ModelFacts
+from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.runtime import Runtime
 
 PROMPT = (5, 17, 42, 9, 63)
@@ -18,7 +18,7 @@ PROMPT = (5, 17, 42, 9, 63)
 
 def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
     config = ServerConfig(**{"proposer": "none", "backend": backend, "decode_burst_tokens": 1, **overrides})
-    return Runtime(verifier, config, Metrics(), model_facts=ModelFacts.read(model_dir))
+    return Runtime(verifier, config, Metrics(), model_dir_info=ModelDirInfo.read(model_dir))
 
 
 def test_the_next_step_is_under_way_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
@@ -29,7 +29,7 @@ def test_the_next_step_is_under_way_before_the_current_steps_tokens_are_streamed
         started_at_token, tokens, done = [], [], None
         async for event in runtime.generate(session_id, GenerateParams(max_tokens=4)):
             if isinstance(event, TokenEvent):
-                started_at_token.append(runtime.batcher.started_steps)
+                started_at_token.append(runtime.step_scheduler.started_steps)
                 tokens.append(event.token_id)
             elif isinstance(event, DoneEvent):
                 done = event
@@ -77,7 +77,7 @@ def test_a_client_that_goes_away_mid_stream_leaves_every_history_token_journaled
     verifiers, verifier_pool, backend, tmp_path
 ):
     runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
-    opened = open_journal(tmp_path, runtime.model_identity(), sync="normal", recovery="refuse")
+    opened = open_journal(tmp_path, runtime.journal_identity(), sync="normal", recovery="refuse")
     runtime.attach_journal(opened.journal)
 
     async def run() -> tuple[str, list[int], list[int]]:
@@ -100,7 +100,7 @@ def test_a_client_that_goes_away_mid_stream_leaves_every_history_token_journaled
         opened.journal.close()
     journaled = {
         r.header.session_id: r.tokens
-        for r in open_journal(tmp_path, runtime.model_identity(), sync="normal", recovery="refuse").records
+        for r in open_journal(tmp_path, runtime.journal_identity(), sync="normal", recovery="refuse").records
     }
     assert history[: len(PROMPT) + len(streamed)] == [*PROMPT, *streamed]
     assert len(history) <= len(PROMPT) + len(streamed) + 1, "at most the step under way ran past the stream"

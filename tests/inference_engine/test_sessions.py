@@ -102,13 +102,13 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
     a, empty, b = _session(store, verifier, 10), _session(store), _session(store, verifier, 10)
     grower = _session(store, verifier, 10)
-    one = a.kv_budget_bytes
+    one = a.kv_charged_bytes
     assert 0 < one < a.kv_bytes  # the growth room of a cache that has not parked is not charged
     store.kv_budget_bytes = 3 * one
     assert store.enforce_budget(protect=grower)
     verifier.verify(grower.seq.cache, [t % 100 for t in range(300)], 1)
     verifier.commit(grower.seq.cache, 300)  # the protected session grows past one session's worth
-    store.kv_budget_bytes = grower.kv_budget_bytes + one  # room for one of the two idle holders
+    store.kv_budget_bytes = grower.kv_charged_bytes + one  # room for one of the two idle holders
     assert store.enforce_budget(protect=grower)
     assert a not in store.sessions() and empty in store.sessions() and b in store.sessions()
     assert a.kv_bytes == 0, "an evicted session's memory is freed"
@@ -125,14 +125,14 @@ def test_the_budget_charges_a_generating_compressed_session_its_packed_bytes_not
     verifier.commit(cache, 40)
     session = Session(store.new_id(), "", frozenset(), SequenceState(cache=cache), store.now())
     store.add(session)
-    generating = (session.kv_bytes, session.kv_budget_bytes)
+    generating = (session.kv_bytes, session.kv_charged_bytes)
     assert cache.working_bytes > 0 and generating[1] == generating[0] - cache.working_bytes
     cache.park()
     # Parked, the working copy is gone and the rest is packed: no more than it was charged while generating.
     assert cache.working_bytes == 0
-    assert session.kv_bytes == session.kv_budget_bytes <= generating[1]
+    assert session.kv_bytes == session.kv_charged_bytes <= generating[1]
     other = _session(store, verifier, 40)
-    store.kv_budget_bytes = session.kv_budget_bytes + other.kv_budget_bytes
+    store.kv_budget_bytes = session.kv_charged_bytes + other.kv_charged_bytes
     assert store.enforce_budget(protect=None) and len(store) == 2
     store.kv_budget_bytes -= 1
     assert store.enforce_budget(protect=None) and store.sessions() == [other]

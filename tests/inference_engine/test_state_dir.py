@@ -108,7 +108,7 @@ def test_restored_sessions_idle_past_the_ttl_are_evicted_like_any_other(serve, t
         raise AssertionError("the restored idle session was not evicted")
     assert info(second.stub, fresh).history_length == 1
     second.stop()
-    restored = SqliteJournal(tmp_path).load(second.runtime.model_identity())
+    restored = SqliteJournal(tmp_path).load(second.runtime.journal_identity())
     assert old not in {r.header.session_id for r in restored}, "the eviction is journaled"
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import _ctypes
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
+from tests.support.children import run_child
 from tests.support.daemon import Daemon
 from tests.support.server import create, generate
 
@@ -56,12 +56,7 @@ print(json.dumps({"library": blas.library, "description": verifier.description,
 
 
 def _run(choice: str) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", _RUN, choice, json.dumps(PROMPT), str(NEW_TOKENS)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_child([sys.executable, "-c", _RUN, choice, json.dumps(PROMPT), str(NEW_TOKENS)])
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 

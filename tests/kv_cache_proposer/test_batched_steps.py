@@ -44,7 +44,9 @@ def _sequences(verifier, proposer: str) -> list[SequenceState]:
     out = []
     for index, (strategy, length, _) in enumerate(SPECS):
         draft = NgramProposer(max_n=3).open(strategy) if proposer == "ngram" else NoDraftSession()
-        out.append(SequenceState(cache=verifier.new_cache(strategy), tokens=_prompt(index, length), draft=draft))
+        out.append(
+            SequenceState(cache=verifier.new_cache(strategy), tokens=_prompt(index, length), draft_session=draft)
+        )
     return out
 
 

@@ -69,14 +69,16 @@ def test_a_stop_sequence_spanning_two_speculative_blocks_is_found(verifiers, bac
     plain = SequenceState(cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT))
     free, _ = _run(decoder, plain, GenerationBudget(max_new_tokens=16))
     draft = ScriptedDraft(free, len(PROMPT))
-    seq = SequenceState(cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft=draft)
+    seq = SequenceState(cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft_session=draft)
     _, steps = _run(decoder, seq, GenerationBudget(max_new_tokens=16))
     boundary = len(steps[0].tokens)  # the first step's last token and the second step's first tokens
     assert 1 < boundary < len(free) - 2
     stop = tuple(free[boundary - 1 : boundary + 2])
     first_end = next(i + 3 for i in range(len(free) - 2) if tuple(free[i : i + 3]) == stop)
     seq = SequenceState(
-        cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft=ScriptedDraft(free, len(PROMPT))
+        cache=decoder.verifier.new_cache(FullStrategy()),
+        tokens=list(PROMPT),
+        draft_session=ScriptedDraft(free, len(PROMPT)),
     )
     tokens, steps = _run(decoder, seq, GenerationBudget(max_new_tokens=16), DecodeControls(stop_sequences=((1,), stop)))
     if 1 in free[:first_end]:
@@ -92,7 +94,7 @@ def test_draft_tokens_the_grammar_forbids_are_cut_before_verification(verifiers,
     letters = [ord(c) - 33 + 3 for c in "abcabc"]  # byte-level ids of the test tokenizer
     script = [letters[0], letters[1], 5, letters[3], letters[4], letters[5]]  # the third token breaks the grammar
     draft = ScriptedDraft(script, len(PROMPT), block=4)
-    seq = SequenceState(cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft=draft)
+    seq = SequenceState(cache=decoder.verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft_session=draft)
     controls = DecodeControls(grammar=compiler.start(spec))
     step = decoder.step(seq, SamplingParams(), GenerationBudget(max_new_tokens=10), 0, controls)
     assert draft.proposed[0] == script[:4]

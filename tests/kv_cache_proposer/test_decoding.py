@@ -111,7 +111,7 @@ def test_speculative_steps_emit_exactly_the_non_speculative_tokens(verifiers, st
 
     speculative = Decoder(verifier, draft_policy=policy)
     draft = ScriptedDraft(reference, len(prompt))
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft=draft)
+    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(prompt), draft_session=draft)
     tokens, _, steps = _run(speculative, seq, params, GenerationBudget(30))
     assert tokens == reference
     assert sum(s.accepted for s in steps) > 0 and sum(s.drafted for s in steps) > sum(s.accepted for s in steps)
@@ -136,7 +136,7 @@ def test_the_draft_policy_sets_how_many_tokens_each_proposal_may_hold(verifiers)
     requested = {}
     for policy in DraftPolicy:
         draft = ScriptedDraft(reference, len(prompt))
-        seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft=draft)
+        seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft_session=draft)
         _run(Decoder(verifier, draft_policy=policy), seq, SamplingParams(), GenerationBudget(30))
         requested[policy] = draft.requested
     # full: the whole limit whenever the budget has room for it; adaptive: shorter after rejections.

@@ -107,7 +107,7 @@ def test_declining_probing_and_bursting_sessions_emit_exactly_the_plain_tokens(
 
     proposer = load_proposer(proposer_options[proposer_name], verifier, backend="torch")
     draft = SlowDraft(proposer.open(kv_strategy), delay_s=0.05)
-    seq = SequenceState(cache=verifier.new_cache(kv_strategy), tokens=_prompt(), draft=draft)
+    seq = SequenceState(cache=verifier.new_cache(kv_strategy), tokens=_prompt(), draft_session=draft)
     seq.draft_costs = DraftCostModel(draft.max_draft_tokens, probe_after_declines=3)
     tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4), seq)
 
@@ -127,7 +127,7 @@ def test_a_session_learns_the_acceptance_of_its_drafts_from_the_steps_it_verifie
     prompt = _prompt()
     reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
     draft = ContinuationDraft(reference, len(prompt))
-    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft=draft)
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
     tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST), seq)
     assert tokens == reference
     assert sum(step.accepted for step in steps) > 0

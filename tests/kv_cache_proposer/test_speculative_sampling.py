@@ -73,13 +73,13 @@ def _speculative_samples(verifier: TorchVerifier, options: ProposerOptions) -> l
     runs = []
     for seed in range(SAMPLES):
         seq = SequenceState(
-            cache=verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft=proposer.open(FullStrategy())
+            cache=verifier.new_cache(FullStrategy()), tokens=list(PROMPT), draft_session=proposer.open(FullStrategy())
         )
         produced: list[int] = []
         while len(produced) < TOKENS:
             params = SamplingParams(temperature=TEMPERATURE, seed=seed)
             produced += decoder.step(seq, params, GenerationBudget(TOKENS), len(produced)).tokens
-        seq.draft.release()
+        seq.draft_session.release()
         runs.append(produced)
     return runs
 

@@ -4,9 +4,10 @@ format."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +30,7 @@ def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_
         "--results-dir",
         str(tmp_path),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     (path,) = tmp_path.glob("bench_concurrency_*.json")
     assert path.with_suffix(".png").is_file()
@@ -66,7 +67,7 @@ def test_the_concurrency_benchmark_runs_the_dflash_proposer_in_both_modes(tmp_pa
         "--results-dir",
         str(tmp_path),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     (path,) = tmp_path.glob("bench_concurrency_*.json")
     body = json.loads(path.read_text())

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -13,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_smoke_run_writes_rate_distortion_daemon_and_budget_results(tmp_path):
     out = tmp_path / "results"
     command = [sys.executable, "scripts/bench_kv_compression.py", "--smoke", "--results-dir", str(out)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = out.glob("bench_kv_compression_*.json")
     assert path.with_suffix(".png").exists()

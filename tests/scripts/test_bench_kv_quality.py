@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def test_the_smoke_run_measures_every_arm_and_places_the_lattice_against_the_fie
         "--threads=1",
         f"--out={tmp_path}",
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("bench_kv_quality_*.json")
     assert path.with_suffix(".png").exists()

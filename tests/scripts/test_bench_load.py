@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def test_the_load_benchmark_compares_the_journal_with_memory_only_and_checks_eve
         "--results-dir",
         str(tmp_path),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     (path,) = tmp_path.glob("bench_load_*.json")
     assert path.with_suffix(".png").is_file()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.children import run_child
 from tests.support.postgres import haproxy_binary, postgres_bin_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ def test_the_scale_out_benchmark_measures_throughput_per_daemon_count_and_the_re
         *("--daemons", "1", "2", "--clients", "2", "--duration-s", "2"),
         *("--resume-sessions", "4", "--resume-history-tokens", "32", "--results-dir", str(tmp_path)),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     (path,) = tmp_path.glob("bench_scale_out_*.json")
     assert path.with_suffix(".png").is_file()

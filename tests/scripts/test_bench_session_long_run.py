@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_agentic" / "bench_session_long_run.py"
@@ -24,7 +25,7 @@ def _load() -> ModuleType:
 
 
 def _run(*args: str) -> dict:
-    result = subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=600)
+    result = run_child([sys.executable, str(SCRIPT), *args])
     assert result.returncode == 0, result.stdout + result.stderr
     out = Path(args[args.index("--out") + 1])
     [report] = out.glob("bench_session_long_run_*.json")

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from tests.support.checkpoints import save_dflash_drafter, save_draft_model
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_the_benchmark_compares_every_proposer_on_the_same_prompts(checkpoints, 
         "--results-dir",
         str(tmp_path / "results"),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("bench_speculative_*.json")
     payload = json.loads(path.read_text())
@@ -67,17 +67,11 @@ def test_draft_layers_cuts_the_verifier_into_a_draft_model(checkpoints, tmp_path
     common = [sys.executable, "scripts/bench_speculative.py", "--model", str(checkpoints["qwen3"])]
     small = ["--corpus", str(corpus), "--prompts", "1", "--prompt-tokens", "16", "--max-tokens", "8", "--repeats", "1"]
     small += ["--draft-policies", "full", "adaptive"]
-    result = subprocess.run(
-        [*common, *small, "--draft-layers", "1", "--results-dir", str(tmp_path / "results")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = run_child([*common, *small, "--draft-layers", "1", "--results-dir", str(tmp_path / "results")], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("bench_speculative_*.json")
     proposers = json.loads(path.read_text())["summary"]["proposers"]
     assert set(proposers) == {"none", "ngram", "draft_model", "ngram/adaptive", "draft_model/adaptive"}
     assert proposers["draft_model"]["identical_to_none"] and proposers["draft_model"]["draft_acceptance_rate"] > 0
-    too_deep = subprocess.run([*common, *small, "--draft-layers", "9"], cwd=ROOT, capture_output=True, text=True)
+    too_deep = run_child([*common, *small, "--draft-layers", "9"], cwd=ROOT)
     assert too_deep.returncode != 0 and "--draft-layers must be in" in too_deep.stderr

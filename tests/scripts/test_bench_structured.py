@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +24,7 @@ def test_the_benchmark_compares_constrained_and_unconstrained_generation_with_an
         "--results-dir",
         str(tmp_path / "results"),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = (tmp_path / "results").glob("bench_structured_*.json")
     assert path.with_suffix(".png").is_file()

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,7 +32,7 @@ def test_the_benchmark_measures_every_thread_count_under_every_load(checkpoints,
         "--results-dir",
         str(tmp_path),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     path = Path(result.stdout.strip().splitlines()[-1])
     payload = json.loads(path.read_text())

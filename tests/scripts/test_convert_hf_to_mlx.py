@@ -11,14 +11,13 @@ import pytest
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from tests.support.backends import convert_script
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "scripts/convert_hf_to_mlx.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    return run_child([sys.executable, "scripts/convert_hf_to_mlx.py", *args], cwd=ROOT)
 
 
 def test_the_cli_converts_gemma3_with_the_keys_mlx_lm_reads(checkpoints, tmp_path):

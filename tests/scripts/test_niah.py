@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -66,7 +67,7 @@ def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
         "--results-dir",
         str(tmp_path),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("eval_niah_*.json")
     payload = json.loads(path.read_text())

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 from kv_cache_proposer.restoration import RestorationPlan
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    result = run_child([sys.executable, *args], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
 
@@ -81,7 +82,7 @@ def test_train_f_theta_fits_a_layer_from_the_drafter_context(tmp_path):
 
 
 def test_plan_restore_measures_the_drafter_context_source_per_layer(tmp_path):
-    result = subprocess.run(
+    result = run_child(
         [
             sys.executable,
             "scripts/plan_restore.py",
@@ -89,9 +90,6 @@ def test_plan_restore_measures_the_drafter_context_source_per_layer(tmp_path):
             *("--window", "48", "--sources", "drafter", "--dry-run", "--results-dir", str(tmp_path)),
         ],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
     )
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: no plan within the budget, still logged
     (log,) = tmp_path.glob("plan_restore_*.json")

@@ -13,6 +13,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from tests.support.children import run_child
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -57,7 +59,7 @@ def _train(checkpoint: Path, out: Path, results: Path, steps: int, *extra: str) 
         "50",
         *extra,
     ]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return run_child(command, cwd=ROOT)
 
 
 def _corpora(tmp_path: Path) -> tuple[Path, Path]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import grpc
 
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
+from tests.support.children import run_child
 from tests.support.daemon import Daemon
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def test_quick_training_produces_a_family_the_daemon_serves_with_its_drafter(tmp
         "--results-dir",
         str(results),
     ]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     card = json.loads((out / "kakeya_model.json").read_text())
     assert card["architecture"] == "Qwen3ForCausalLM" and card["corpus"]["train_tokens"] > 0

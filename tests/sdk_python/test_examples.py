@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from tests.support.children import run_child
 from tests.support.server import RunningServer, start_server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,13 +25,7 @@ def bundled_server():
 
 
 def _run(example: str, server: RunningServer, *args: str, stdin: str = "") -> str:
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLES / example), "--address", server.address, *args],
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_child([sys.executable, str(EXAMPLES / example), "--address", server.address, *args], input=stdin)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

@@ -38,9 +38,11 @@ def decode(
 ) -> list[int]:
     """24 tokens after a fixed 20-token prompt, with the proposer of `options` loaded for `verifier`."""
     proposer = load_proposer(options, verifier, backend=backend, device="cpu", dtype="float32")
-    seq = SequenceState(cache=verifier.new_cache(strategy), tokens=random_tokens(4, 20), draft=proposer.open(strategy))
+    seq = SequenceState(
+        cache=verifier.new_cache(strategy), tokens=random_tokens(4, 20), draft_session=proposer.open(strategy)
+    )
     decoder, produced = Decoder(verifier), []
     while len(produced) < 24:
         produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
-    seq.draft.release()
+    seq.draft_session.release()
     return produced

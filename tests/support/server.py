@@ -16,7 +16,7 @@ from inference_engine.config import ServerConfig
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from inference_engine.metrics import Metrics
-from inference_engine.model_facts import ModelFacts
+from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.runtime import Runtime
 from inference_engine.server import KakeyaServer
 from kv_cache_proposer.proposers import load_proposer
@@ -83,8 +83,8 @@ def start_server(verifier: Verifier, *, model_dir: Path | None = None, **overrid
     }
     config = ServerConfig(**settings)
     proposer = load_proposer(config.proposer_options(), verifier, backend=config.backend)
-    facts = ModelFacts.read(model_dir) if model_dir is not None else None
-    runtime = Runtime(verifier, config, Metrics(), proposer=proposer, model_facts=facts)
+    info = ModelDirInfo.read(model_dir) if model_dir is not None else None
+    runtime = Runtime(verifier, config, Metrics(), proposer=proposer, model_dir_info=info)
     server = KakeyaServer(runtime)
     loop = asyncio.new_event_loop()
     started = threading.Event()

@@ -11,7 +11,7 @@ import mlx.nn as nn
 import numpy as np
 
 from kv_cache_proposer import sampling
-from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
 from kv_cache_proposer.backends.mlx_backend.attention import batch_staging_layers, staging_layers
@@ -36,7 +36,7 @@ class MlxVerifier(BackendModel[mx.array]):
     """
 
     def __init__(self, loaded: LoadedModel, *, device: mx.Device) -> None:
-        facts = ModelFacts(
+        spec = LoadedModelSpec(
             backend="mlx",
             model_type=loaded.model_type,
             vocab_size=loaded.vocab_size,
@@ -45,7 +45,7 @@ class MlxVerifier(BackendModel[mx.array]):
             device="gpu" if device.type == mx.gpu else "cpu",
             dtype=str(loaded.dtype).removeprefix("mlx.core."),
         )
-        super().__init__(facts, MlxArrayOps())
+        super().__init__(spec, MlxArrayOps())
         self.model: nn.Module = loaded.model
         self.device = device
         self.dtype = loaded.dtype
@@ -190,7 +190,7 @@ class MlxVerifier(BackendModel[mx.array]):
     def _inner(self) -> nn.Module:
         inner = getattr(self.model, "model", None) or getattr(self.model, "language_model", None)
         if inner is None or not hasattr(inner, "embed_tokens"):
-            raise EngineError(f"cannot find the input embeddings of this {self.facts.model_type} model")
+            raise EngineError(f"cannot find the input embeddings of this {self.model_spec.model_type} model")
         return inner
 
     def commit(self, cache: SessionCache[mx.array], count: int) -> None:

@@ -11,7 +11,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kv_cache_proposer.backends import COMPILE_MODES, TORCH_FORWARDS
-from kv_cache_proposer.backends.base import BackendModel, ModelFacts
+from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
@@ -55,7 +55,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             raise ValueError(f"unknown compile {compile!r}; expected one of {', '.join(COMPILE_MODES)}")
         config = model.config.get_text_config()
         num_layers = int(config.num_hidden_layers)
-        facts = ModelFacts(
+        spec = LoadedModelSpec(
             backend="torch",
             model_type=str(config.model_type),
             vocab_size=int(config.vocab_size),
@@ -64,7 +64,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             device=str(device),
             dtype=str(dtype).removeprefix("torch."),
         )
-        super().__init__(facts, TorchArrayOps(device))
+        super().__init__(spec, TorchArrayOps(device))
         self.model = model
         self.device = device
         self.dtype = dtype

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -10,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.checkpoints import save_dflash_drafter
+from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -30,7 +30,7 @@ runtime = load_runtime(config)
 verifier = runtime.verifier
 strategy = SinkWindowStrategy(sink=2, window=8)
 draft = runtime.proposer.open(strategy)
-seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(range(1, 20)), draft=draft)
+seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(range(1, 20)), draft_session=draft)
 decoder = Decoder(verifier)
 produced, drafted = [], 0
 while len(produced) < 6:
@@ -46,7 +46,7 @@ print("frameworks", [m for m in imported if m in ("torch", "mlx", "mlx_lm")])
 def _decode_without(blocked: tuple[str, ...], backend: str, model: Path, drafter: Path) -> str:
     """Decode with the DFlash proposer on `backend` while the `blocked` modules cannot be imported."""
     code = textwrap.dedent(_DECODE.format(blocked=blocked, backend=backend, model=str(model), drafter=str(drafter)))
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_child([sys.executable, "-c", code], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_proposer.backends.base import ModelFacts
+from kv_cache_proposer.backends.base import LoadedModelSpec
 from kv_cache_proposer.decoding import Decoder
 
 
-def facts(device: str, hidden_size: int, dtype: str) -> ModelFacts:
-    return ModelFacts("torch", "qwen3", 1000, 4, hidden_size, device, dtype)
+def spec(device: str, hidden_size: int, dtype: str) -> LoadedModelSpec:
+    return LoadedModelSpec("torch", "qwen3", 1000, 4, hidden_size, device, dtype)
 
 
 @pytest.mark.parametrize(
@@ -25,12 +25,12 @@ def facts(device: str, hidden_size: int, dtype: str) -> ModelFacts:
     ],
 )
 def test_the_default_prefill_chunk_follows_the_device_and_the_models_width(device, hidden_size, dtype, chunk):
-    assert facts(device, hidden_size, dtype).prefill_chunk_tokens == chunk
+    assert spec(device, hidden_size, dtype).prefill_chunk_tokens == chunk
 
 
 def test_a_decoder_takes_its_verifiers_default_unless_told(verifiers):
     verifier = verifiers["qwen3"]
-    assert Decoder(verifier).prefill_chunk_tokens == verifier.facts.prefill_chunk_tokens == 512
+    assert Decoder(verifier).prefill_chunk_tokens == verifier.model_spec.prefill_chunk_tokens == 512
     assert Decoder(verifier, prefill_chunk_tokens=24).prefill_chunk_tokens == 24
     with pytest.raises(ValueError, match="prefill_chunk_tokens"):
         Decoder(verifier, prefill_chunk_tokens=0)

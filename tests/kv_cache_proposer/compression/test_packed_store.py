@@ -40,7 +40,7 @@ def _generate(
     verifier: Any, cache: Any, prompt: list[int], new_tokens: int, *, speculate: bool = False, chunk: int = 7
 ) -> list[int]:
     draft = NgramProposer().open(cache.strategy) if speculate else None
-    seq = SequenceState(cache=cache, tokens=list(prompt), **({"draft": draft} if draft else {}))
+    seq = SequenceState(cache=cache, tokens=list(prompt), **({"draft_session": draft} if draft else {}))
     decoder = Decoder(verifier, prefill_chunk_tokens=chunk)
     budget = GenerationBudget(max_new_tokens=new_tokens)
     generated: list[int] = []

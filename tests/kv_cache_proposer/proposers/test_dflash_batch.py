@@ -69,7 +69,9 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 def _sequences(verifier: Any, proposer: Proposer, strategy: KVStrategy) -> list[SequenceState]:
     return [
-        SequenceState(cache=verifier.new_cache(strategy), tokens=_prompt(i, length), draft=proposer.open(strategy))
+        SequenceState(
+            cache=verifier.new_cache(strategy), tokens=_prompt(i, length), draft_session=proposer.open(strategy)
+        )
         for i, (length, _) in enumerate(SESSIONS)
     ]
 
@@ -159,7 +161,7 @@ def test_every_session_of_a_proposer_shares_its_batch_drafter(verifiers: Any, ba
 def _corrupt_drafter_cache(seq: SequenceState, method: str) -> None:
     """Break one session's drafter context: staging (its next draft forward raises) or keeping new context (its
     next commit raises; dropping a draft block's K/V still works)."""
-    cache = seq.draft._cache  # type: ignore[attr-defined]
+    cache = seq.draft_session._cache  # type: ignore[attr-defined]
     original = getattr(cache, method)
 
     def broken(*args: Any) -> Any:

@@ -109,7 +109,7 @@ def test_a_plan_with_a_drafter_source_survives_the_manifest_round_trip(drafter_d
 def _greedy_turns(verifier: Any, cache: Any, proposer: Any = None) -> list[int]:
     """Three evicting turns of greedy decoding, parking between them as the daemon does."""
     draft = proposer.open(cache.strategy) if proposer is not None else None
-    seq = SequenceState(cache=cache, tokens=[], **({"draft": draft} if draft is not None else {}))
+    seq = SequenceState(cache=cache, tokens=[], **({"draft_session": draft} if draft is not None else {}))
     decoder = Decoder(verifier, prefill_chunk_tokens=7)
     out: list[int] = []
     for turn, (appended, new_tokens) in enumerate([(30, 6), (5, 5), (17, 6)]):

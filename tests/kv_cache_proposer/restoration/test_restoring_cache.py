@@ -35,7 +35,7 @@ def _tokens(seed: int, n: int) -> list[int]:
 def _converse(verifier: Any, cache: Any, *, proposer: Any = None, seed: int = 0) -> tuple[list[int], SequenceState]:
     """Greedy multi-turn session over `TURNS`; each turn parks the cache as the daemon does between generations."""
     draft = proposer.open(cache.strategy) if proposer is not None else None
-    seq = SequenceState(cache=cache, tokens=[], **({"draft": draft} if draft is not None else {}))
+    seq = SequenceState(cache=cache, tokens=[], **({"draft_session": draft} if draft is not None else {}))
     decoder = Decoder(verifier, prefill_chunk_tokens=7)
     generated_all: list[int] = []
     for turn, (appended, new_tokens) in enumerate(TURNS):

@@ -14,8 +14,9 @@ from kv_cache_proposer.restoration import find_plan
 
 
 @dataclass(frozen=True, slots=True)
-class ModelFacts:
-    """Facts of one model directory; empty or zero where the directory does not say."""
+class ModelDirInfo:
+    """What one model directory declares: its name, end-of-sequence ids, trained context, chat template and
+    restoration plan; empty or zero where the directory does not say."""
 
     name: str
     eos_token_ids: tuple[int, ...] = ()
@@ -24,7 +25,7 @@ class ModelFacts:
     restore_plan: Path | None = None  # the restoration plan manifest the directory ships, if any
 
     @classmethod
-    def read(cls, model_dir: Path) -> ModelFacts:
+    def read(cls, model_dir: Path) -> ModelDirInfo:
         """Read `generation_config.json`, `config.json` and the tokenizer's chat template of `model_dir`.
 
         The generation config wins for end-of-sequence ids because `transformers` and `mlx-lm` stop on it.

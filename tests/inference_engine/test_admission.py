@@ -2,7 +2,7 @@ import asyncio
 
 import pytest
 
-from inference_engine.scheduling import FifoSlots
+from inference_engine.admission import FifoSlots
 
 
 def test_slots_are_granted_in_arrival_order():

@@ -1,6 +1,6 @@
-"""Batched decode steps: the steps of concurrent generations run together in one verifier forward.
+"""The step scheduler: the steps of concurrent generations are batched and run together in one verifier forward.
 
-Each running generation hands its next step to the `StepBatcher` and awaits the result. One dispatcher task on the
+Each running generation hands its next step to the `StepScheduler` and awaits the result. One dispatcher task on the
 event loop forms batches and runs each on the model worker (`Decoder.step_batch`: one forward for all of them).
 
 Batch forming, in order:
@@ -45,13 +45,15 @@ _GATHER_S = 0.005
 
 
 @dataclass(slots=True, eq=False)
-class _Queued:
+class StepTicket:
+    """A submitted step (`StepScheduler.submit`), or one the worker chained after it (`StepTicket.chained`)."""
+
     request: StepRequest
     future: asyncio.Future[StepResult]  # awaited by the generation; cancelled with its task or when withdrawn
     queued_at: float = field(default_factory=time.perf_counter)
     cancel: asyncio.Event | None = None  # the generation's cancel event; None: never chained
     chain: bool = False  # whether the worker may start this step's successor right after it (`result` sets it)
-    chained: _Queued | None = None  # the successor the worker started (set before this step's result)
+    chained: StepTicket | None = None  # the successor the worker started (set before this step's result)
     outcome: StepResult | BaseException | None = None  # set once the step ran, or will never run
     settled: asyncio.Future[None] | None = None  # made by a caller waiting for `outcome`, resolved with it
 
@@ -61,12 +63,9 @@ class _Queued:
         return self.request.seq.pending_count - 1
 
 
-StepTicket = _Queued
-"""A submitted step (`StepBatcher.submit`), or one the worker chained after it (`StepTicket.chained`)."""
-
-
-class StepBatcher:
-    """Runs the steps of concurrent generations on the model worker, several per forward."""
+class StepScheduler:
+    """Schedules the steps of concurrent generations into batches and runs each on the model worker, several steps
+    per forward."""
 
     def __init__(
         self,
@@ -86,7 +85,7 @@ class StepBatcher:
         self.max_batch_size = max_batch_size
         self._token_budget = token_budget
         self._gather_s = gather_s
-        self._queue: list[_Queued] = []
+        self._queue: list[StepTicket] = []
         self._arrived: asyncio.Event | None = None
         self._dispatcher: asyncio.Task[None] | None = None
         self._generations = 0  # generations between their first and last step (queued or streaming)
@@ -125,8 +124,8 @@ class StepBatcher:
         if self._arrived is None:
             self._arrived = asyncio.Event()
         if self._dispatcher is None or self._dispatcher.done():
-            self._dispatcher = loop.create_task(self._dispatch(), name="kakeya-step-batcher")
-        queued = _Queued(request, loop.create_future(), cancel=cancel)
+            self._dispatcher = loop.create_task(self._dispatch(), name="kakeya-step-scheduler")
+        queued = StepTicket(request, loop.create_future(), cancel=cancel)
         self._queue.append(queued)
         self.started_steps += 1
         self._arrived.set()
@@ -212,7 +211,7 @@ class StepBatcher:
                         self._settle(queued, exc)
                 continue
 
-    def _run(self, batch: Sequence[_Queued]) -> None:
+    def _run(self, batch: Sequence[StepTicket]) -> None:
         """On the worker: one forward for the batch, then, for a step that may chain, its successors one by one;
         every result goes to the event loop as soon as it is known."""
         assert self._loop is not None
@@ -230,7 +229,7 @@ class StepBatcher:
         for queued, result in zip(batch, results, strict=True):
             self._loop.call_soon_threadsafe(self._deliver, queued, result, None)
 
-    def _successor(self, queued: _Queued, result: StepResult | Exception) -> _Queued | None:
+    def _successor(self, queued: StepTicket, result: StepResult | Exception) -> StepTicket | None:
         """On the worker: the step to chain after `queued`, or None (see the module doc)."""
         if not queued.chain or queued.cancel is None or queued.cancel.is_set() or self._closed:
             return None
@@ -242,9 +241,9 @@ class StepBatcher:
             return None  # another generation or call needs the worker: back to the dispatcher
         assert self._loop is not None
         request = dataclasses.replace(queued.request, generated=queued.request.generated + len(result.tokens))
-        return _Queued(request, self._loop.create_future(), cancel=queued.cancel)
+        return StepTicket(request, self._loop.create_future(), cancel=queued.cancel)
 
-    def _deliver(self, queued: _Queued, result: StepResult | Exception, successor: _Queued | None) -> None:
+    def _deliver(self, queued: StepTicket, result: StepResult | Exception, successor: StepTicket | None) -> None:
         """On the event loop: a step's result, and the successor chained after it."""
         if successor is not None:
             queued.chained = successor
@@ -255,7 +254,7 @@ class StepBatcher:
         self._settle(queued, result)
 
     @staticmethod
-    def _settle(queued: _Queued, outcome: StepResult | BaseException) -> None:
+    def _settle(queued: StepTicket, outcome: StepResult | BaseException) -> None:
         """Record what became of a step and wake whoever waits for it."""
         queued.outcome = outcome
         if not queued.future.done():
@@ -284,9 +283,9 @@ class StepBatcher:
             if not self._queue:
                 return
 
-    def _select(self) -> list[_Queued]:
+    def _select(self) -> list[StepTicket]:
         """The next batch, in arrival order within the batch size and token budget (see the module doc)."""
-        batch: list[_Queued] = []
+        batch: list[StepTicket] = []
         prefill = 0
         for queued in self._queue:
             if len(batch) == self.max_batch_size:

@@ -1,4 +1,4 @@
-"""The step batcher: which steps share a forward (arrival order, batch size, prefill budget), and cancellation."""
+"""The step scheduler: which steps share a forward (arrival order, batch size, prefill budget), and cancellation."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import asyncio
 import random
 import threading
 
-from inference_engine.batching import StepBatcher, _Queued
 from inference_engine.metrics import Metrics
+from inference_engine.step_scheduler import StepScheduler, StepTicket
 from inference_engine.worker import ModelWorker
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepRequest, StepResult
 from kv_cache_proposer.sampling import SamplingParams
@@ -28,10 +28,10 @@ def _request(seq: SequenceState) -> StepRequest:
     return StepRequest(seq, SamplingParams(), GenerationBudget(8), 0)
 
 
-def _batcher(verifier, max_batch_size: int) -> tuple[StepBatcher, Metrics, ModelWorker]:
+def _scheduler(verifier, max_batch_size: int) -> tuple[StepScheduler, Metrics, ModelWorker]:
     metrics, worker = Metrics(), ModelWorker()
     decoder = Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1)
-    return StepBatcher(worker, decoder, metrics, max_batch_size=max_batch_size, token_budget=CHUNK), metrics, worker
+    return StepScheduler(worker, decoder, metrics, max_batch_size=max_batch_size, token_budget=CHUNK), metrics, worker
 
 
 def _sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
@@ -42,15 +42,17 @@ def _sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -
 
 def test_a_forward_prefills_one_chunk_at_most_and_decode_steps_always_join(verifiers):
     verifier = verifiers["qwen3"]
-    batcher, _, worker = _batcher(verifier, max_batch_size=4)
+    scheduler, _, worker = _scheduler(verifier, max_batch_size=4)
 
     async def run() -> list[list[int]]:
         loop = asyncio.get_running_loop()
         pendings = [40, 1, 10, 1, 1, 5]  # a long prompt, decode steps, two short prompts
-        batcher._queue = [_Queued(_request(_seq(verifier, n, i)), loop.create_future()) for i, n in enumerate(pendings)]
-        order = {id(q): i for i, q in enumerate(batcher._queue)}
-        first = [order[id(q)] for q in batcher._select()]
-        second = [order[id(q)] for q in batcher._select()]
+        scheduler._queue = [
+            StepTicket(_request(_seq(verifier, n, i)), loop.create_future()) for i, n in enumerate(pendings)
+        ]
+        order = {id(q): i for i, q in enumerate(scheduler._queue)}
+        first = [order[id(q)] for q in scheduler._select()]
+        second = [order[id(q)] for q in scheduler._select()]
         return [first, second]
 
     try:
@@ -71,17 +73,17 @@ def test_concurrent_steps_share_one_forward_and_get_their_results_alone(verifier
         )
         for i in range(3)
     ]
-    batcher, metrics, worker = _batcher(verifier, max_batch_size=8)
+    scheduler, metrics, worker = _scheduler(verifier, max_batch_size=8)
 
     async def run() -> list[StepResult]:
         seqs = [_seq(verifier, 5, i) for i in range(3)]
         for _ in seqs:
-            batcher.begin_generation()
+            scheduler.begin_generation()
         try:
-            return await asyncio.gather(*(batcher.step(_request(s), asyncio.Event()) for s in seqs))
+            return await asyncio.gather(*(scheduler.step(_request(s), asyncio.Event()) for s in seqs))
         finally:
             for _ in seqs:
-                batcher.end_generation()
+                scheduler.end_generation()
 
     try:
         results = asyncio.run(run())
@@ -95,11 +97,11 @@ def test_concurrent_steps_share_one_forward_and_get_their_results_alone(verifier
 
 def test_batch_size_one_runs_every_step_alone(verifiers):
     verifier = verifiers["qwen3"]
-    batcher, metrics, worker = _batcher(verifier, max_batch_size=1)
+    scheduler, metrics, worker = _scheduler(verifier, max_batch_size=1)
 
     async def run() -> None:
         seqs = [_seq(verifier, 3, i) for i in range(3)]
-        await asyncio.gather(*(batcher.step(_request(s), asyncio.Event()) for s in seqs))
+        await asyncio.gather(*(scheduler.step(_request(s), asyncio.Event()) for s in seqs))
 
     try:
         asyncio.run(run())
@@ -111,21 +113,21 @@ def test_batch_size_one_runs_every_step_alone(verifiers):
 
 def test_a_step_cancelled_while_queued_is_dropped_and_the_others_run(verifiers):
     verifier = verifiers["qwen3"]
-    batcher, metrics, worker = _batcher(verifier, max_batch_size=8)
+    scheduler, metrics, worker = _scheduler(verifier, max_batch_size=8)
 
     async def run() -> tuple[bool, bool, list[int], int]:
         seqs = [_seq(verifier, 4, i) for i in range(3)]
         for _ in seqs:
-            batcher.begin_generation()  # the dispatcher gathers, waiting for all three
+            scheduler.begin_generation()  # the dispatcher gathers, waiting for all three
         flags = [asyncio.Event() for _ in seqs]
-        tasks = [asyncio.create_task(batcher.step(_request(s), f)) for s, f in zip(seqs[:2], flags, strict=False)]
+        tasks = [asyncio.create_task(scheduler.step(_request(s), f)) for s, f in zip(seqs[:2], flags, strict=False)]
         await asyncio.sleep(0)  # both queued; the third generation has not queued yet
         tasks[0].cancel()
         await asyncio.sleep(0)  # the cancellation reaches the step while the dispatcher still gathers
-        batcher.end_generation()
-        batcher.end_generation()
+        scheduler.end_generation()
+        scheduler.end_generation()
         results = await asyncio.gather(*tasks, return_exceptions=True)
-        batcher.end_generation()
+        scheduler.end_generation()
         kept = results[1]
         assert isinstance(kept, StepResult)
         return isinstance(results[0], asyncio.CancelledError), flags[0].is_set(), kept.tokens, seqs[0].committed
@@ -158,19 +160,19 @@ def _expected_tokens(verifier, seed: int, steps: int) -> list[int]:
 def test_a_lone_generation_awaiting_its_step_gets_the_next_step_chained_by_the_worker(verifiers):
     verifier = verifiers["qwen3"]
     expected = _expected_tokens(verifier, 3, 2)
-    batcher, metrics, worker = _batcher(verifier, max_batch_size=4)
+    scheduler, metrics, worker = _scheduler(verifier, max_batch_size=4)
 
     async def run() -> tuple[list[int], int]:
         cancel = asyncio.Event()
-        batcher.begin_generation()
+        scheduler.begin_generation()
         try:
-            ticket = batcher.submit(_decode_request(verifier, 3), cancel)
-            first = await batcher.result(ticket, cancel)
+            ticket = scheduler.submit(_decode_request(verifier, 3), cancel)
+            first = await scheduler.result(ticket, cancel)
             assert ticket.chained is not None, "the worker started the next step as this one returned"
-            second = await batcher.result(ticket.chained, cancel)
+            second = await scheduler.result(ticket.chained, cancel)
             return first.tokens + second.tokens, ticket.chained.request.generated
         finally:
-            batcher.end_generation()
+            scheduler.end_generation()
 
     try:
         tokens, generated = asyncio.run(run())
@@ -178,13 +180,13 @@ def test_a_lone_generation_awaiting_its_step_gets_the_next_step_chained_by_the_w
         worker.shutdown()
     assert tokens == expected, "a chained step continues the sequence as a queued one would"
     assert generated == 2
-    assert batcher.started_steps >= 2
+    assert scheduler.started_steps >= 2
     assert _sample(metrics, "kakeya_batch_forwards_total") >= 2
 
 
 def test_the_worker_chains_no_step_after_a_stop_a_cancellation_or_while_others_need_it(verifiers):
     verifier = verifiers["qwen3"]
-    batcher, _, worker = _batcher(verifier, max_batch_size=4)
+    scheduler, _, worker = _scheduler(verifier, max_batch_size=4)
 
     async def chained_after(
         request: StepRequest, *, cancelled: bool = False, other_generation: bool = False, worker_call: bool = False
@@ -194,13 +196,13 @@ def test_the_worker_chains_no_step_after_a_stop_a_cancellation_or_while_others_n
             cancel.set()
         generations = 2 if other_generation else 1
         for _ in range(generations):
-            batcher.begin_generation()
+            scheduler.begin_generation()
         gate = threading.Event()
         try:
             # With `worker_call`, another call is waiting for the worker while the step runs: the worker is held
             # until the step is queued behind the holding call, then the other call queues behind the step.
             holding = asyncio.ensure_future(worker.run(gate.wait, 30)) if worker_call else None
-            ticket = batcher.submit(request, cancel)
+            ticket = scheduler.submit(request, cancel)
             waiting = None
             if worker_call:
                 async with asyncio.timeout(30):
@@ -209,16 +211,16 @@ def test_the_worker_chains_no_step_after_a_stop_a_cancellation_or_while_others_n
                 waiting = asyncio.ensure_future(worker.run(lambda: "ran"))
                 await asyncio.sleep(0)
             gate.set()
-            await batcher.result(ticket, cancel)
+            await scheduler.result(ticket, cancel)
             if holding is not None and waiting is not None:
                 assert await holding and await waiting == "ran"
             if ticket.chained is not None:  # settle it before the next case
-                await batcher.result(ticket.chained, asyncio.Event())
+                await scheduler.result(ticket.chained, asyncio.Event())
             return ticket.chained is not None
         finally:
             gate.set()
             for _ in range(generations):
-                batcher.end_generation()
+                scheduler.end_generation()
 
     async def run() -> dict[str, bool]:
         return {

@@ -1,4 +1,5 @@
-"""Turn-taking: one request at a time per session (FIFO) and at most `max_concurrent` generations overall (FIFO)."""
+"""Admission: one request at a time per session (FIFO) and at most `max_concurrent` generations overall (FIFO),
+each admitted within the queue deadline or refused."""
 
 from __future__ import annotations
 
@@ -49,8 +50,8 @@ class FifoSlots:
         self._free += 1
 
 
-class Scheduler:
-    """Grants turns on sessions and generation slots, each within the queue deadline."""
+class Admission:
+    """Admits requests: grants turns on sessions and generation slots, each within the queue deadline."""
 
     def __init__(self, *, max_concurrent: int, queue_deadline_s: float) -> None:
         self.slots = FifoSlots(max_concurrent)
