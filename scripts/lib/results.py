@@ -40,6 +40,11 @@ def environment(**extra: Any) -> dict[str, Any]:
     return {**info, **extra}
 
 
+def new_stamp() -> str:
+    """The UTC time as results files are stamped."""
+    return datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+
+
 def write_results(
     name: str,
     *,
@@ -50,13 +55,15 @@ def write_results(
     out_dir: Path = RESULTS_DIR,
     environment_extra: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    stamp: str | None = None,
 ) -> Path:
     """Write the JSON (and, given `plot`, a PNG of the same stem drawn by `plot(png_path)`); returns the JSON path.
 
-    `extra` adds top-level fields (e.g. per-bucket aggregates) next to the common ones.
+    `extra` adds top-level fields (e.g. per-bucket aggregates) next to the common ones. `stamp` (default: now, as
+    `new_stamp()` makes it) names the file; a script that writes its results as it goes passes the same one each time.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = stamp or new_stamp()
     path = out_dir / f"{name}_{stamp}.json"
     payload = {
         "name": name,
