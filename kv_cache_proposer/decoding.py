@@ -305,7 +305,8 @@ class Decoder:
         burst = plan.burst > 1
         if not burst:
             seq.draft_length.update(len(draft), accepted)
-        self._observe_costs(plan, accepted)
+        if self.draft_policy is DraftPolicy.COST:
+            self._observe_costs(plan, accepted)
         emitted = sampled[: accepted + 1]
         stop = None
         if dead_end_row is not None and dead_end_row < len(emitted):

@@ -36,10 +36,7 @@ import argparse
 import math
 import random
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +49,9 @@ from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.format_attention import ATTENTION, FormatAttention
+from lib.kv_distortion import distortion, nll_and_kl, verdicts
 from lib.kv_formats import kv_format
+from lib.mlx_copy import mlx_copy
 from lib.model_option import add_model_option
 from lib.niah import build_chat_document, build_document
 from lib.results import RESULTS_DIR, write_results
@@ -172,16 +171,6 @@ def log_probs(model: Any, window: list[int]) -> torch.Tensor:
     return F.log_softmax(logits, dim=-1)
 
 
-def nll_and_kl(reference: torch.Tensor, measured: torch.Tensor, targets: torch.Tensor) -> tuple[float, float]:
-    """Summed negative log-likelihood of `targets` under `measured`, and summed KL(reference ‖ measured)."""
-    nll = -measured.gather(-1, targets[:, None]).sum()
-    kl = torch.zeros(())
-    for start in range(0, reference.shape[0], 1024):
-        r, m = reference[start : start + 1024], measured[start : start + 1024]
-        kl += (r.exp() * (r - m)).sum()
-    return float(nll), float(kl)
-
-
 @torch.inference_mode()
 def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     cache = DynamicCache()
@@ -217,18 +206,6 @@ def needle_documents(tokenizer: Any, args: argparse.Namespace) -> list[Needle]:
 
 
 # -- mlx-lm's own quantized cache ----------------------------------------------------------------------------------
-
-
-@contextmanager
-def mlx_copy(model_dir: Path) -> Iterator[Path]:
-    """The model converted to an mlx-lm directory (float32), in a temporary directory."""
-    with tempfile.TemporaryDirectory(prefix="kakeya-kv-quality-") as tmp:
-        import subprocess
-
-        target = Path(tmp) / "mlx"
-        script = Path(__file__).resolve().parent / "convert_hf_to_mlx.py"
-        subprocess.run([sys.executable, str(script), str(model_dir), str(target), "--dtype", "float32"], check=True)
-        yield target
 
 
 def mlx_arms(
@@ -277,35 +254,6 @@ def mlx_arms(
 
 
 # -- the run --------------------------------------------------------------------------------------------------------
-
-
-def distortion(kinds: dict[str, dict[str, Any]], reference: dict[str, dict[str, Any]]) -> dict[str, float]:
-    """Per text kind the perplexity, its change against `reference`'s (%) and the mean KL, from the summed NLL,
-    KL and token counts of each kind; then the mean and worst change and the mean KL over the kinds."""
-    row: dict[str, float] = {}
-    deltas, kls = [], []
-    for kind, entry in kinds.items():
-        ppl, base = (math.exp(e["nll"] / e["tokens"]) for e in (entry, reference[kind]))
-        deltas.append(100 * (ppl / base - 1))
-        kls.append(entry["kl"] / entry["tokens"])
-        row.update({f"ppl[{kind}]": ppl, f"dppl_pct[{kind}]": deltas[-1], f"kl[{kind}]": kls[-1]})
-    row.update(dppl_pct_mean=float(np.mean(deltas)), dppl_pct_max=float(np.max(deltas)), kl_mean=float(np.mean(kls)))
-    return row
-
-
-def frontier(points: list[tuple[float, float]], bits: float) -> float | None:
-    """The field's curve (lowest Δ at or below each rate, linear between points) at `bits`, or None outside it."""
-    points = sorted(points)
-    if not points or not points[0][0] <= bits <= points[-1][0]:
-        return None
-    best: list[tuple[float, float]] = []
-    for b, d in points:  # the lower envelope: a point counts only if no cheaper point is better
-        if not best or d < best[-1][1]:
-            best.append((b, d))
-    xs, ys = [b for b, _ in best], [d for _, d in best]
-    if bits > xs[-1]:
-        return ys[-1]
-    return float(np.interp(bits, xs, ys))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -436,26 +384,6 @@ def main(argv: list[str] | None = None) -> int:
         write_results("bench_kv_quality", config=config, samples=samples, summary=summary, plot=plot, out_dir=args.out)
     )
     return 0
-
-
-def verdicts(rows: dict[str, dict[str, Any]]) -> list[str]:
-    """Plain sentences: each KakeyaLattice point against the field's curve at its rate (Δ perplexity and KL)."""
-    field = {k: v for k, v in rows.items() if v["family"].startswith("field") and v["bits_per_value"]}
-    lines = []
-    for name, row in rows.items():
-        if row["family"] != "kakeya" or row["bits_per_value"] is None:
-            continue
-        for key, label in (("dppl_pct_mean", "Δ perplexity"), ("kl_mean", "KL")):
-            curve = frontier([(v["bits_per_value"], v[key]) for v in field.values()], row["bits_per_value"])
-            if curve is None:
-                lines.append(f"{name}: {row['bits_per_value']:.2f} bits/value is outside the field's range")
-                break
-            verdict = "at or below" if row[key] <= curve else "above"
-            lines.append(
-                f"{name} ({row['bits_per_value']:.2f} bits/value): {label} {row[key]:.4g} is {verdict} the "
-                f"field's curve ({curve:.4g})"
-            )
-    return lines
 
 
 if __name__ == "__main__":

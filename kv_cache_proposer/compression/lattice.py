@@ -77,6 +77,11 @@ class LatticeSpec:
         """The bit budget of one vector: lattice bits plus its fp16 scales."""
         return self.blocks * self.bits_per_block + 8 * self.scale_bytes
 
+    def held_bytes(self, vectors: int, escaped_blocks: int) -> int:
+        """Bytes the packed store holds for `vectors` vectors of which `escaped_blocks` blocks escaped: each vector's
+        codes and scales, and each escape's key (4 int32) and doubled coordinates (int16 each)."""
+        return vectors * (self.code_bytes + self.scale_bytes) + escaped_blocks * (16 + 2 * self.block_dim)
+
     @property
     def code_bytes(self) -> int:
         """Bytes of one vector's packed lattice codes (its lattice bits rounded up to a whole byte)."""

@@ -70,6 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from lib import agent_report
 from lib.agent_arms import Arm, Conversation, DaemonArm, RequestStats
 from lib.chat_arms import ChatArm, LlamaDialect, MlxDialect, ShimDialect
+from lib.mlx_copy import convert_to_mlx
 from lib.model_option import add_model_option
 from lib.peer_servers import LLAMA_SERVER, DaemonProcess, llama_server, missing_peer, mlx_server
 from lib.results import new_stamp, write_results
@@ -221,10 +222,7 @@ class Bench:
         """The model converted once to an mlx-lm directory for mlx_lm.server: float32, or quantized by mlx-lm to
         `--mlx-bits` in groups of 32 (4 bits: the layout of a GGUF Q4_1 block)."""
         if self._mlx_dir is None:
-            target = self.workdir / "mlx"
-            script = ROOT / "scripts" / "convert_hf_to_mlx.py"
-            command = [sys.executable, str(script), str(self.args.model), str(target), "--dtype", "float32"]
-            subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+            target = convert_to_mlx(Path(self.args.model), self.workdir / "mlx", quiet=True)
             if self.args.mlx_bits:
                 quantized = self.workdir / f"mlx-q{self.args.mlx_bits}"
                 bits = ("-q", "--q-bits", str(self.args.mlx_bits), "--q-group-size", "32")

@@ -29,7 +29,7 @@ class ChatDialect(Protocol):
 
     def processed_tokens(self, completion: Any) -> int: ...
 
-    def restart(self, server: HttpServer) -> dict[str, Any]: ...
+    def restart(self, server: HttpServer | DaemonProcess) -> dict[str, Any]: ...
 
 
 class ChatConversation:
@@ -109,19 +109,14 @@ class ChatArm:
 
     def restart(self) -> dict[str, Any]:
         started = time.perf_counter()
-        if isinstance(self.server, DaemonProcess):
-            self.server.kill()
-            self.server.start()
-            record: dict[str, Any] = {"how": "SIGKILL, plain restart (single-shot sessions hold nothing)"}
-        else:
-            record = self.dialect.restart(self.server)
+        record = self.dialect.restart(self.server)
         self._connect()
         return {**record, "restart_s": time.perf_counter() - started}
 
     def _connect(self) -> None:
         import openai
 
-        base = self.server.http_url if isinstance(self.server, DaemonProcess) else self.server.url + "/v1"
+        base = self.server.openai_url
         self._client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=3600.0)
         if not self.model_id:  # the served model's id, unless the arm was given one
             self.model_id = self._client.models.list().data[0].id
@@ -143,8 +138,10 @@ class ShimDialect:
     def processed_tokens(self, completion: Any) -> int:
         return int(completion.usage.prompt_tokens)
 
-    def restart(self, server: HttpServer) -> dict[str, Any]:
-        raise NotImplementedError("the shim restarts with the daemon")
+    def restart(self, server: HttpServer | DaemonProcess) -> dict[str, Any]:
+        server.kill()
+        server.start()
+        return {"how": "SIGKILL, plain restart (single-shot sessions hold nothing)"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,8 +162,9 @@ class LlamaDialect:
     def processed_tokens(self, completion: Any) -> int:
         return int(completion.model_extra["timings"]["prompt_n"])
 
-    def restart(self, server: HttpServer) -> dict[str, Any]:
+    def restart(self, server: HttpServer | DaemonProcess) -> dict[str, Any]:
         """Save every slot through the /slots API, SIGKILL, start, restore the slots."""
+        assert isinstance(server, HttpServer)
         saved = {}
         started = time.perf_counter()
         for slot in server.get("/slots"):
@@ -212,7 +210,7 @@ class MlxDialect:
         cached = int(details.cached_tokens or 0) if details is not None else 0
         return int(usage.prompt_tokens) - cached
 
-    def restart(self, server: HttpServer) -> dict[str, Any]:
+    def restart(self, server: HttpServer | DaemonProcess) -> dict[str, Any]:
         server.kill()
         server.start()
         return {"how": "SIGKILL, plain restart (mlx_lm.server keeps no cache across restarts)"}

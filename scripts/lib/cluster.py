@@ -25,6 +25,8 @@ from pathlib import Path
 
 import psycopg
 
+from lib.daemon import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 HAPROXY_CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
 DAEMON_SLOTS = 3  # servers the shipped configuration names
@@ -37,12 +39,6 @@ def postgres_bin_dir() -> Path | None:
         return Path(os.path.realpath(on_path)).parent
     versions = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
     return Path(versions[-1]).parent if versions else None
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class PostgresServer:

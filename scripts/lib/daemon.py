@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -12,6 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 _LISTENING = re.compile(r'"msg": "listening", "grpc": "([^"]+)"')
+
+
+def free_port() -> int:
+    """A loopback port with nothing listening on it (bound once, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 class Daemon:

@@ -31,8 +31,8 @@ from functools import cache
 import torch
 
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
-from kv_cache_proposer.compression import LatticeSpec
-from kv_cache_proposer.compression.lattice import LatticeKind, block_indices
+from kv_cache_proposer.compression import COMPRESSORS, KVCompressor
+from kv_cache_proposer.compression.lattice import block_indices
 
 Roundtrip = Callable[[torch.Tensor], tuple[torch.Tensor, float]]
 
@@ -142,17 +142,17 @@ def dense(dtype: torch.dtype) -> Roundtrip:
     return roundtrip
 
 
-def kakeya(kind: LatticeKind, q_range: int, one_scale: bool = False) -> Roundtrip:
-    """The packed store's coding: what its codes decode to, and its held bits per value (codes, fp16 scales per
-    vector, and per escaped block its key and raw coordinates: 4 int32 and block_dim int16)."""
+def kakeya(compressor: KVCompressor) -> Roundtrip:
+    """The packed store's coding under `compressor`: what its codes decode to, and its held bits per value
+    (`LatticeSpec.held_bytes`: codes, fp16 scales, escapes)."""
 
     def roundtrip(x: torch.Tensor) -> tuple[torch.Tensor, float]:
-        spec = LatticeSpec(kind, int(x.shape[-1]), q_range, one_scale=one_scale)
+        spec = compressor.spec(int(x.shape[-1]))
         codec = TorchLatticeCodec(spec, torch.device("cpu"))
         flat = x.float().reshape(-1, spec.head_dim)
         coding = codec.encode(flat)
         _, escaped = block_indices(spec, coding.doubled)
-        held = coding.count * (spec.code_bytes + spec.scale_bytes) + int(escaped.sum()) * (16 + 2 * spec.block_dim)
+        held = spec.held_bytes(coding.count, int(escaped.sum()))
         read = codec.decode(coding, tuple(flat.shape), torch.float32)
         return read.reshape(x.shape), 8.0 * held / (coding.count * spec.head_dim)
 
@@ -162,11 +162,10 @@ def kakeya(kind: LatticeKind, q_range: int, one_scale: bool = False) -> Roundtri
 def kv_format(name: str) -> KVFormat:
     """The format called `name` (module docstring; the lattices as `kakeya_d4:Q`, `kakeya_e8s:Q`, ...)."""
     base, _, q = name.partition(":")
-    if base in ("kakeya_d4", "kakeya_e8", "kakeya_d4s", "kakeya_e8s"):
+    if base in COMPRESSORS and base != "none":
         if not q.isdigit():
             raise ValueError(f"{base} needs its Q range, as in {base}:38")
-        kind: LatticeKind = "d4" if base.startswith("kakeya_d4") else "e8"
-        return KVFormat(name, "kakeya", kakeya(kind, int(q), one_scale=base.endswith("s")))
+        return KVFormat(name, "kakeya", kakeya(KVCompressor(base, int(q))))
     if q:
         raise ValueError(f"format {base} takes no parameter")
     field: dict[str, Roundtrip] = {

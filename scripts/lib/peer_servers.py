@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from lib.daemon import Daemon
+from lib.daemon import Daemon, free_port
 
 PEERS_DIR = Path(os.environ.get("KAKEYA_PEERS_DIR") or Path.home() / ".cache" / "kakeya" / "peers")
 LLAMA_SERVER = PEERS_DIR / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "build" / "bin" / "llama-server"
@@ -51,12 +50,6 @@ def missing_peer(name: str) -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def thread_environment(threads: int) -> dict[str, str]:
     """The environment that limits a child's OpenMP / BLAS threads to `threads`, waiting passively."""
     limits = dict.fromkeys(("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"), str(threads))
@@ -79,6 +72,11 @@ class HttpServer:
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def openai_url(self) -> str:
+        """The base URL of its OpenAI-compatible API."""
+        return self.url + "/v1"
 
     def start(self, timeout_s: float = 300.0) -> None:
         with self.log.open("ab") as log:
@@ -203,3 +201,8 @@ class DaemonProcess:
     @property
     def command(self) -> list[str]:
         return self.daemon.command if self.daemon is not None else []
+
+    @property
+    def openai_url(self) -> str:
+        """The base URL of its HTTP shim's OpenAI-compatible API (empty when it serves none)."""
+        return self.http_url

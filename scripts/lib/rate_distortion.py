@@ -45,10 +45,7 @@ def lattice_point(kind: LatticeKind, q: int, x: torch.Tensor) -> dict[str, Any]:
     codec = TorchLatticeCodec(spec, torch.device("cpu"))
     coding = codec.encode(x)
     _, escaped = block_indices(spec, coding.doubled)
-    # What the packed store holds per vector: codes, fp16 norm and scale; each escaped block adds its key and
-    # raw coordinates (4 int32 + block_dim int16).
-    escape_bytes = int(escaped.sum()) * (16 + 2 * spec.block_dim)
-    held_bits = (coding.count * (spec.code_bytes + spec.scale_bytes) + escape_bytes) * 8
+    held_bits = spec.held_bytes(coding.count, int(escaped.sum())) * 8  # what the packed store holds
     decoded = codec.decode(coding, tuple(x.shape), torch.float32)
     return {
         "method": f"kakeya_{kind}",
