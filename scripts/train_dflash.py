@@ -1,12 +1,19 @@
 """Train a DFlash block-diffusion drafter for a local verifier (the verifier stays frozen).
 
 What a drafter must predict at serving time is the verifier's own continuation of whatever it is given, so the
-training rows are mostly exactly that: prompts cut from a text corpus (`--prompt-corpus`, of varied lengths
-`--prompt-lens`), each continued greedily by the verifier up to `--row-len` tokens (`--continuations ROWS`); blocks
-are anchored only in the continuations. Plain corpus rows (`--corpus`, anchored anywhere) can be mixed in. Every
-step runs the verifier over a batch of rows for its features at the target layers (transformers'
-`hidden_states[i + 1]` convention, as the engine captures them) and trains the drafter on anchor-sampled blocks
-with the block-bidirectional mask and the position-decayed loss of `kv_cache_proposer.proposers.dflash.training`.
+training rows are mostly exactly that: either prompts cut from a text corpus (`--prompt-corpus`, of varied lengths
+`--prompt-lens`), each continued greedily by the verifier up to `--row-len` tokens (`--continuations ROWS`), or the
+prompts of a prompt file (`--prompts`, made by scripts/make_drafter_prompts.py: chat-formatted prompts of every
+length up to the model's context), each continued greedily for up to `--new-tokens` tokens or until the verifier
+ends its turn. Blocks are anchored only in the continuations. Plain corpus rows (`--corpus`, anchored anywhere) can
+be mixed in. Every step runs the verifier over a batch of rows of similar length (at most `--batch-tokens` tokens)
+for its features at the target layers (transformers' `hidden_states[i + 1]` convention, as the engine captures
+them) and trains the drafter on anchor-sampled blocks with the block-bidirectional mask and the position-decayed
+loss of `kv_cache_proposer.proposers.dflash.training`.
+
+`--sliding-window W` gives every drafter layer a window of W positions over the context, which bounds what a
+session's drafter holds; `--train-windows` draws each step's window from a list (0: the whole context), so one
+drafter serves under any of them and the final log measures held-out acceptance under each, by prompt length.
 
 Held-out acceptance is logged during training (`--eval-every`): continuations of prompts from `--eval-corpus`
 (text neither model trained on) give, block by block, exactly the tokens greedy speculative decoding would accept
@@ -19,6 +26,7 @@ CPU or, faster, on a GPU (`--device cuda`).
 Usage:
     python scripts/train_dflash.py --model VERIFIER_DIR --out DRAFTER_DIR
         [--continuations ROWS --prompt-corpus FILE [--prompt-lens 16 192] [--row-len 320]] [--corpus FILE ...]
+        [--prompts PROMPTS.npz [--new-tokens 128]] [--sliding-window W] [--train-windows W ...]
         [--eval-corpus FILE] [--steps 2000] [--layers 1] [--block-size 8] [--device cpu] [--resume]
 """
 
@@ -38,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.drafter_rows import Rows, load_rows
+from lib.drafter_rows import PromptSet, Rows, load_rows, prompt_continuations
 from lib.results import RESULTS_DIR, environment, write_results
 from transformers import Qwen3Config
 
@@ -71,6 +79,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--row-len", type=int, default=320, help="tokens per training row (prompt + continuation)")
     p.add_argument("--generate-batch", type=int, default=64, help="rows generated per verifier generate() call")
+    p.add_argument("--prompts", type=Path, help="a prompt file (scripts/make_drafter_prompts.py): train on its prompts")
+    p.add_argument("--new-tokens", type=int, default=128, help="with --prompts: most tokens continued per prompt")
+    p.add_argument(
+        "--batch-tokens", type=int, default=16384, help="with --prompts: most tokens (rows x longest) per batch"
+    )
+    p.add_argument("--generate-tokens", type=int, default=65536, help="with --prompts: most tokens per generate() call")
+    p.add_argument(
+        "--sliding-window", type=int, default=0, help="every drafter layer's window over the context (0: none)"
+    )
+    p.add_argument(
+        "--train-windows",
+        type=int,
+        nargs="*",
+        default=[],
+        help="windows drawn per step while training (0: the whole context; default: --sliding-window alone)",
+    )
     p.add_argument("--generate-temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--batch-size", type=int, default=8, help="rows per step")
@@ -99,13 +123,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--time-limit", type=float, default=0, help="stop training after this many seconds (0: run every step)"
     )
+    p.add_argument(
+        "--stop-at",
+        type=float,
+        default=0,
+        help="stop training by this Unix time, whatever --time-limit says (0: no such bound)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--tf32",
+        action="store_true",
+        help="on a CUDA device, train with TF32 matrix products (rows are generated in float32 before)",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     for name in ("row_len", "eval_prompt_len", "eval_prompts", "eval_tokens", "eval_every", "generate_batch"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.sliding_window < 0 or any(w < 0 for w in args.train_windows):
+        p.error("windows must be positive (0: the whole context)")
+    if args.new_tokens < args.block_size:
+        p.error("--new-tokens must be at least --block-size")
     low, high = args.prompt_lens
     if not 1 <= low <= high or high + args.block_size > args.row_len:
         p.error(f"--prompt-lens {low} {high} must satisfy 1 <= MIN <= MAX and MAX + --block-size <= --row-len")
@@ -123,6 +162,7 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
         if mask is None:
             raise SystemExit("the tokenizer has no mask token: pass --mask-token-id")
     head_dim = int(getattr(vconfig, "head_dim", None) or vconfig.hidden_size // vconfig.num_attention_heads)
+    window = args.sliding_window or None
     config = Qwen3Config(
         vocab_size=verifier.vocab_size,
         hidden_size=verifier.hidden_size,
@@ -135,6 +175,9 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
         max_position_embeddings=int(getattr(vconfig, "max_position_embeddings", 32768)),
         rope_parameters=getattr(vconfig, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6},
         tie_word_embeddings=False,
+        use_sliding_window=window is not None,
+        sliding_window=window,
+        layer_types=["sliding_attention" if window else "full_attention"] * args.layers,
     )
     spec = DFlashSpec(
         block_size=args.block_size,
@@ -186,10 +229,13 @@ def mean_acceptance_length(
     }
 
 
-def lr_at(step: int, args: argparse.Namespace) -> float:
+def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:
+    """Linear warm-up, then a cosine decay to zero at `--steps` or, sooner, at `--time-limit` seconds."""
     if step < args.warmup:
         return args.lr * (step + 1) / args.warmup
     progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    if args.time_limit:
+        progress = max(progress, elapsed / args.time_limit)
     return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
@@ -198,35 +244,127 @@ def row_anchors(first: np.ndarray, length: int, args: argparse.Namespace, genera
     return torch.stack([sample_anchors(length, args.block_size, args.anchors, generator, first=int(f)) for f in first])
 
 
+def row_acceptance(
+    drafter: DFlashDrafter,
+    spec: DFlashSpec,
+    verifier: TorchVerifier,
+    held: Rows,
+    args: argparse.Namespace,
+    windows: list[int] | None = None,
+) -> dict[int | None, list[float]]:
+    """Per window (None: the drafter's own layer windows; 0: the whole context) and held-out row: the mean greedy
+    acceptance length of blocks anchored at every continuation position. Rows with no such block are left out."""
+    embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
+    head = verifier.model.get_output_embeddings()
+    lengths = held.row_lengths()
+    chosen: list[int | None] = list(windows) if windows is not None else [None]
+    per_row: dict[int | None, list[float]] = {w: [] for w in chosen}
+    drafter.eval()
+    with torch.no_grad():
+        for index in range(len(held)):
+            length, first = int(lengths[index]), int(held.first_anchor[index])
+            if length - first < 2:
+                continue
+            tokens = np.pad(held.tokens[index, :length], (0, args.block_size))
+            tokens_t = torch.from_numpy(tokens[None]).to(verifier.device)
+            features = features_of(verifier, tokens_t, spec.target_layer_ids)
+            for window in chosen:
+                stats = block_loss(
+                    drafter,
+                    embed,
+                    head,
+                    tokens_t,
+                    features,
+                    torch.arange(first, length - 1),
+                    block_size=args.block_size,
+                    mask_token_id=spec.mask_token_id,
+                    gamma=args.gamma,
+                    lengths=torch.tensor([length]),
+                    windows=None if window is None else [window or None] * len(drafter.layers),
+                )
+                per_row[window].append(stats.acceptance_length)
+    drafter.train()
+    return per_row
+
+
 def held_out_acceptance(
     drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, held: Rows, args: argparse.Namespace
 ) -> float:
     """Mean greedy acceptance length over blocks anchored at every continuation position of the held-out rows."""
-    embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
-    head = verifier.model.get_output_embeddings()
-    length = held.tokens.shape[1]
-    anchors = torch.arange(int(held.first_anchor[0]), length - args.block_size + 1)
-    total = weight = 0.0
-    drafter.eval()
-    with torch.no_grad():
-        for begin in range(0, len(held), 4):
-            tokens = torch.from_numpy(held.tokens[begin : begin + 4]).to(verifier.device)
-            features = features_of(verifier, tokens, spec.target_layer_ids)
-            stats = block_loss(
-                drafter,
-                embed,
-                head,
-                tokens,
-                features,
-                anchors,
-                block_size=args.block_size,
-                mask_token_id=spec.mask_token_id,
-                gamma=args.gamma,
-            )
-            total += stats.acceptance_length * len(tokens)
-            weight += len(tokens)
-    drafter.train()
-    return total / weight
+    per_row = row_acceptance(drafter, spec, verifier, held, args)[None]
+    return float(np.mean(per_row)) if per_row else 0.0
+
+
+def acceptance_by_window(
+    drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, held: Rows, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Held-out acceptance length per row under each training window, with the row's prompt length."""
+    lengths = held.row_lengths()
+    kept = [i for i in range(len(held)) if int(lengths[i]) - int(held.first_anchor[i]) >= 2]
+    windows = sorted(set(args.train_windows or [args.sliding_window]))
+    per_window = row_acceptance(drafter, spec, verifier, held, args, windows)
+    return [
+        {"window": window, "prompt_tokens": int(held.first_anchor[index]), "acceptance": acceptance}
+        for window in windows
+        for index, acceptance in zip(kept, per_window[window], strict=True)
+    ]
+
+
+def step_batch(
+    train: Rows, group: np.ndarray, args: argparse.Namespace, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [N, longest + block size], anchors [N, A], lengths [N]) of one step over the rows `group`."""
+    lengths = train.row_lengths()[group]
+    width = int(lengths.max()) + args.block_size
+    tokens = np.zeros((len(group), width), dtype=np.int64)
+    anchors = []
+    for row, index in enumerate(group):
+        length, first = int(lengths[row]), int(train.first_anchor[index])
+        tokens[row, : min(width, train.tokens.shape[1])] = train.tokens[index, :width]
+        if length - args.block_size - first + 1 >= args.anchors:  # distinct anchors, every block whole
+            anchors.append(sample_anchors(length, args.block_size, args.anchors, generator, first=first))
+        else:  # a short continuation: anchors may repeat, and a block's slots past the row's end are not scored
+            anchors.append(torch.randint(first, length - 1, (args.anchors,), generator=generator).sort().values)
+    return torch.from_numpy(tokens), torch.stack(anchors), torch.from_numpy(lengths.astype(np.int64))
+
+
+def stop_token_ids(model: Path) -> list[int]:
+    """The verifier's end-of-turn tokens: the generation config's `eos_token_id` and the tokenizer's."""
+    ids: set[int] = set()
+    config = model / "generation_config.json"
+    if config.is_file():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        ids.update([eos] if isinstance(eos, int) else eos or [])
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def prompt_file_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, Rows, list[list[int]]]:
+    """(training rows, held-out rows, held-out prompts of the final check) of a `--prompts` file."""
+    prompts = PromptSet.load(args.prompts)
+    if not prompts.train or not prompts.held:
+        raise SystemExit(f"{args.prompts} holds no training or no held-out prompts")
+    stops = stop_token_ids(args.model)
+
+    def rows(chosen: list[list[int]], desc: str) -> Rows:
+        return prompt_continuations(
+            verifier,
+            chosen,
+            new_tokens=args.new_tokens,
+            stop_ids=stops,
+            token_budget=args.generate_tokens,
+            max_rows=args.generate_batch,
+            desc=desc,
+        )
+
+    spread = np.linspace(0, len(prompts.held) - 1, min(args.eval_rows, len(prompts.held))).astype(int)
+    held = rows([prompts.held[i] for i in spread], "held-out continuations")
+    final = np.linspace(0, len(prompts.held) - 1, min(args.eval_prompts, len(prompts.held))).astype(int)
+    return rows(prompts.train, "continuations"), held, [prompts.held[i] for i in final]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,23 +377,41 @@ def main(argv: list[str] | None = None) -> int:
     rows_file = args.out / "rows.npz"
     if args.resume and rows_file.exists():
         saved = np.load(rows_file)
-        train = Rows(saved["train"].astype(np.int64), saved["train_first"])
-        held = Rows(saved["held"].astype(np.int64), saved["held_first"])
-        prompts = [list(map(int, p)) for p in saved["prompts"]]
+        train = Rows(saved["train"].astype(np.int64), saved["train_first"], saved["train_lengths"])
+        held = Rows(saved["held"].astype(np.int64), saved["held_first"], saved["held_lengths"])
+        flat, offsets = saved["prompts"], saved["prompt_offsets"]
+        prompts = [flat[a:b].astype(np.int64).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
     else:
-        train, held, prompts = load_rows(args, verifier)
+        train, held, prompts = prompt_file_rows(args, verifier) if args.prompts else load_rows(args, verifier)
         np.savez_compressed(  # token ids fit int32: a quarter of the int64 size before compression
             rows_file,
             train=train.tokens.astype(np.int32),
             train_first=train.first_anchor,
+            train_lengths=train.row_lengths(),
             held=held.tokens.astype(np.int32),
             held_first=held.first_anchor,
-            prompts=np.asarray(prompts, dtype=np.int32),
+            held_lengths=held.row_lengths(),
+            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]),
+            prompt_offsets=np.cumsum([0, *(len(p) for p in prompts)]),
         )
     length = train.tokens.shape[1]
-    if int(train.first_anchor.max()) + args.block_size + args.anchors - 1 > length:
-        raise SystemExit(f"rows of {length} tokens hold fewer than --anchors {args.anchors} blocks after the prompt")
+    if args.prompts:
+        keep = train.row_lengths() - train.first_anchor >= 2
+        train = Rows(train.tokens[keep], train.first_anchor[keep], train.row_lengths()[keep])
+        batches = train.batches(args.batch_tokens, args.batch_size)
+    else:
+        if int(train.first_anchor.max()) + args.block_size + args.anchors - 1 > length:
+            raise SystemExit(
+                f"rows of {length} tokens hold fewer than --anchors {args.anchors} blocks after the prompt"
+            )
+        batches = []
 
+    if args.stop_at:  # the rows took what they took: training gets what is left
+        left = max(1.0, args.stop_at - time.time())
+        args.time_limit = min(args.time_limit or left, left)
+    if args.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     drafter, spec = build_drafter(args, verifier)
     drafter.to(device).train()
     embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
@@ -287,12 +443,22 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="train dflash") as bar:
         for step in bar:
-            picks = torch.randint(0, len(train), (args.batch_size,), generator=generator).numpy()
-            tokens = torch.from_numpy(train.tokens[picks]).to(device)
-            anchors = row_anchors(train.first_anchor[picks], length, args, generator)
+            lengths = None
+            if batches:
+                group = batches[int(torch.randint(0, len(batches), (1,), generator=generator))]
+                tokens, anchors, lengths = step_batch(train, group, args, generator)
+                tokens = tokens.to(device)
+            else:
+                picks = torch.randint(0, len(train), (args.batch_size,), generator=generator).numpy()
+                tokens = torch.from_numpy(train.tokens[picks]).to(device)
+                anchors = row_anchors(train.first_anchor[picks], length, args, generator)
+            windows = None
+            if args.train_windows:
+                drawn = args.train_windows[int(torch.randint(0, len(args.train_windows), (1,), generator=generator))]
+                windows = [drawn or None] * len(drafter.layers)
             features = features_of(verifier, tokens, spec.target_layer_ids)
             for group in optimizer.param_groups:
-                group["lr"] = lr_at(step, args)
+                group["lr"] = lr_at(step, args, time.perf_counter() - started)
             stats = block_loss(
                 drafter,
                 embed,
@@ -303,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
                 block_size=args.block_size,
                 mask_token_id=spec.mask_token_id,
                 gamma=args.gamma,
+                lengths=lengths,
+                windows=windows,
             )
             optimizer.zero_grad(set_to_none=True)
             stats.loss.backward()
@@ -324,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.time_limit and time.perf_counter() - started > args.time_limit and step + 1 < args.steps:
                 bar.write(f"--time-limit {args.time_limit:g} s reached after step {step + 1} of {args.steps}")
                 break
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # measured in float32
     steps_done = history[-1]["step"] if history else start_step
     if history and "heldout_acceptance_length" not in history[-1]:
         history[-1]["heldout_acceptance_length"] = held_out_acceptance(drafter, spec, verifier, held, args)
@@ -333,12 +502,14 @@ def main(argv: list[str] | None = None) -> int:
     drafter.eval()
     save_drafter(drafter, spec, args.out)
     evaluation = mean_acceptance_length(drafter, spec, verifier, prompts, args.eval_tokens)
+    by_window = acceptance_by_window(drafter, spec, verifier, held, args) if args.prompts else []
     config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     config.update(
         target_layer_ids=list(spec.target_layer_ids),
         mask_token_id=spec.mask_token_id,
         training_rows=len(train),
         row_len=length,
+        training_tokens=int(train.row_lengths().sum()),
         heldout_rows=len(held),
         command=shlex.join([Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)]),
     )
@@ -351,7 +522,18 @@ def main(argv: list[str] | None = None) -> int:
         "steps_done": steps_done,
         **evaluation,
     }
-    log = {"config": config, "environment": environment(), "summary": summary, "history": history}
+    if by_window:
+        summary["heldout_acceptance_by_window"] = {
+            str(w): float(np.mean([r["acceptance"] for r in by_window if r["window"] == w]))
+            for w in sorted({r["window"] for r in by_window})
+        }
+    log = {
+        "config": config,
+        "environment": environment(),
+        "summary": summary,
+        "history": history,
+        "acceptance_by_window": by_window,
+    }
     (args.out / "training_log.json").write_text(json.dumps(log, indent=2, default=str) + "\n")
 
     def plot(png: Path) -> None:

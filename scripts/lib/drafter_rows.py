@@ -1,13 +1,17 @@
-"""Training rows of a DFlash drafter: the verifier's own continuations of prompt slices, and plain text rows.
+"""Training rows of a DFlash drafter: the verifier's own continuations of prompts, and plain text rows.
 
-A row is `row_len` token ids with the first position a block may be anchored at: after the prompt for a
-continuation (what the drafter is asked to predict when serving), anywhere for plain text.
+A row is token ids with the first position a block may be anchored at: after the prompt for a continuation (what
+the drafter is asked to predict when serving), anywhere for plain text. Rows cut from a corpus all hold `row_len`
+tokens; continuations of a prompt file (`prompt_continuations`) are as long as their prompt plus what the verifier
+said before its end-of-turn token, right-padded, with each row's real length kept.
 """
 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,17 +23,87 @@ from lib.tokens import read_tokens, spread_windows
 
 @dataclass
 class Rows:
-    """Training rows [R, L] and, per row, the first position a block may be anchored at [R]."""
+    """Training rows [R, L] (right-padded), per row the first position a block may be anchored at [R], and per row
+    its real length [R] (None: every row is L long)."""
 
     tokens: np.ndarray
     first_anchor: np.ndarray
+    lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def row_lengths(self) -> np.ndarray:
+        return np.full(len(self), self.tokens.shape[1]) if self.lengths is None else self.lengths
+
     @staticmethod
     def concat(parts: list[Rows]) -> Rows:
-        return Rows(np.concatenate([r.tokens for r in parts]), np.concatenate([r.first_anchor for r in parts]))
+        width = max(r.tokens.shape[1] for r in parts)
+        padded = [np.pad(r.tokens, ((0, 0), (0, width - r.tokens.shape[1]))) for r in parts]
+        ragged = any(r.lengths is not None for r in parts) or len({r.tokens.shape[1] for r in parts}) > 1
+        return Rows(
+            np.concatenate(padded),
+            np.concatenate([r.first_anchor for r in parts]),
+            np.concatenate([r.row_lengths() for r in parts]) if ragged else None,
+        )
+
+    def batches(self, token_budget: int, max_rows: int) -> list[np.ndarray]:
+        """Row indices grouped by length, each group's rows x longest row within `token_budget` (and at most
+        `max_rows` rows), so a step over a group pads little."""
+        lengths = self.row_lengths()
+        groups: list[np.ndarray] = []
+        current: list[int] = []
+        for index in np.argsort(lengths, kind="stable"):
+            longest = int(lengths[index])
+            if current and ((len(current) + 1) * longest > token_budget or len(current) == max_rows):
+                groups.append(np.asarray(current))
+                current = []
+            current.append(int(index))
+        if current:
+            groups.append(np.asarray(current))
+        return groups
+
+
+@dataclass(frozen=True)
+class PromptSet:
+    """Prompts of a drafter's training (`train`) and measurement (`held`): token ids and a kind per prompt."""
+
+    train: list[list[int]]
+    train_kinds: list[str]
+    held: list[list[int]]
+    held_kinds: list[str]
+
+    def save(self, path: Path) -> None:
+        def flat(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+            offsets = np.cumsum([0, *(len(p) for p in prompts)])
+            ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]) if prompts else np.zeros(0)
+            return ids.astype(np.int32), offsets.astype(np.int64)
+
+        train_ids, train_offsets = flat(self.train)
+        held_ids, held_offsets = flat(self.held)
+        np.savez_compressed(
+            path,
+            train_ids=train_ids,
+            train_offsets=train_offsets,
+            train_kinds=np.asarray(self.train_kinds),
+            held_ids=held_ids,
+            held_offsets=held_offsets,
+            held_kinds=np.asarray(self.held_kinds),
+        )
+
+    @staticmethod
+    def load(path: Path) -> PromptSet:
+        saved = np.load(path)
+
+        def unflat(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+            return [ids[a:b].astype(np.int64).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+
+        return PromptSet(
+            unflat(saved["train_ids"], saved["train_offsets"]),
+            [str(k) for k in saved["train_kinds"]],
+            unflat(saved["held_ids"], saved["held_offsets"]),
+            [str(k) for k in saved["held_kinds"]],
+        )
 
 
 def plain_rows(ids: np.ndarray, row_len: int) -> Rows:
@@ -75,6 +149,61 @@ def continuations(
             done += batch
             bar.update(batch)
     return Rows(np.concatenate(tokens), np.concatenate(firsts))
+
+
+def prompt_continuations(
+    verifier: TorchVerifier,
+    prompts: Sequence[list[int]],
+    *,
+    new_tokens: int,
+    stop_ids: Sequence[int],
+    token_budget: int,
+    max_rows: int,
+    desc: str,
+) -> Rows:
+    """Each prompt followed by the verifier's greedy continuation: up to `new_tokens` tokens, ending with the first
+    of `stop_ids` it says. Prompts of similar length are generated together, left-padded under an attention mask
+    (whose arithmetic may differ from one prompt alone in the last bits: a rare token of a row may then differ from
+    what the prompt alone gives)."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    rows: list[list[int] | None] = [None] * len(prompts)
+    stops = set(int(t) for t in stop_ids)
+    with tqdm(total=len(prompts), desc=desc, unit="row") as bar:
+        begin = 0
+        while begin < len(order):
+            end = begin + 1
+            while end < len(order) and end - begin < max_rows:
+                if (end - begin + 1) * (len(prompts[order[end]]) + new_tokens) > token_budget:
+                    break
+                end += 1
+            group = [prompts[i] for i in order[begin:end]]
+            width = max(len(p) for p in group)
+            ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in group], device=verifier.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=verifier.device)
+            with torch.no_grad():
+                out = verifier.model.generate(  # type: ignore[operator]
+                    ids,
+                    attention_mask=mask,
+                    max_new_tokens=new_tokens,
+                    do_sample=False,
+                    eos_token_id=sorted(stops) or None,
+                    pad_token_id=0,
+                )
+            for index, prompt, generated in zip(order[begin:end], group, out[:, width:].tolist(), strict=True):
+                said: list[int] = []
+                for token in generated:
+                    said.append(int(token))
+                    if token in stops:
+                        break
+                rows[index] = [*prompt, *said]
+            bar.update(end - begin)
+            begin = end
+    lengths = np.asarray([len(r) for r in rows if r is not None])
+    tokens = np.zeros((len(rows), int(lengths.max())), dtype=np.int64)
+    for index, row in enumerate(rows):
+        assert row is not None
+        tokens[index, : len(row)] = row
+    return Rows(tokens, np.asarray([len(p) for p in prompts], dtype=np.int64), lengths)
 
 
 def load_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, Rows, list[list[int]]]:

@@ -102,11 +102,18 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.layer_windows = layer_windows(config.to_dict())
 
-    def layer_masks(self, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor) -> list[torch.Tensor]:
+    def layer_masks(
+        self,
+        allowed: torch.Tensor,
+        query_pos: torch.Tensor,
+        key_pos: torch.Tensor,
+        windows: list[int | None] | None = None,
+    ) -> list[torch.Tensor]:
         """Per-layer masks from the base visibility `allowed`; sliding-window layers also drop keys more than
-        `sliding_window` positions away from the query (either side: the block is bidirectional)."""
+        `sliding_window` positions away from the query (either side: the block is bidirectional). `windows`
+        replaces the config's per-layer windows (training with varied windows)."""
         masks = []
-        for window in self.layer_windows:
+        for window in self.layer_windows if windows is None else windows:
             masks.append(allowed if window is None else allowed & ((query_pos - key_pos).abs() < window))
         return masks
 

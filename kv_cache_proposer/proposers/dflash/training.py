@@ -65,13 +65,17 @@ def block_loss(
     mask_token_id: int,
     gamma: float,
     embedding_scale: float = 1.0,
+    lengths: torch.Tensor | None = None,
+    windows: list[int | None] | None = None,
 ) -> BlockStats:
     """Weighted cross-entropy of every block, per-slot accuracy and the greedy acceptance length of the blocks.
 
     tokens [N, L]; features [N, L, F] (the verifier's, without grad); anchors [A] shared by the batch or [N, A] per
     row. Slot k of a block (k = 1..B-1) is weighted exp(-(k-1)/gamma). When `tokens` after each anchor are the
     verifier's own greedy continuation, the acceptance length is exactly what speculative greedy decoding accepts
-    at those positions.
+    at those positions. `lengths` [N]: each row's real length when rows are right-padded (a block's slots at or past
+    it are neither scored nor counted); `windows`: per drafter layer, the window to train under (default: the
+    drafter config's).
     """
     n, length = tokens.shape
     device = tokens.device
@@ -94,7 +98,7 @@ def block_loss(
     sees_block = (block_of_query[:, None] == block_of_query[None, :]).expand(n, -1, -1)  # [N, A*B, A*B]
     allowed = torch.cat([sees_context, sees_block], dim=2)  # [N, A*B, L + A*B]
     key_pos = torch.cat([ctx_pos[None].expand(n, -1), block_pos], dim=1)  # [N, L + A*B]
-    masks = [m[:, None] for m in drafter.layer_masks(allowed, block_pos[:, :, None], key_pos[:, None, :])]
+    masks = [m[:, None] for m in drafter.layer_masks(allowed, block_pos[:, :, None], key_pos[:, None, :], windows)]
 
     def store(index: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ctx_keys, ctx_values = context[index]
@@ -105,11 +109,15 @@ def block_loss(
     logits = head(hidden).float()  # [N, A, B-1, V]
     losses = F.cross_entropy(logits.flatten(0, 2), targets.flatten(), reduction="none").view_as(targets)
     weights = torch.tensor([math.exp(-k / gamma) for k in range(block_size - 1)], device=device)
-    loss = (losses * weights).sum(-1).mean() / weights.sum()
-    correct = logits.argmax(-1) == targets  # [N, A, B-1]
+    real = torch.ones_like(targets, dtype=torch.bool)
+    if lengths is not None:  # slot k of a block holds position anchor + k + 1
+        real = block_pos.view(n, count, block_size)[:, :, 1:] < lengths.to(device)[:, None, None]
+    slot_weights = weights * real
+    loss = (losses * slot_weights).sum() / slot_weights.sum().clamp_min(1e-9)
+    correct = (logits.argmax(-1) == targets) & real  # [N, A, B-1]
     leading = correct.int().cumprod(dim=-1).sum(dim=-1)  # [N, A]
     return BlockStats(
         loss=loss,
-        slot_accuracy=correct.float().mean(dim=(0, 1)).detach(),
+        slot_accuracy=(correct.float().sum(dim=(0, 1)) / real.float().sum(dim=(0, 1)).clamp_min(1)).detach(),
         acceptance_length=1.0 + float(leading.float().mean()),
     )
