@@ -372,21 +372,24 @@ class KVSessionCache(Generic[A]):
         return cache
 
     def clone(self, length: int) -> KVSessionCache[A]:
+        return self.clone_under(length, self._strategy)
+
+    def clone_under(self, length: int, strategy: KVStrategy) -> KVSessionCache[A]:
+        """A copy holding the first `length` committed positions under `strategy`, which must keep only positions
+        this cache still holds."""
         if not 0 <= length <= self._next_position:
             raise ValueError(f"cannot clone {length} positions of a cache holding {self._next_position}")
         slots = self._resident_slots()
         positions = self._positions[slots]
-        wanted = self._strategy.resident_positions(length)
+        wanted = strategy.resident_positions(length)
         present = np.isin(wanted, positions)
         if not present.all():
             raise ValueError(
                 f"positions {wanted[~present][:5].tolist()} that {length} committed positions keep resident "
                 "were already evicted"
             )
-        keep = slots[positions < length]
-        twin = KVSessionCache(
-            self._strategy, num_layers=len(self._layers), ops=self._ops, layer_store=self._layer_store
-        )
+        keep = slots[np.isin(positions, wanted)]
+        twin = KVSessionCache(strategy, num_layers=len(self._layers), ops=self._ops, layer_store=self._layer_store)
         # Each layer copies the entries in the form it holds them (a compressed layer copies its codes).
         loads = [
             partial(twin_layer.load_from, layer, keep) if layer.active else None

@@ -62,11 +62,18 @@ def save_draft_model(directory: Path, seed: int = 1) -> Path:
 
 
 def save_dflash_drafter(
-    directory: Path, *, block_size: int = 4, seed: int = 2, layers: int = 1, sliding_window: int | None = None
+    directory: Path,
+    *,
+    block_size: int = 4,
+    seed: int = 2,
+    layers: int = 1,
+    sliding_window: int | None = None,
+    every_layer_windowed: bool = False,
 ) -> Path:
     """A random DFlash drafter in the published format for the test checkpoints (hidden 64, 3 verifier layers).
 
-    `sliding_window`: its even layers attend over that window (the odd ones over everything)."""
+    `sliding_window`: its even layers attend over that window (the odd ones over everything), or every layer with
+    `every_layer_windowed`."""
     from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
     from kv_cache_proposer.proposers.dflash.config import DFlashSpec
     from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
@@ -83,7 +90,9 @@ def save_dflash_drafter(
     )
     if sliding_window is not None:
         config.sliding_window = sliding_window
-        config.layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+        config.layer_types = [
+            "sliding_attention" if i % 2 == 0 or every_layer_windowed else "full_attention" for i in range(layers)
+        ]
     spec = DFlashSpec(block_size=block_size, target_layer_ids=(0, 2), mask_token_id=VOCAB_SIZE - 1, num_target_layers=3)
     torch.manual_seed(seed)
     save_drafter(DFlashDrafter(config, len(spec.target_layer_ids)), spec, directory)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from kv_cache_proposer.errors import ModelLoadError
-from kv_cache_proposer.proposers.dflash.config import DFlashSpec, read_config
+from kv_cache_proposer.proposers.dflash.config import DFlashSpec, layer_windows, read_config
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 
 
@@ -30,7 +30,7 @@ def load_drafter(
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(file))
-    drafter = DFlashDrafter(config, len(spec.target_layer_ids))
+    drafter = DFlashDrafter(config, len(spec.target_layer_ids), layer_windows(raw))
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelLoadError(

@@ -92,7 +92,10 @@ class DFlashLayer(nn.Module):
 class DFlashDrafter(nn.Module):
     """The drafter network. `config` is a Qwen3 config carrying the DFlash fields."""
 
-    def __init__(self, config: Qwen3Config, num_features: int) -> None:
+    def __init__(self, config: Qwen3Config, num_features: int, windows: list[int | None] | None = None) -> None:
+        """`windows`: per layer, its sliding window over the context (None: every key); default: the config's
+        (read from the checkpoint's raw config by `load_drafter`, since Qwen3Config drops `sliding_window`
+        unless `use_sliding_window` is set)."""
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList([DFlashLayer(config) for _ in range(config.num_hidden_layers)])
@@ -100,7 +103,9 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(num_features * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self.layer_windows = layer_windows(config.to_dict())
+        self.layer_windows = layer_windows(config.to_dict()) if windows is None else list(windows)
+        if len(self.layer_windows) != len(self.layers):
+            raise ValueError(f"{len(self.layer_windows)} layer windows for {len(self.layers)} drafter layers")
 
     def layer_masks(
         self,

@@ -18,7 +18,12 @@ from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
-from kv_cache_proposer.proposers.dflash.session import DFlashBatchDrafter, DFlashDraftSession, block_masks
+from kv_cache_proposer.proposers.dflash.session import (
+    DFlashBatchDrafter,
+    DFlashDraftSession,
+    block_masks,
+    context_strategy,
+)
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import BatchBlock
 
@@ -67,8 +72,9 @@ class DFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        cache = KVSessionCache(strategy, num_layers=len(self.drafter.layers), ops=self._ops)
-        return DFlashDraftSession(self, cache, self._batch)
+        held = context_strategy(strategy, self.drafter.layer_windows)
+        cache = KVSessionCache(held, num_layers=len(self.drafter.layers), ops=self._ops)
+        return DFlashDraftSession(self, cache, self._batch, windowed=held is not strategy)
 
     @torch.inference_mode()
     def add_context(self, cache: SessionCache[torch.Tensor], features: torch.Tensor) -> None:

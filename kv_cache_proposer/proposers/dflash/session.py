@@ -13,18 +13,64 @@ each block over its own context, positions and mask, and its commits' context pr
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar, cast
 
 import numpy as np
 
-from kv_cache_proposer.cache import SessionCache, visible_keys
+from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
+from kv_cache_proposer.strategies import KVStrategy
 
 T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class DrafterWindow:
+    """The residency of a windowed drafter's context: the last `window` positions, none before `start`.
+
+    `start` is where a context began that could not hold the window before it (a fork at a point whose window
+    was already evicted): it drafts with less context until its window fills again. Slots are a ring of `window`.
+    """
+
+    window: int
+    start: int = 0
+
+    @property
+    def name(self) -> str:
+        return "drafter_window"
+
+    @property
+    def bounded_slots(self) -> int | None:
+        return self.window
+
+    def slot_of(self, position: int) -> int:
+        return position % self.window
+
+    def slots_of(self, positions: np.ndarray) -> np.ndarray:
+        return positions % self.window
+
+    def resident_count(self, committed: int) -> int:
+        return max(0, min(committed - self.start, self.window))
+
+    def resident_positions(self, committed: int) -> np.ndarray:
+        return np.arange(max(self.start, committed - self.window), committed, dtype=np.int64)
+
+    def visible(self, query_pos: Any, key_pos: Any) -> Any:
+        return (query_pos - key_pos <= self.window) & (key_pos >= self.start)
+
+
+def context_strategy(strategy: KVStrategy, windows: Sequence[int | None]) -> KVStrategy:
+    """The strategy a session's drafter context is held under. When every drafter layer attends over a window, the
+    last `max(windows)` positions alone (`DrafterWindow`): the drafter reads nothing older, so its context stays
+    that size whatever the history. Otherwise the session's own strategy."""
+    if windows and all(window is not None for window in windows):
+        return DrafterWindow(max(cast(int, window) for window in windows))
+    return strategy
 
 
 def block_masks(cache: SessionCache[Any], windows: Sequence[int | None]) -> list[np.ndarray | None]:
@@ -153,12 +199,19 @@ class DFlashDraftSession(Generic[A]):
     """One session's drafter context."""
 
     def __init__(
-        self, engine: DraftEngine[A], cache: SessionCache[A], batch: DFlashBatchDrafter[A] | None = None
+        self,
+        engine: DraftEngine[A],
+        cache: SessionCache[A],
+        batch: DFlashBatchDrafter[A] | None = None,
+        *,
+        windowed: bool = False,
     ) -> None:
-        """`batch`: the batch drafter shared by the proposer's sessions (None: this session drafts alone)."""
+        """`batch`: the batch drafter shared by the proposer's sessions (None: this session drafts alone);
+        `windowed`: `cache` holds the drafter's window alone (`context_strategy`)."""
         self._engine = engine
         self._cache = cache
         self._batch = batch
+        self._windowed = windowed
 
     @property
     def batch_drafter(self) -> DFlashBatchDrafter[A] | None:
@@ -211,4 +264,13 @@ class DFlashDraftSession(Generic[A]):
 
     def clone(self, length: int) -> DFlashDraftSession:
         # The context K/V track the verifier's committed positions one for one, so they clone at the same length.
+        # A context held over the drafter's window alone keeps what it still holds of the window before `length`:
+        # the clone drafts with less context until its window fills again.
+        if self._windowed:
+            cache = cast(KVSessionCache[A], self._cache)
+            window = cast(DrafterWindow, cache.strategy)
+            held = cache.strategy.resident_positions(cache.next_position)
+            first = max(length - window.window, window.start, int(held[0]) if held.size else length)
+            twin = cache.clone_under(length, DrafterWindow(window.window, start=min(first, length)))
+            return DFlashDraftSession(self._engine, twin, self._batch, windowed=True)
         return DFlashDraftSession(self._engine, self._cache.clone(length), self._batch)

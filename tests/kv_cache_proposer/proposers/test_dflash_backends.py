@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from kv_cache_proposer.cache import KVSessionCache
 from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
+from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.backends import to_numpy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
@@ -65,3 +67,54 @@ def test_features_follow_the_output_hidden_states_convention_including_the_last_
     raw_last = hidden[last][0].numpy()  # the last layer's input: differs from its output and from the normed output
     assert not np.allclose(expected[:, -raw_last.shape[1] :], raw_last, atol=1e-3)
     np.testing.assert_allclose(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def windowed_drafter_dir(tmp_path_factory):
+    return save_dflash_drafter(
+        tmp_path_factory.mktemp("dflash") / "windowed",
+        block_size=5,
+        layers=2,
+        sliding_window=8,
+        every_layer_windowed=True,
+    )
+
+
+def test_a_windowed_drafter_holds_its_window_alone_and_drafts_as_over_the_whole_context(
+    verifier_pool, windowed_drafter_dir
+):
+    # Every layer reads 8 positions back at most, so a session's drafter context holds those alone (bounded
+    # whatever the history) and drafts exactly what a context holding every position drafts; both backends agree.
+    verifiers = {backend: verifier_pool.get(backend, "qwen3") for backend in ("torch", "mlx")}
+    proposers = {
+        "torch": DFlashProposer.load(windowed_drafter_dir, verifiers["torch"]),
+        "mlx": MlxDFlashProposer.load(windowed_drafter_dir, verifiers["mlx"]),
+    }
+    rng = random.Random(11)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(60)]
+    layers = proposers["torch"].spec.target_layer_ids
+    drafts: dict[str, list[list[int]]] = {}
+    for backend, verifier in verifiers.items():
+        proposer = proposers[backend]
+        out = verifier.verify(verifier.new_cache(FullStrategy()), tokens, 1, feature_layers=layers)
+        bounded = proposer.open(FullStrategy())
+        whole = DFlashDraftSession(proposer, KVSessionCache(FullStrategy(), num_layers=2, ops=verifier.array_ops))
+        drafts[backend] = []
+        for session in (bounded, whole):
+            session.on_commit(tokens, 30, out.features[:30])  # a prefill far longer than the window
+            made = []
+            for end in range(30, 60, 6):
+                if end > 30:
+                    session.on_commit(tokens, end, out.features[end - 6 : end])
+                made.append(session.propose(tokens[: end + 1], 4))
+            drafts[backend].append(made)
+        assert bounded._cache.resident_count <= 8 < whole._cache.resident_count
+        assert drafts[backend][0] == drafts[backend][1], backend
+        # A fork before the window keeps what it still holds (nothing) and drafts on as its context refills.
+        fork = bounded.clone(40)
+        assert fork._cache.next_position == 40 and fork._cache.resident_count == 0
+        fork.on_commit(tokens, 50, out.features[40:50])
+        assert len(fork.propose(tokens[:51], 4)) == 4
+        for session in (bounded, whole, fork):
+            session.release()
+    assert drafts["mlx"] == drafts["torch"]
