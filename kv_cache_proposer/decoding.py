@@ -114,9 +114,9 @@ class Decoder:
         """A planned step in a forward (or a burst) of its own; its draft session then learns the commit."""
         started = time.perf_counter()
         if plan.burst > 1:
-            tokens = self.verifier.burst(plan.seq.cache, plan.block, plan.burst)
+            tokens, features = self.verifier.burst(plan.seq.cache, plan.block, plan.burst, plan.feature_layers)
             plan.forward_s = time.perf_counter() - started
-            result = self._finish_burst(plan, tokens)
+            result = self._finish_burst(plan, tokens, features)
         else:
             out = self.verifier.verify(plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers)
             plan.forward_s = time.perf_counter() - started
@@ -254,29 +254,35 @@ class Decoder:
 
     @staticmethod
     def _bursts(request: StepRequest, wanted: int) -> bool:
-        """Whether a step may run plain greedy steps back to back: no proposer, or a step that drafts nothing for
-        a drafter that needs no verifier features (a burst returns none), greedy, nothing that reshapes or
+        """Whether a step may run plain greedy steps back to back: no proposer, or a step that drafts nothing (a
+        burst returns the features a drafter needs), greedy, nothing that reshapes or
         constrains the logits, a cache that needs no token ids to stage K/V, and not the generation's first token
         (whose latency a burst would add to)."""
         seq, controls = request.seq, request.controls
         return (
-            (isinstance(seq.draft_session, NoDraftSession) or (wanted == 0 and not seq.draft_session.feature_layers))
+            (isinstance(seq.draft_session, NoDraftSession) or wanted == 0)
             and request.params.greedy
             and (controls is None or (not controls.transforms_logits and controls.grammar is None))
             and not isinstance(seq.cache.strategy, DlmRestoreStrategy)
             and request.generated > 0
         )
 
-    def _finish_burst(self, plan: _Plan, tokens: list[int]) -> StepResult:
+    def _finish_burst(self, plan: _Plan, tokens: list[int], features: Any | None) -> StepResult:
         """After `plan.burst` greedy steps in one verifier call, the stop rules cut the tokens as a speculative step
         whose drafts were all accepted would be cut (the K/V after a cut are never committed)."""
         plan.draft, plan.logits_rows = tokens[:-1], len(tokens)
-        return self._finish(plan, None, tokens)
+        return self._finish(plan, None, tokens, features)
 
-    def _finish(self, plan: _Plan, out: VerifyOutput[Any] | None, picked: list[int] | None = None) -> StepResult:
+    def _finish(
+        self,
+        plan: _Plan,
+        out: VerifyOutput[Any] | None,
+        picked: list[int] | None = None,
+        picked_features: Any | None = None,
+    ) -> StepResult:
         """Everything a step does after its forward: sample, accept, stop, commit. `picked`: the tokens a burst
-        already chose (then there is no `out`)."""
-        features = None if out is None else out.features
+        already chose (then there is no `out`), with `picked_features` the features of its staged positions."""
+        features = picked_features if out is None else out.features
         seq, params, budget = plan.seq, plan.request.params, plan.request.budget
         generated, controls = plan.request.generated, plan.request.controls
         if plan.prefill:

@@ -101,11 +101,15 @@ class Verifier(CausalLM[A], Protocol[A]):
         """How many plain greedy decode steps `burst` runs by default on this model's device."""
         ...
 
-    def burst(self, cache: SessionCache[A], token_ids: Sequence[int], steps: int) -> list[int]:
+    def burst(
+        self, cache: SessionCache[A], token_ids: Sequence[int], steps: int, feature_layers: Sequence[int] = ()
+    ) -> tuple[list[int], A | None]:
         """Stage `token_ids` at the cache's next positions and decode `steps` greedy tokens in a row: the forward
         over the block picks the first, and each later forward takes the previous pick as its input, on the
-        device, so no step waits for the host. Returns the picks; the staged K/V of the block and of every pick
-        but the last stay staged until `commit` (which may keep fewer, as after any speculative step)."""
+        device, so no step waits for the host. Returns the picks and, with `feature_layers`, the features
+        [len(token_ids) + steps - 1, L*H] of every staged position (as `verify` of the block and the picks but
+        the last would return them; else None). The staged K/V of the block and of every pick but the last stay
+        staged until `commit` (which may keep fewer, as after any speculative step)."""
         ...
 
     def verify_batch(

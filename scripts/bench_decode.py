@@ -125,7 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--device", default="cpu", help="device of the torch arms: cpu, cuda, cuda:N (default: cpu)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads of every arm; 0: one per usable core")
-    p.add_argument("--daemon-proposers", default="none,dflash", help="one daemon arm per proposer (must hold none)")
+    p.add_argument(
+        "--daemon-proposers",
+        default="none,dflash",
+        help="one daemon arm per proposer (must hold none); PROPOSER/POLICY runs it under that --draft-policy",
+    )
     add_model_option(p, "the model both backends load and the daemons serve")
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder (default: results/)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, for tests")
@@ -152,9 +156,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--weights takes a comma-separated list of {', '.join(WEIGHTS)}, not {','.join(args.weights)!r}")
     if "mlx" in args.backends and args.weights != ["float32"]:
         print("note: MLX takes no --weights: the MLX arms run float32", file=sys.stderr)
-    if "dflash" in args.daemon_proposers and model_drafter(args.model) is None:
+    drafters = [d for d in args.daemon_proposers if d.partition("/")[0] == "dflash"]
+    if drafters and model_drafter(args.model) is None:
         print(f"note: {args.model_name} ships no DFlash drafter (dflash/): no daemon:dflash arm", file=sys.stderr)
-        args.daemon_proposers.remove("dflash")
+        args.daemon_proposers = [d for d in args.daemon_proposers if d not in drafters]
     if "none" not in args.daemon_proposers:
         p.error("--daemon-proposers must hold none (the prefill arm and the token check use it)")
     if any(burst < 1 for burst in args.mlx_engine_bursts):

@@ -152,7 +152,9 @@ class BackendModel(ABC, Generic[A]):
         ]
 
     @abstractmethod
-    def burst(self, cache: SessionCache[A], token_ids: Sequence[int], steps: int) -> list[int]:
+    def burst(
+        self, cache: SessionCache[A], token_ids: Sequence[int], steps: int, feature_layers: Sequence[int] = ()
+    ) -> tuple[list[int], A | None]:
         """Stage `token_ids` and run `steps` greedy decode steps back to back (see `Verifier.burst`)."""
 
     @abstractmethod

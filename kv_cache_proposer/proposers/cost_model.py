@@ -17,20 +17,25 @@ cost scaled up in proportion to the length.
 Priors: every position's acceptance starts at `PRIOR_ACCEPTANCE`, worth one observation (the averages weigh
 the newest observation by 1 / (observations + 1) until that falls to `ACCEPTANCE_WEIGHT`); times have no prior,
 so a session first drafts the whole limit until a draft is timed, then takes a plain step until one is timed. The
-model keeps probing both: after `probe_after_declines` plain steps in a row it drafts once (the best length) to
-refresh its acceptance, so a session whose text becomes predictable again takes drafting back up; after
+model keeps probing both: after a run of plain steps it drafts once (the best length) to refresh its acceptance, so
+a session whose text becomes predictable again takes drafting back up. The run is `probe_after_declines` steps, or
+longer where a probe costs more than a plain step, so that probes add at most `PROBE_SHARE` to the time of the
+plain steps between them (a drafting step ten times a plain one's cost is probed once per 180 plain steps); after
 `refresh_plain_after` drafting steps in a row it takes one plain step, as the time of one grows with the history.
 Every decision is a deterministic function of the observations.
 """
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 
 PRIOR_ACCEPTANCE = 0.5  # counts as one observation: the first real one moves an estimate halfway
 # weight of the newest observation in the acceptance averages, once 1 / (observations + 1) is less
 ACCEPTANCE_WEIGHT = 0.2
 TIME_WEIGHT = 0.25  # weight of the newest observation in the time averages
+PROBE_SHARE = 0.05  # most that probes add, in expectation, to the time of the plain steps between them
+MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
 
 
 class DraftDecision(StrEnum):
@@ -45,11 +50,21 @@ class DraftDecision(StrEnum):
 class DraftCostModel:
     """One session's estimates of acceptance and step times, and the draft length they make fastest."""
 
-    def __init__(self, max_draft_tokens: int, *, probe_after_declines: int = 8, refresh_plain_after: int = 64) -> None:
+    def __init__(
+        self,
+        max_draft_tokens: int,
+        *,
+        probe_after_declines: int = 8,
+        refresh_plain_after: int = 64,
+        probe_share: float = PROBE_SHARE,
+    ) -> None:
         if max_draft_tokens < 0 or probe_after_declines < 1 or refresh_plain_after < 1:
             raise ValueError("max_draft_tokens must be >= 0, probe_after_declines and refresh_plain_after >= 1")
+        if probe_share <= 0:
+            raise ValueError("probe_share must be > 0")
         self.max_draft_tokens = max_draft_tokens
         self.probe_after_declines = probe_after_declines
+        self.probe_share = probe_share
         self.refresh_plain_after = refresh_plain_after
         self._acceptance = [PRIOR_ACCEPTANCE] * max_draft_tokens  # [i]: position i + 1, given positions <= i
         self._seen = [0] * max_draft_tokens  # observations of each position
@@ -100,9 +115,20 @@ class DraftCostModel:
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
             return self._count(best_draft, DraftDecision.DRAFT)
-        if self._plain_streak >= self.probe_after_declines:
+        if self._plain_streak >= self.probe_interval(best_draft):
             return self._count(best_draft, DraftDecision.PROBE)
         return self._count(0, DraftDecision.DECLINE)
+
+    def probe_interval(self, draft_tokens: int) -> int:
+        """Plain steps in a row before a probe drafting `draft_tokens`: `probe_after_declines`, or more when that
+        probe costs more than a plain step by over `probe_share` (default `PROBE_SHARE`) per plain step."""
+        plain = _estimate(self._forward_s, 1)
+        draft = _estimate(self._draft_s, draft_tokens)
+        verify = _estimate(self._forward_s, draft_tokens + 1)
+        if plain is None or draft is None or verify is None or plain <= 0:
+            return self.probe_after_declines
+        extra = (draft + verify) / plain - 1
+        return max(self.probe_after_declines, min(MAX_PROBE_INTERVAL, math.ceil(extra / self.probe_share)))
 
     def observe_draft(self, requested: int, accepted: int, seconds: float | None) -> None:
         """A proposal asked for `requested` tokens, of which the verifier accepted the first `accepted` (fewer

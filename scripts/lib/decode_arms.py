@@ -303,7 +303,10 @@ class DaemonArm:
 
         device = args.device if backend == "torch" else "cpu"
         flags = ["--model", str(args.model), "--backend", backend, "--device", device, "--dtype", "float32"]
+        proposer, _, policy = proposer.partition("/")  # "dflash/cost": the proposer under that draft policy
         flags += ["--proposer", proposer, "--kv-strategy", "full", "--threads", str(args.threads)]
+        if policy:
+            flags += ["--draft-policy", policy]
         if backend == "torch":
             flags += ["--weights", weights, "--compile", "on" if compiled else "off"]
         elif weights != "float32" or compiled:

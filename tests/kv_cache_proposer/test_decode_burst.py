@@ -122,3 +122,17 @@ def test_bursts_over_a_compressed_cache_decode_the_tokens_of_single_steps(verifi
     assert runs[4][1] == [1, 4, 4, 4, 4, 4, 2], "the compressed cache bursts"
     assert runs[4][2].committed == runs[1][2].committed
     assert runs[4][2].cache.nbytes == runs[1][2].cache.nbytes
+
+
+def test_a_burst_returns_the_features_of_every_position_it_stages(verifiers, backend):
+    # A drafter that declines a draft keeps its context whole when the step bursts: the burst hands back the
+    # features of the block and of every pick but the last, as one verify of all of them would.
+    verifier = verifiers["qwen3"]
+    prompt, layers = _prompt(12), (0, 2)
+    picks, features = verifier.burst(verifier.new_cache(FullStrategy()), prompt, 5, feature_layers=layers)
+    block = prompt + picks[:-1]
+    out = verifier.verify(verifier.new_cache(FullStrategy()), block, 5, feature_layers=layers)
+    assert picks == [int(t) for t in np.argmax(to_numpy(out.logits), axis=-1)]
+    assert features is not None and to_numpy(features).shape == (len(block), 2 * verifier.hidden_size)
+    np.testing.assert_allclose(to_numpy(features), to_numpy(out.features), rtol=1e-4, atol=1e-4)
+    assert verifier.burst(verifier.new_cache(FullStrategy()), prompt, 3)[1] is None

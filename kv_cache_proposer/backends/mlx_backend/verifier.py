@@ -126,27 +126,50 @@ class MlxVerifier(BackendModel[mx.array]):
         logits = self.model(input_ids[:, head:], cache=layers)  # [1, n - head, V]
         return logits[0, -logits_rows:].astype(mx.float32)
 
-    def burst(self, cache: SessionCache[mx.array], token_ids: Sequence[int], steps: int) -> list[int]:
+    def burst(
+        self,
+        cache: SessionCache[mx.array],
+        token_ids: Sequence[int],
+        steps: int,
+        feature_layers: Sequence[int] = (),
+    ) -> tuple[list[int], mx.array | None]:
         # Every step's token, the first one's included, stays a lazy array that feeds the next forward and is
         # evaluated asynchronously: the device computes one step while the host builds the next step's graph, and
         # the host waits once, for the last.
         with mx.stream(self.device):
+            first_features = None
             if cache.restoration_feature_layers:  # a restoring cache takes the block's features: a whole verify
-                first = self.verify(cache, token_ids, 1).logits  # [1, V]
-            else:
-                cache.begin_stage(len(token_ids), token_ids=token_ids)
-                first = self._logits(cache, token_ids, 1)
-            tokens = [mx.argmax(first, axis=-1)]  # [1] each
-            mx.async_eval(tokens[-1])
-            layers = staging_layers(cache, self._layer_windows)
-            for _ in range(steps - 1):
-                cache.begin_stage(1, extend=True)
-                logits = self.model(tokens[-1][None].astype(mx.int32), cache=layers)  # [1, 1, V]
-                tokens.append(mx.argmax(logits[0].astype(mx.float32), axis=-1))
+                out = self.verify(cache, token_ids, 1, feature_layers=feature_layers)
+                first, first_features = out.logits, out.features  # [1, V], [n, L*H]
+            taps = tap_layers(self.model, feature_layers) if feature_layers else []
+            for tap in taps:
+                tap.recording.outputs = []
+            try:
+                if not cache.restoration_feature_layers:
+                    cache.begin_stage(len(token_ids), token_ids=token_ids)
+                    first = self._logits(cache, token_ids, 1)
+                tokens = [mx.argmax(first, axis=-1)]  # [1] each
                 mx.async_eval(tokens[-1])
-            picked = mx.concatenate(tokens)  # [steps]
-            mx.eval(picked, cache.arrays())
-        return [int(t) for t in np.array(picked)]
+                layers = staging_layers(cache, self._layer_windows)
+                for _ in range(steps - 1):
+                    cache.begin_stage(1, extend=True)
+                    logits = self.model(tokens[-1][None].astype(mx.int32), cache=layers)  # [1, 1, V]
+                    tokens.append(mx.argmax(logits[0].astype(mx.float32), axis=-1))
+                    mx.async_eval(tokens[-1])
+                picked = mx.concatenate(tokens)  # [steps]
+                features = None
+                if taps:  # each tap saw the block (in one or two calls, unless verified above), then every step
+                    parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
+                    features = mx.concatenate(parts, axis=-1)  # [positions recorded, L*H]
+                    if first_features is not None:
+                        features = mx.concatenate([first_features, features], axis=0)
+                    mx.eval(picked, features, cache.arrays())
+                else:
+                    mx.eval(picked, cache.arrays())
+            finally:
+                for tap in taps:
+                    tap.recording.outputs = None
+        return [int(t) for t in np.array(picked)], features
 
     def forward_batch(
         self, blocks: Sequence[BatchBlock[mx.array]], feature_layers: Sequence[int]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -148,14 +149,26 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         return self._forward_ids(cache, input_ids, logits_rows, feature_layers)
 
     @torch.inference_mode()
-    def burst(self, cache: SessionCache[torch.Tensor], token_ids: Sequence[int], steps: int) -> list[int]:
+    def burst(
+        self,
+        cache: SessionCache[torch.Tensor],
+        token_ids: Sequence[int],
+        steps: int,
+        feature_layers: Sequence[int] = (),
+    ) -> tuple[list[int], torch.Tensor | None]:
         # Each step's token stays on the device and feeds the next forward, so the host queues every forward of
         # the burst without waiting for one; the tokens cross to the host once, at the end.
-        rows = [self.verify(cache, token_ids, 1).logits]  # [1, V] each
+        first = self.verify(cache, token_ids, 1, feature_layers=feature_layers)
+        rows, features = [first.logits], [first.features]  # [1, V] and [n or 1, L*H] each
         for _ in range(steps - 1):
             cache.begin_stage(1, extend=True)
-            rows.append(self._forward_ids(cache, rows[-1].argmax(dim=-1)[None], 1, ()).logits)  # input [1, 1]
-        return [int(t) for t in torch.cat(rows).argmax(dim=-1).tolist()]
+            out = self._forward_ids(cache, rows[-1].argmax(dim=-1)[None], 1, feature_layers)  # input [1, 1]
+            rows.append(out.logits)
+            features.append(out.features)
+        picks = [int(t) for t in torch.cat(rows).argmax(dim=-1).tolist()]
+        if not feature_layers:
+            return picks, None
+        return picks, torch.cat([cast(torch.Tensor, f) for f in features])
 
     def _forward_ids(
         self,

@@ -66,10 +66,11 @@ def test_the_limit_caps_the_draft_and_a_zero_limit_is_a_plain_step():
 
 def test_after_a_run_of_declines_it_drafts_once_and_follows_acceptance_back_up():
     model = DraftCostModel(4, probe_after_declines=3)
-    for _ in range(20):
-        model.observe_draft(4, 0, 0.002)
-        model.observe_forward(5, 0.011)
+    for _ in range(20):  # a probe costs 5 % more than a plain step: the configured interval holds
+        model.observe_draft(4, 0, 0.0001)
+        model.observe_forward(5, 0.0104)
     model.observe_forward(1, PLAIN_S)
+    assert model.probe_interval(4) == 3
     decisions = [model.decide(4) for _ in range(4)]
     assert [d for _, d in decisions] == [DraftDecision.DECLINE] * 3 + [DraftDecision.PROBE]
     assert decisions[-1][0] > 0
@@ -77,9 +78,21 @@ def test_after_a_run_of_declines_it_drafts_once_and_follows_acceptance_back_up()
     for _ in range(10):
         draft_tokens, _ = model.decide(4)
         if draft_tokens:
-            model.observe_draft(draft_tokens, draft_tokens, 0.002)
-            model.observe_forward(draft_tokens + 1, 0.011)
+            model.observe_draft(draft_tokens, draft_tokens, 0.0001)
+            model.observe_forward(draft_tokens + 1, 0.0104)
     assert model.decide(4)[1] is DraftDecision.DRAFT
+
+
+def test_a_costly_probe_comes_after_enough_plain_steps_to_cost_them_at_most_five_percent():
+    # A drafting step costs ten plain steps and is never accepted: probing it every 8 declines would cost about
+    # (10 - 1) / 8 = 110 % more than plain decoding; the model waits (10 - 1) / 0.05 = 180 plain steps instead.
+    model = _measured(draft_s=0.050, verify_s=0.050, accepted=0)
+    assert model.probe_interval(4) == 180
+    decisions = [model.decide(4)[1] for _ in range(181)]
+    assert decisions[:180] == [DraftDecision.DECLINE] * 180 and decisions[180] is DraftDecision.PROBE
+    # However slow drafting gets, it is still probed now and then.
+    slow = _measured(draft_s=5.0, verify_s=0.050, accepted=0)
+    assert slow.probe_interval(4) == 512
 
 
 def test_after_a_run_of_drafts_it_refreshes_the_time_of_a_plain_step():
@@ -125,3 +138,5 @@ def test_invalid_settings_are_rejected():
         DraftCostModel(-1)
     with pytest.raises(ValueError):
         DraftCostModel(4, probe_after_declines=0)
+    with pytest.raises(ValueError):
+        DraftCostModel(4, probe_share=0)
