@@ -38,6 +38,7 @@ import math
 import shlex
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,7 +55,7 @@ from kv_cache_proposer.backends.torch_backend.features import concatenated, laye
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.base import DraftPolicy
-from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
+from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter, save_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
@@ -131,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="train under bfloat16 autocast (the verifier's feature forward too); measurements stay float32",
+    )
+    p.add_argument("--init", type=Path, help="a drafter directory to start from (its weights; this run's config)")
     p.add_argument(
         "--tf32",
         action="store_true",
@@ -380,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         train = Rows(saved["train"].astype(np.int64), saved["train_first"], saved["train_lengths"])
         held = Rows(saved["held"].astype(np.int64), saved["held_first"], saved["held_lengths"])
         flat, offsets = saved["prompts"], saved["prompt_offsets"]
-        prompts = [flat[a:b].astype(np.int64).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+        prompts = [flat[a:b].astype(np.int64).tolist() for a, b in pairwise(offsets)]
     else:
         train, held, prompts = prompt_file_rows(args, verifier) if args.prompts else load_rows(args, verifier)
         np.savez_compressed(  # token ids fit int32: a quarter of the int64 size before compression
@@ -413,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     drafter, spec = build_drafter(args, verifier)
+    if args.init is not None:
+        initial, initial_spec = load_drafter(args.init, device=device, dtype=torch.float32)
+        if initial_spec.target_layer_ids != spec.target_layer_ids or len(initial.layers) != len(drafter.layers):
+            raise SystemExit(f"--init {args.init} has other target layers or another layer count than this run")
+        drafter.load_state_dict(initial.state_dict())
     drafter.to(device).train()
     embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
     head = verifier.model.get_output_embeddings()
@@ -456,22 +468,23 @@ def main(argv: list[str] | None = None) -> int:
             if args.train_windows:
                 drawn = args.train_windows[int(torch.randint(0, len(args.train_windows), (1,), generator=generator))]
                 windows = [drawn or None] * len(drafter.layers)
-            features = features_of(verifier, tokens, spec.target_layer_ids)
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, args, time.perf_counter() - started)
-            stats = block_loss(
-                drafter,
-                embed,
-                head,
-                tokens,
-                features,
-                anchors,
-                block_size=args.block_size,
-                mask_token_id=spec.mask_token_id,
-                gamma=args.gamma,
-                lengths=lengths,
-                windows=windows,
-            )
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.bf16):
+                features = features_of(verifier, tokens, spec.target_layer_ids)
+                stats = block_loss(
+                    drafter,
+                    embed,
+                    head,
+                    tokens,
+                    features,
+                    anchors,
+                    block_size=args.block_size,
+                    mask_token_id=spec.mask_token_id,
+                    gamma=args.gamma,
+                    lengths=lengths,
+                    windows=windows,
+                )
             optimizer.zero_grad(set_to_none=True)
             stats.loss.backward()
             torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -96,7 +97,7 @@ class PromptSet:
         saved = np.load(path)
 
         def unflat(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
-            return [ids[a:b].astype(np.int64).tolist() for a, b in zip(offsets[:-1], offsets[1:], strict=True)]
+            return [ids[a:b].astype(np.int64).tolist() for a, b in pairwise(offsets)]
 
         return PromptSet(
             unflat(saved["train_ids"], saved["train_offsets"]),
