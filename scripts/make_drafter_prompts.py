@@ -22,6 +22,7 @@ import math
 import random
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -59,13 +60,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def chat_set(builder: ChatPromptBuilder, count: int, seed: int, document_range: tuple[int, int]) -> tuple:
+Prompts = tuple[list[list[int]], list[str]]  # token ids and kind of each prompt
+
+
+def chat_set(builder: ChatPromptBuilder, count: int, seed: int, document_range: tuple[int, int]) -> Prompts:
     counts = {kind: math.ceil(count * CHAT_MIX[kind]) for kind in KINDS}
     prompts = chat_prompts(builder, counts, seed=seed, document_range=document_range)
     return [p.tokens for p in prompts], [p.kind for p in prompts]
 
 
-def corpus_ids(tokenizer, paths: list[Path], tokens: int, rng: random.Random) -> np.ndarray:
+def corpus_ids(tokenizer: Any, paths: list[Path], tokens: int, rng: random.Random) -> np.ndarray:
     """Token ids of randomly ordered corpus files, until `tokens`."""
     order = list(paths)
     rng.shuffle(order)
@@ -77,7 +81,7 @@ def corpus_ids(tokenizer, paths: list[Path], tokens: int, rng: random.Random) ->
     return np.asarray(ids, dtype=np.int64)
 
 
-def slice_set(ids: np.ndarray, count: int, low: int, high: int, rng: random.Random) -> tuple:
+def slice_set(ids: np.ndarray, count: int, low: int, high: int, rng: random.Random) -> Prompts:
     high = min(high, len(ids) - 1)
     prompts = []
     for _ in range(count):
@@ -92,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model = args.model
-    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+    tokenizer: Any = AutoTokenizer.from_pretrained(model, local_files_only=True)
     train_files, held_files = split_sources(stdlib_sources())
     rng = random.Random(args.seed)
     if args.chat:

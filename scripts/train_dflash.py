@@ -336,17 +336,19 @@ def step_batch(
 
 
 def stop_token_ids(model: Path) -> list[int]:
-    """The verifier's end-of-turn tokens: the generation config's `eos_token_id` and the tokenizer's."""
+    """The verifier's end-of-turn tokens: the `eos_token_id` of its generation config and config, and its
+    tokenizer's (where it has one)."""
     ids: set[int] = set()
-    config = model / "generation_config.json"
-    if config.is_file():
-        eos = json.loads(config.read_text()).get("eos_token_id")
-        ids.update([eos] if isinstance(eos, int) else eos or [])
-    from transformers import AutoTokenizer
+    for name in ("generation_config.json", "config.json"):
+        if (model / name).is_file():
+            eos = json.loads((model / name).read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+    if (model / "tokenizer.json").is_file() or (model / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
     return sorted(ids)
 
 
@@ -457,8 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         for step in bar:
             lengths = None
             if batches:
-                group = batches[int(torch.randint(0, len(batches), (1,), generator=generator))]
-                tokens, anchors, lengths = step_batch(train, group, args, generator)
+                chosen = batches[int(torch.randint(0, len(batches), (1,), generator=generator))]
+                tokens, anchors, lengths = step_batch(train, chosen, args, generator)
                 tokens = tokens.to(device)
             else:
                 picks = torch.randint(0, len(train), (args.batch_size,), generator=generator).numpy()

@@ -60,6 +60,8 @@ _DOCUMENT_QUESTIONS = (
 class ChatTokenizer(Protocol):
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
 
+    def decode(self, token_ids: list[int], **kwargs: Any) -> str: ...
+
     def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
 
 
@@ -194,7 +196,7 @@ class ChatPromptBuilder:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         while len(ids) < budget:  # short file: go on with more files
             ids += self.tokenizer.encode("\n" + read_text(rng.choice(self.paths)), add_special_tokens=False)
-        document = _decode(self.tokenizer, ids[:budget])
+        document = self.tokenizer.decode(ids[:budget])
         prompt = self.render([{"role": "user", "content": f"```python\n{document}\n```\n\n{question}"}])
         return prompt
 

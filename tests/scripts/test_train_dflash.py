@@ -159,3 +159,93 @@ def test_bad_corpora_and_lengths_are_refused(checkpoints, tmp_path):
     assert run.returncode != 0 and "the prompt text holds 10 tokens" in run.stderr
     run = _train(checkpoints["llama"], tmp_path / "c", tmp_path / "r", 2, "--prompt-lens", "8", "62")
     assert run.returncode != 0 and "MAX + --block-size <= --row-len" in run.stderr
+
+
+def test_a_prompt_file_trains_on_ragged_continuations_under_drawn_windows_and_measures_each(checkpoints, tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from lib.drafter_rows import PromptSet
+
+    rng = np.random.default_rng(3)
+    train = [rng.integers(0, 120, int(n)).tolist() for n in rng.integers(6, 40, 10)]
+    held = [rng.integers(0, 120, int(n)).tolist() for n in (8, 30)]
+    prompts = tmp_path / "prompts.npz"
+    PromptSet(train, ["slice"] * 10, held, ["slice"] * 2).save(prompts)
+    out, results = tmp_path / "drafter", tmp_path / "results"
+    command = [
+        sys.executable,
+        "scripts/train_dflash.py",
+        "--model",
+        str(checkpoints["llama"]),
+        "--out",
+        str(out),
+        "--results-dir",
+        str(results),
+        "--prompts",
+        str(prompts),
+        "--new-tokens",
+        "7",
+        "--batch-tokens",
+        "96",
+        "--steps",
+        "4",
+        "--anchors",
+        "3",
+        "--block-size",
+        "4",
+        "--mask-token-id",
+        "127",
+        "--sliding-window",
+        "8",
+        "--train-windows",
+        "4",
+        "0",
+        "--eval-rows",
+        "2",
+        "--eval-prompts",
+        "1",
+        "--eval-tokens",
+        "6",
+    ]
+    run = run_child(command, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = np.load(out / "rows.npz")
+    tokens, first, lengths = rows["train"].astype(np.int64), rows["train_first"], rows["train_lengths"]
+    assert sorted(first.tolist()) == sorted(len(p) for p in train) and len(set(lengths.tolist())) > 1
+    model = AutoModelForCausalLM.from_pretrained(checkpoints["llama"], local_files_only=True)
+    for row, prompt_len, length in zip(tokens, first, lengths, strict=True):
+        assert any(row[:prompt_len].tolist() == p for p in train), "each row opens with one of the prompts"
+        assert prompt_len < length <= prompt_len + 7 and not row[length:].any(), "then at most 7 tokens, padded"
+        with torch.no_grad():
+            logits = model(torch.tensor(row[None, :length])).logits[0]
+        predicted = logits[prompt_len - 1 : length - 1].argmax(-1).numpy()
+        assert (predicted == row[prompt_len:length]).mean() > 0.9, "the verifier's greedy continuation"
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention"] and config["sliding_window"] == 8
+    log = json.loads((out / "training_log.json").read_text())
+    assert set(log["summary"]["heldout_acceptance_by_window"]) == {"0", "4"}
+    assert {r["prompt_tokens"] for r in log["acceptance_by_window"]} <= {8, 30}
+
+    windows = run_child(
+        [
+            sys.executable,
+            "scripts/bench_drafter_windows.py",
+            "--model",
+            str(checkpoints["llama"]),
+            "--prompts",
+            str(prompts),
+            "--drafters",
+            str(out),
+            "--windows",
+            "0",
+            "4",
+            "--new-tokens",
+            "6",
+            "--results-dir",
+            str(results),
+        ],
+        cwd=ROOT,
+    )
+    assert windows.returncode == 0, windows.stderr[-3000:]
+    (measured,) = results.glob("bench_drafter_windows_*.json")
+    summary = json.loads(measured.read_text())["summary"][str(out)]
+    assert set(summary) == {"0", "4"} and all(1.0 <= summary[w]["mean"] <= 4.0 for w in summary)
