@@ -11,9 +11,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from transformers import AutoTokenizer
 
-from inference_engine.model_source import BUNDLED_MODEL_DIR
 from tests.support.children import run_child
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,11 +35,6 @@ def _load(name: str) -> ModuleType:
 @pytest.fixture(scope="module")
 def transcripts() -> ModuleType:
     return _load("agent_transcripts")
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR, local_files_only=True)
 
 
 def _planner(transcripts: ModuleType, tokenizer, seed: int = 0, max_history: int = 2000):

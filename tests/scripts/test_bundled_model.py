@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
 from inference_engine.config import BUNDLED_MODEL_DIR
 from kv_cache_proposer.backends import load_verifier
@@ -19,11 +18,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from eval_niah import heldout_lines  # noqa: E402
 from lib.niah import build_document  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR, local_files_only=True)
 
 
 @pytest.fixture(scope="module")

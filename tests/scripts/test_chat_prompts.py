@@ -8,20 +8,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
-
-from inference_engine.config import BUNDLED_MODEL_DIR
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from lib.chat_prompts import KINDS, ChatPromptBuilder, chat_prompts, definitions  # noqa: E402
 from lib.corpus import split_sources, stdlib_sources  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return AutoTokenizer.from_pretrained(BUNDLED_MODEL_DIR, local_files_only=True)
 
 
 @pytest.fixture(scope="module")

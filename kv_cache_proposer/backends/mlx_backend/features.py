@@ -9,7 +9,8 @@ asks for, so other models and layers run untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
@@ -63,3 +64,22 @@ def tap_layers(model: nn.Module, layer_ids: Sequence[int]) -> list[LayerTap]:
             layers[index] = LayerTap(layers[index])
         taps.append(layers[index])
     return taps
+
+
+@contextmanager
+def recording(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[list[LayerTap]]:
+    """The taps of `layer_ids` (none for no layers), keeping every output of their layers inside the block."""
+    taps = tap_layers(model, layer_ids) if layer_ids else []
+    for tap in taps:
+        tap.recording.outputs = []
+    try:
+        yield taps
+    finally:
+        for tap in taps:
+            tap.recording.outputs = None
+
+
+def recorded_features(taps: Sequence[LayerTap]) -> mx.array:
+    """What the taps kept, one row per position [positions, L*H]: each tap's outputs [1, part, H], in call order."""
+    parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
+    return mx.concatenate(parts, axis=-1)

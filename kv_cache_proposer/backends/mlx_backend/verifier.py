@@ -15,7 +15,7 @@ from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
 from kv_cache_proposer.backends.mlx_backend.attention import batch_staging_layers, staging_layers
-from kv_cache_proposer.backends.mlx_backend.features import tap_layers
+from kv_cache_proposer.backends.mlx_backend.features import recorded_features, recording
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
 from kv_cache_proposer.cache import SessionCache
@@ -91,23 +91,14 @@ class MlxVerifier(BackendModel[mx.array]):
     def forward(
         self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int, feature_layers: Sequence[int]
     ) -> VerifyOutput[mx.array]:
-        taps = tap_layers(self.model, feature_layers) if feature_layers else []
-        for tap in taps:
-            tap.recording.outputs = []
-        try:
-            with mx.stream(self.device):
-                rows = self._logits(cache, token_ids, logits_rows)  # [rows, V]
-                features = None
-                if taps:
-                    # Each tap saw the block in one or two model calls: [1, part, H] each.
-                    parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
-                    features = mx.concatenate(parts, axis=-1)  # [n, L*H]
-                    mx.eval(rows, features, cache.arrays())
-                else:
-                    mx.eval(rows, cache.arrays())
-        finally:
-            for tap in taps:
-                tap.recording.outputs = None
+        with recording(self.model, feature_layers) as taps, mx.stream(self.device):
+            rows = self._logits(cache, token_ids, logits_rows)  # [rows, V]
+            features = None
+            if taps:  # each tap saw the block in one or two model calls
+                features = recorded_features(taps)  # [n, L*H]
+                mx.eval(rows, features, cache.arrays())
+            else:
+                mx.eval(rows, cache.arrays())
         return VerifyOutput(rows, features)
 
     def _logits(self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int) -> mx.array:
@@ -141,10 +132,7 @@ class MlxVerifier(BackendModel[mx.array]):
             if cache.restoration_feature_layers:  # a restoring cache takes the block's features: a whole verify
                 out = self.verify(cache, token_ids, 1, feature_layers=feature_layers)
                 first, first_features = out.logits, out.features  # [1, V], [n, L*H]
-            taps = tap_layers(self.model, feature_layers) if feature_layers else []
-            for tap in taps:
-                tap.recording.outputs = []
-            try:
+            with recording(self.model, feature_layers) as taps:
                 if not cache.restoration_feature_layers:
                     cache.begin_stage(len(token_ids), token_ids=token_ids)
                     first = self._logits(cache, token_ids, 1)
@@ -159,16 +147,12 @@ class MlxVerifier(BackendModel[mx.array]):
                 picked = mx.concatenate(tokens)  # [steps]
                 features = None
                 if taps:  # each tap saw the block (in one or two calls, unless verified above), then every step
-                    parts = [mx.concatenate(tap.recording.outputs or [], axis=1)[0] for tap in taps]
-                    features = mx.concatenate(parts, axis=-1)  # [positions recorded, L*H]
+                    features = recorded_features(taps)  # [positions recorded, L*H]
                     if first_features is not None:
                         features = mx.concatenate([first_features, features], axis=0)
                     mx.eval(picked, features, cache.arrays())
                 else:
                     mx.eval(picked, cache.arrays())
-            finally:
-                for tap in taps:
-                    tap.recording.outputs = None
         return [int(t) for t in np.array(picked)], features
 
     def forward_batch(
@@ -176,29 +160,22 @@ class MlxVerifier(BackendModel[mx.array]):
     ) -> list[VerifyOutput[mx.array]]:
         # Padded: mlx-lm's RoPE takes one offset per batch row, not per token, so each block gets its own row.
         layout = BatchLayout(blocks, self.array_ops, packed=False, join_batch=lambda parts: mx.concatenate(parts, 0))
-        taps = tap_layers(self.model, feature_layers) if feature_layers else []
-        for tap in taps:
-            tap.recording.outputs = []
-        try:
-            with mx.stream(self.device):
-                input_ids = mx.array(layout.token_matrix(), dtype=mx.int32)  # [B, T]
-                logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
-                features = None
-                if taps:
-                    features = mx.concatenate([(tap.recording.outputs or [])[-1] for tap in taps], axis=-1)
-                outputs = []
-                for index, block in enumerate(blocks):
-                    row, start, end = layout.query_span(index)
-                    rows = logits[row, end - block.logits_rows : end].astype(mx.float32)  # [rows, V]
-                    outputs.append(VerifyOutput(rows, None if features is None else features[row, start:end]))
-                mx.eval(
-                    [out.logits for out in outputs],
-                    [out.features for out in outputs if out.features is not None],
-                    [array for block in blocks for array in block.cache.arrays()],
-                )
-        finally:
-            for tap in taps:
-                tap.recording.outputs = None
+        with recording(self.model, feature_layers) as taps, mx.stream(self.device):
+            input_ids = mx.array(layout.token_matrix(), dtype=mx.int32)  # [B, T]
+            logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
+            features = None
+            if taps:
+                features = mx.concatenate([(tap.recording.outputs or [])[-1] for tap in taps], axis=-1)
+            outputs = []
+            for index, block in enumerate(blocks):
+                row, start, end = layout.query_span(index)
+                rows = logits[row, end - block.logits_rows : end].astype(mx.float32)  # [rows, V]
+                outputs.append(VerifyOutput(rows, None if features is None else features[row, start:end]))
+            mx.eval(
+                [out.logits for out in outputs],
+                [out.features for out in outputs if out.features is not None],
+                [array for block in blocks for array in block.cache.arrays()],
+            )
         return outputs
 
     def embed_tokens(self, token_ids: mx.array) -> mx.array:

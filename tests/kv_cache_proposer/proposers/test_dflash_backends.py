@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -17,6 +19,15 @@ from tests.support.backends import to_numpy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
 
 
+def _on_both_backends(verifier_pool: Any, directory: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The qwen3 test verifier of each backend and the drafter in `directory` loaded over it."""
+    verifiers = {backend: verifier_pool.get(backend, "qwen3") for backend in ("torch", "mlx")}
+    return verifiers, {
+        "torch": DFlashProposer.load(directory, verifiers["torch"]),
+        "mlx": MlxDFlashProposer.load(directory, verifiers["mlx"]),
+    }
+
+
 @pytest.fixture(scope="module")
 def drafter_dir(tmp_path_factory):
     return save_dflash_drafter(tmp_path_factory.mktemp("dflash") / "drafter", block_size=6)
@@ -24,11 +35,7 @@ def drafter_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", [FullStrategy(), SinkWindowStrategy(sink=2, window=12)], ids=["full", "sink"])
 def test_both_backends_capture_the_same_features_and_draft_the_same_tokens(verifier_pool, drafter_dir, strategy):
-    verifiers = {backend: verifier_pool.get(backend, "qwen3") for backend in ("torch", "mlx")}
-    proposers = {
-        "torch": DFlashProposer.load(drafter_dir, verifiers["torch"]),
-        "mlx": MlxDFlashProposer.load(drafter_dir, verifiers["mlx"]),
-    }
+    verifiers, proposers = _on_both_backends(verifier_pool, drafter_dir)
     rng = random.Random(3)
     tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(40)]
     layers = proposers["torch"].spec.target_layer_ids
@@ -85,11 +92,7 @@ def test_a_windowed_drafter_holds_its_window_alone_and_drafts_as_over_the_whole_
 ):
     # Every layer reads 8 positions back at most, so a session's drafter context holds those alone (bounded
     # whatever the history) and drafts exactly what a context holding every position drafts; both backends agree.
-    verifiers = {backend: verifier_pool.get(backend, "qwen3") for backend in ("torch", "mlx")}
-    proposers = {
-        "torch": DFlashProposer.load(windowed_drafter_dir, verifiers["torch"]),
-        "mlx": MlxDFlashProposer.load(windowed_drafter_dir, verifiers["mlx"]),
-    }
+    verifiers, proposers = _on_both_backends(verifier_pool, windowed_drafter_dir)
     rng = random.Random(11)
     tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(60)]
     layers = proposers["torch"].spec.target_layer_ids
