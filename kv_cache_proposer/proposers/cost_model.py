@@ -16,12 +16,17 @@ cost scaled up in proportion to the length.
 
 Priors: every position's acceptance starts at `PRIOR_ACCEPTANCE`, worth one observation (the averages weigh
 the newest observation by 1 / (observations + 1) until that falls to `ACCEPTANCE_WEIGHT`); times have no prior,
-so a session first drafts the whole limit until a draft is timed, then takes a plain step until one is timed. The
-model keeps probing both: after a run of plain steps it drafts once (the best length) to refresh its acceptance, so
-a session whose text becomes predictable again takes drafting back up. The run is `probe_after_declines` steps, or
-longer where a probe costs more than a plain step, so that probes add at most `PROBE_SHARE` to the time of the
-plain steps between them (a drafting step ten times a plain one's cost is probed once per 180 plain steps); after
-`refresh_plain_after` drafting steps in a row it takes one plain step, as the time of one grows with the history.
+so a session first drafts the whole limit until a draft is timed, then takes a plain step until one is timed, then
+drafts the whole limit until it has observed `MIN_DRAFTS_SEEN` proposals (one unlucky draft would otherwise stop a
+session drafting for a long time).
+
+The model keeps probing both arms. After a run of plain steps it drafts once (the best length) to refresh its
+acceptance. The run is `probe_after_declines` steps, or longer where a probe costs more than a plain step, so that
+probes add at most `PROBE_SHARE` to the time of the plain steps between them (a burst of plain steps counts as
+that many; a drafting step ten times a plain one's cost is probed once per 180 plain steps). A probe whose drafts
+were accepted beyond the estimate is followed by another at once, so a session whose text turned predictable takes
+drafting back up within a few steps. After `refresh_plain_after` drafting steps in a row it takes one plain step,
+as the time of one grows with the history.
 Every decision is a deterministic function of the observations.
 """
 
@@ -34,6 +39,7 @@ PRIOR_ACCEPTANCE = 0.5  # counts as one observation: the first real one moves an
 # weight of the newest observation in the acceptance averages, once 1 / (observations + 1) is less
 ACCEPTANCE_WEIGHT = 0.2
 TIME_WEIGHT = 0.25  # weight of the newest observation in the time averages
+MIN_DRAFTS_SEEN = 4  # proposals a session observes before it may decline drafting
 PROBE_SHARE = 0.05  # most that probes add, in expectation, to the time of the plain steps between them
 MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
 
@@ -72,6 +78,8 @@ class DraftCostModel:
         self._forward_s: dict[int, float] = {}  # block length -> seconds of a verifier forward
         self._plain_streak = 0
         self._draft_streak = 0
+        self._drafts_seen = 0  # proposals observed
+        self._follow_up = False  # the last probe beat the estimate: draft again before judging
 
     @property
     def acceptance(self) -> list[float]:
@@ -109,13 +117,16 @@ class DraftCostModel:
             return self._count(limit, DraftDecision.PROBE)
         if 1 not in self._forward_s:
             return self._count(0, DraftDecision.PROBE)
+        if self._drafts_seen < MIN_DRAFTS_SEEN:  # one unlucky draft is no evidence against drafting
+            return self._count(limit, DraftDecision.PROBE)
+        follow_up, self._follow_up = self._follow_up, False
         rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
         best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
         if rates[best_draft] > rates[0]:
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
             return self._count(best_draft, DraftDecision.DRAFT)
-        if self._plain_streak >= self.probe_interval(best_draft):
+        if follow_up or self._plain_streak >= self.probe_interval(best_draft):
             return self._count(best_draft, DraftDecision.PROBE)
         return self._count(0, DraftDecision.DECLINE)
 
@@ -133,18 +144,26 @@ class DraftCostModel:
     def observe_draft(self, requested: int, accepted: int, seconds: float | None) -> None:
         """A proposal asked for `requested` tokens, of which the verifier accepted the first `accepted` (fewer
         drafted tokens than requested count as rejected); `seconds`: the time of the proposal (None: not timed)."""
+        expected = self.expected_tokens(requested) - 1
         for position in range(min(requested, accepted + 1, self.max_draft_tokens)):
             outcome = 1.0 if position < accepted else 0.0
             self._seen[position] += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
             self._acceptance[position] += weight * (outcome - self._acceptance[position])
+        if requested > 0:
+            self._drafts_seen += 1
+            # A proposal taken while declining that beat the estimate: the text may have turned predictable.
+            self._follow_up = self._plain_streak > 0 and accepted > expected
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
 
     def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
-        """`steps` verifier forwards of `block_tokens` tokens each took `seconds` in all."""
+        """`steps` verifier forwards of `block_tokens` tokens each took `seconds` in all. A burst of plain steps
+        (one decision) counts every one of its steps towards the next probe, as single plain steps would."""
         if block_tokens > 0 and steps > 0:
             _average(self._forward_s, block_tokens, seconds / steps)
+        if block_tokens == 1 and steps > 1 and self._plain_streak:
+            self._plain_streak += steps - 1
 
     def _count(self, draft_tokens: int, decision: DraftDecision) -> tuple[int, DraftDecision]:
         if draft_tokens > 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_proposer.proposers.cost_model import PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+from kv_cache_proposer.proposers.cost_model import MIN_DRAFTS_SEEN, PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
 
 PLAIN_S = 0.010
 
@@ -30,6 +30,11 @@ def test_before_any_measurement_it_drafts_the_whole_limit_then_takes_a_plain_ste
     model.observe_forward(7, 0.012)
     assert model.decide(6) == (0, DraftDecision.PROBE)  # no plain step timed yet
     model.observe_forward(1, PLAIN_S)
+    # Then it drafts the whole limit until it has seen MIN_DRAFTS_SEEN proposals, however the first one went.
+    for _ in range(MIN_DRAFTS_SEEN - 1):
+        assert model.decide(6) == (6, DraftDecision.PROBE)
+        model.observe_draft(6, 0, 0.001)
+        model.observe_forward(7, 0.012)
     assert model.decide(6)[1] is not DraftDecision.PROBE
 
 
@@ -90,6 +95,12 @@ def test_a_costly_probe_comes_after_enough_plain_steps_to_cost_them_at_most_five
     assert model.probe_interval(4) == 180
     decisions = [model.decide(4)[1] for _ in range(181)]
     assert decisions[:180] == [DraftDecision.DECLINE] * 180 and decisions[180] is DraftDecision.PROBE
+    # A burst of plain steps is one decision but counts every step: 44 bursts of 4 steps make 176, then 4 more.
+    bursting = _measured(draft_s=0.050, verify_s=0.050, accepted=0)
+    for _ in range(45):
+        assert bursting.decide(4)[1] is DraftDecision.DECLINE
+        bursting.observe_forward(1, 4 * PLAIN_S, steps=4)
+    assert bursting.decide(4)[1] is DraftDecision.PROBE
     # However slow drafting gets, it is still probed now and then.
     slow = _measured(draft_s=5.0, verify_s=0.050, accepted=0)
     assert slow.probe_interval(4) == 512
