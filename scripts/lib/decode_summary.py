@@ -47,6 +47,19 @@ def summarize(samples: dict[str, Any], args: argparse.Namespace) -> dict[str, An
         part["decode_ratio_to_bare"] = {
             arm: {str(h): round(v[h] / bare[arm][h], 3) for h in histories} for arm, v in rates.items()
         }
+        daemons = [arm for arm in rates if arm.startswith("daemon:") and named("daemon:none", weights_of[arm]) in rates]
+        part["daemon_ratio_to_none"] = {
+            arm: {str(h): round(rates[arm][h] / rates[named("daemon:none", weights_of[arm])][h], 3) for h in histories}
+            for arm in daemons
+        }
+        part["tokens_per_forward"] = {
+            arm: {
+                str(h): round(sum(len(s["tokens"]) for s in counted) / sum(s["forwards"] for s in counted), 3)
+                for h in histories
+                if (counted := [s for s in decode if s["arm"] == arm and s["history"] == h and s.get("forwards")])
+            }
+            for arm in daemons
+        }
         part["per_token_time_longest_over_shortest"] = {
             arm: round(v[histories[0]] / v[histories[-1]], 3) for arm, v in rates.items()
         }

@@ -3,8 +3,10 @@ and on torch every arm once per weights choice."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,38 @@ def test_compiled_arms_run_beside_their_scripted_selves_and_record_their_compile
         ratio = rates[arm]["96"] / rates[scripted]["96"]
         assert compiled["decode_ratio_to_scripted"]["96"] == pytest.approx(ratio, rel=0.02)  # rates rounded
     assert any((tmp_path / "inductor").rglob("*.py")), "the graphs went to the inductor cache named"
+
+
+def test_the_summary_gives_each_daemon_arm_its_ratio_to_none_and_its_tokens_per_forward():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from lib.decode_summary import summarize
+
+    tokens = list(range(8))
+
+    def decode(arm: str, history: int, rate: float, forwards: int | None) -> dict:
+        sample = {"backend": "torch", "arm": arm, "weights": "float32", "history": history, "tokens": tokens}
+        return {**sample, "decode_tokens_per_s": rate, **({"forwards": forwards} if forwards else {})}
+
+    samples = {
+        "decode": [
+            decode(arm, history, rate * (1 if history == 64 else 0.5), forwards)
+            for arm, rate, forwards in (
+                ("daemon:none", 100.0, 8),
+                ("daemon:dflash/cost", 150.0, 2),
+                ("engine", 120.0, None),
+                ("bare_loop", 80.0, None),
+            )
+            for history in (64, 128)
+        ],
+        "prefill": [
+            {"backend": "torch", "arm": arm, "weights": "float32", "prefill_s": 1.0}
+            for arm in ("daemon:none", "one_forward")
+        ],
+    }
+    part = summarize(samples, argparse.Namespace(backends=["torch"], prefill_tokens=64))["torch"]
+    assert part["daemon_ratio_to_none"]["daemon:dflash/cost"] == {"64": 1.5, "128": 1.5}
+    assert part["tokens_per_forward"] == {
+        "daemon:none": {"64": 1.0, "128": 1.0},
+        "daemon:dflash/cost": {"64": 4.0, "128": 4.0},
+    }
+    assert "engine" not in part["daemon_ratio_to_none"], "daemon arms only"
