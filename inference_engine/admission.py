@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from inference_engine.errors import ResourceExhausted, SessionNotFound
@@ -65,13 +65,11 @@ class Admission:
             deadline = asyncio.get_running_loop().time() + self.queue_deadline_s
         session.queued += 1
         try:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await session.lock.acquire()
-            except TimeoutError:
-                raise ResourceExhausted(
-                    f"session {session.session_id!r} stayed busy for the {self.queue_deadline_s:g} s queue deadline"
-                ) from None
+            await _acquire_by(
+                session.lock.acquire,
+                deadline,
+                f"session {session.session_id!r} stayed busy for the {self.queue_deadline_s:g} s queue deadline",
+            )
             try:
                 if session.closed:
                     raise SessionNotFound(f"session {session.session_id!r} was closed while this request waited")
@@ -86,14 +84,21 @@ class Admission:
         """Hold the session and one of the global generation slots."""
         deadline = asyncio.get_running_loop().time() + self.queue_deadline_s
         async with self.session_turn(session, deadline):
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await self.slots.acquire()
-            except TimeoutError:
-                raise ResourceExhausted(
-                    f"no generation slot freed within the {self.queue_deadline_s:g} s queue deadline"
-                ) from None
+            await _acquire_by(
+                self.slots.acquire,
+                deadline,
+                f"no generation slot freed within the {self.queue_deadline_s:g} s queue deadline",
+            )
             try:
                 yield
             finally:
                 self.slots.release()
+
+
+async def _acquire_by(acquire: Callable[[], Awaitable[object]], deadline: float, refusal: str) -> None:
+    """`acquire()` by `deadline` (event-loop time), or refuse with ResourceExhausted(`refusal`)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            await acquire()
+    except TimeoutError:
+        raise ResourceExhausted(refusal) from None

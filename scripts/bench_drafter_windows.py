@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.drafter_rows import PromptSet, prompt_continuations
+from lib.drafter_eval import row_acceptance
+from lib.drafter_rows import PromptSet, prompt_continuations, stop_token_ids
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
-from train_dflash import row_acceptance, stop_token_ids
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         max_rows=64,
         desc="held-out continuations",
     )
-    lengths = held.row_lengths()
-    kept = [i for i in range(len(held)) if int(lengths[i]) - int(held.first_anchor[i]) >= 2]
+    kept = held.scored()
     samples: list[dict[str, Any]] = []
     for directory in args.drafters:
         drafter, spec = load_drafter(directory, device=torch.device("cpu"), dtype=torch.float32)

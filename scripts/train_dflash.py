@@ -38,7 +38,6 @@ import math
 import shlex
 import sys
 import time
-from itertools import pairwise
 from pathlib import Path
 from typing import Any, cast
 
@@ -47,21 +46,24 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.drafter_rows import PromptSet, Rows, load_rows, prompt_continuations
+from lib.drafter_eval import acceptance_by_window, features_of, held_out_acceptance, mean_acceptance_length
+from lib.drafter_rows import (
+    Rows,
+    load_rows,
+    load_saved_rows,
+    prompt_file_rows,
+    row_anchors,
+    save_rows,
+    step_batch,
+)
 from lib.results import RESULTS_DIR, environment, write_results
 from transformers import Qwen3Config
 
-from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter, save_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
-from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
-from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers, sample_anchors
-from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import FullStrategy
+from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -196,46 +198,6 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
     return DFlashDrafter(config, len(layers)), spec
 
 
-def features_of(verifier: TorchVerifier, tokens: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
-    """The verifier's outputs of `layers` for every position [N, L, F], exactly as verify forwards capture them."""
-    with torch.no_grad(), layer_outputs(verifier.model, layers) as captured:
-        verifier.model(input_ids=tokens)
-    return concatenated(captured, layers).float()
-
-
-def mean_acceptance_length(
-    drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, prompts: list[list[int]], tokens: int
-) -> dict[str, float]:
-    """Greedy speculative decoding of `tokens` tokens after each prompt, every proposal a full block: tokens per
-    verifier step, and the fraction of drafted tokens accepted."""
-    proposer = DFlashProposer(drafter, spec, verifier)
-    decoder = Decoder(verifier, draft_policy=DraftPolicy.FULL)
-    steps = generated = drafted = accepted = 0
-    for prompt in prompts:
-        seq = SequenceState(
-            cache=verifier.new_cache(FullStrategy()), tokens=list(prompt), draft_session=proposer.open(FullStrategy())
-        )
-        budget = GenerationBudget(max_new_tokens=tokens)
-        produced = 0
-        while produced < tokens:
-            step = decoder.step(seq, SamplingParams(), budget, produced)
-            produced += len(step.tokens)
-            if step.drafted:
-                steps += 1
-                generated += len(step.tokens)
-                drafted += step.drafted
-                accepted += step.accepted
-            if step.stop is not None:
-                break
-        seq.cache.release()
-        seq.draft_session.release()
-    return {
-        "mean_acceptance_length": generated / steps if steps else 0.0,
-        "draft_acceptance_rate": accepted / drafted if drafted else 0.0,
-        "drafting_steps": steps,
-    }
-
-
 def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:
     """Linear warm-up, then a cosine decay to zero at `--steps` or, sooner, at `--time-limit` seconds."""
     if step < args.warmup:
@@ -244,136 +206,6 @@ def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:
     if args.time_limit:
         progress = max(progress, elapsed / args.time_limit)
     return args.lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
-def row_anchors(first: np.ndarray, length: int, args: argparse.Namespace, generator: torch.Generator) -> torch.Tensor:
-    """`--anchors` anchors per row at or after the row's first anchor position [N, A]."""
-    return torch.stack([sample_anchors(length, args.block_size, args.anchors, generator, first=int(f)) for f in first])
-
-
-def row_acceptance(
-    drafter: DFlashDrafter,
-    spec: DFlashSpec,
-    verifier: TorchVerifier,
-    held: Rows,
-    args: argparse.Namespace,
-    windows: list[int] | None = None,
-) -> dict[int | None, list[float]]:
-    """Per window (None: the drafter's own layer windows; 0: the whole context) and held-out row: the mean greedy
-    acceptance length of blocks anchored at every continuation position. Rows with no such block are left out."""
-    embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
-    head = verifier.model.get_output_embeddings()
-    lengths = held.row_lengths()
-    chosen: list[int | None] = list(windows) if windows is not None else [None]
-    per_row: dict[int | None, list[float]] = {w: [] for w in chosen}
-    drafter.eval()
-    with torch.no_grad():
-        for index in range(len(held)):
-            length, first = int(lengths[index]), int(held.first_anchor[index])
-            if length - first < 2:
-                continue
-            tokens = np.pad(held.tokens[index, :length], (0, args.block_size))
-            tokens_t = torch.from_numpy(tokens[None]).to(verifier.device)
-            features = features_of(verifier, tokens_t, spec.target_layer_ids)
-            for window in chosen:
-                stats = block_loss(
-                    drafter,
-                    embed,
-                    head,
-                    tokens_t,
-                    features,
-                    torch.arange(first, length - 1),
-                    block_size=args.block_size,
-                    mask_token_id=spec.mask_token_id,
-                    gamma=args.gamma,
-                    lengths=torch.tensor([length]),
-                    windows=None if window is None else [window or None] * len(drafter.layers),
-                )
-                per_row[window].append(stats.acceptance_length)
-    drafter.train()
-    return per_row
-
-
-def held_out_acceptance(
-    drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, held: Rows, args: argparse.Namespace
-) -> float:
-    """Mean greedy acceptance length over blocks anchored at every continuation position of the held-out rows."""
-    per_row = row_acceptance(drafter, spec, verifier, held, args)[None]
-    return float(np.mean(per_row)) if per_row else 0.0
-
-
-def acceptance_by_window(
-    drafter: DFlashDrafter, spec: DFlashSpec, verifier: TorchVerifier, held: Rows, args: argparse.Namespace
-) -> list[dict[str, Any]]:
-    """Held-out acceptance length per row under each training window, with the row's prompt length."""
-    lengths = held.row_lengths()
-    kept = [i for i in range(len(held)) if int(lengths[i]) - int(held.first_anchor[i]) >= 2]
-    windows = sorted(set(args.train_windows or [args.sliding_window]))
-    per_window = row_acceptance(drafter, spec, verifier, held, args, windows)
-    return [
-        {"window": window, "prompt_tokens": int(held.first_anchor[index]), "acceptance": acceptance}
-        for window in windows
-        for index, acceptance in zip(kept, per_window[window], strict=True)
-    ]
-
-
-def step_batch(
-    train: Rows, group: np.ndarray, args: argparse.Namespace, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [N, longest + block size], anchors [N, A], lengths [N]) of one step over the rows `group`."""
-    lengths = train.row_lengths()[group]
-    width = int(lengths.max()) + args.block_size
-    tokens = np.zeros((len(group), width), dtype=np.int64)
-    anchors = []
-    for row, index in enumerate(group):
-        length, first = int(lengths[row]), int(train.first_anchor[index])
-        tokens[row, : min(width, train.tokens.shape[1])] = train.tokens[index, :width]
-        if length - args.block_size - first + 1 >= args.anchors:  # distinct anchors, every block whole
-            anchors.append(sample_anchors(length, args.block_size, args.anchors, generator, first=first))
-        else:  # a short continuation: anchors may repeat, and a block's slots past the row's end are not scored
-            anchors.append(torch.randint(first, length - 1, (args.anchors,), generator=generator).sort().values)
-    return torch.from_numpy(tokens), torch.stack(anchors), torch.from_numpy(lengths.astype(np.int64))
-
-
-def stop_token_ids(model: Path) -> list[int]:
-    """The verifier's end-of-turn tokens: the `eos_token_id` of its generation config and config, and its
-    tokenizer's (where it has one)."""
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        if (model / name).is_file():
-            eos = json.loads((model / name).read_text()).get("eos_token_id")
-            ids.update([eos] if isinstance(eos, int) else eos or [])
-    if (model / "tokenizer.json").is_file() or (model / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
-        if tokenizer.eos_token_id is not None:
-            ids.add(int(tokenizer.eos_token_id))
-    return sorted(ids)
-
-
-def prompt_file_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, Rows, list[list[int]]]:
-    """(training rows, held-out rows, held-out prompts of the final check) of a `--prompts` file."""
-    prompts = PromptSet.load(args.prompts)
-    if not prompts.train or not prompts.held:
-        raise SystemExit(f"{args.prompts} holds no training or no held-out prompts")
-    stops = stop_token_ids(args.model)
-
-    def rows(chosen: list[list[int]], desc: str) -> Rows:
-        return prompt_continuations(
-            verifier,
-            chosen,
-            new_tokens=args.new_tokens,
-            stop_ids=stops,
-            token_budget=args.generate_tokens,
-            max_rows=args.generate_batch,
-            desc=desc,
-        )
-
-    spread = np.linspace(0, len(prompts.held) - 1, min(args.eval_rows, len(prompts.held))).astype(int)
-    held = rows([prompts.held[i] for i in spread], "held-out continuations")
-    final = np.linspace(0, len(prompts.held) - 1, min(args.eval_prompts, len(prompts.held))).astype(int)
-    return rows(prompts.train, "continuations"), held, [prompts.held[i] for i in final]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,27 +217,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     rows_file = args.out / "rows.npz"
     if args.resume and rows_file.exists():
-        saved = np.load(rows_file)
-        train = Rows(saved["train"].astype(np.int64), saved["train_first"], saved["train_lengths"])
-        held = Rows(saved["held"].astype(np.int64), saved["held_first"], saved["held_lengths"])
-        flat, offsets = saved["prompts"], saved["prompt_offsets"]
-        prompts = [flat[a:b].astype(np.int64).tolist() for a, b in pairwise(offsets)]
+        train, held, prompts = load_saved_rows(rows_file)
     else:
         train, held, prompts = prompt_file_rows(args, verifier) if args.prompts else load_rows(args, verifier)
-        np.savez_compressed(  # token ids fit int32: a quarter of the int64 size before compression
-            rows_file,
-            train=train.tokens.astype(np.int32),
-            train_first=train.first_anchor,
-            train_lengths=train.row_lengths(),
-            held=held.tokens.astype(np.int32),
-            held_first=held.first_anchor,
-            held_lengths=held.row_lengths(),
-            prompts=np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]),
-            prompt_offsets=np.cumsum([0, *(len(p) for p in prompts)]),
-        )
+        save_rows(rows_file, train, held, prompts)
     length = train.tokens.shape[1]
     if args.prompts:
-        keep = train.row_lengths() - train.first_anchor >= 2
+        keep = train.scored()
         train = Rows(train.tokens[keep], train.first_anchor[keep], train.row_lengths()[keep])
         batches = train.batches(args.batch_tokens, args.batch_size)
     else:

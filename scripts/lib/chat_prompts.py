@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -229,8 +230,6 @@ def _schema(d: Definition) -> dict[str, Any]:
 
 def document_lengths(count: int, low: int, high: int, rng: random.Random) -> list[int]:
     """`count` lengths spread log-uniformly over [low, high]."""
-    import math
-
     return [round(math.exp(rng.uniform(math.log(low), math.log(high)))) for _ in range(count)]
 
 

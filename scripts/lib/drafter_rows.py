@@ -9,6 +9,7 @@ said before its end-of-turn token, right-padded, with each row's real length kep
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -19,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.proposers.dflash.training import sample_anchors
 from lib.tokens import read_tokens, spread_windows
 
 
@@ -48,6 +50,10 @@ class Rows:
             np.concatenate([r.row_lengths() for r in parts]) if ragged else None,
         )
 
+    def scored(self) -> np.ndarray:
+        """Indices of the rows with at least one block slot to score after their first anchor."""
+        return np.flatnonzero(self.row_lengths() - self.first_anchor >= 2)
+
     def batches(self, token_budget: int, max_rows: int) -> list[np.ndarray]:
         """Row indices grouped by length, each group's rows x longest row within `token_budget` (and at most
         `max_rows` rows), so a step over a group pads little."""
@@ -75,13 +81,8 @@ class PromptSet:
     held_kinds: list[str]
 
     def save(self, path: Path) -> None:
-        def flat(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-            offsets = np.cumsum([0, *(len(p) for p in prompts)])
-            ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]) if prompts else np.zeros(0)
-            return ids.astype(np.int32), offsets.astype(np.int64)
-
-        train_ids, train_offsets = flat(self.train)
-        held_ids, held_offsets = flat(self.held)
+        train_ids, train_offsets = flatten(self.train)
+        held_ids, held_offsets = flatten(self.held)
         np.savez_compressed(
             path,
             train_ids=train_ids,
@@ -95,16 +96,23 @@ class PromptSet:
     @staticmethod
     def load(path: Path) -> PromptSet:
         saved = np.load(path)
-
-        def unflat(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
-            return [ids[a:b].astype(np.int64).tolist() for a, b in pairwise(offsets)]
-
         return PromptSet(
-            unflat(saved["train_ids"], saved["train_offsets"]),
+            unflatten(saved["train_ids"], saved["train_offsets"]),
             [str(k) for k in saved["train_kinds"]],
-            unflat(saved["held_ids"], saved["held_offsets"]),
+            unflatten(saved["held_ids"], saved["held_offsets"]),
             [str(k) for k in saved["held_kinds"]],
         )
+
+
+def flatten(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of ragged prompts end to end (int32) and the offsets where each starts, plus the end."""
+    ids = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts]) if prompts else np.zeros(0)
+    return ids.astype(np.int32), np.cumsum([0, *(len(p) for p in prompts)]).astype(np.int64)
+
+
+def unflatten(ids: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    """The prompts `flatten` joined."""
+    return [ids[a:b].astype(np.int64).tolist() for a, b in pairwise(offsets)]
 
 
 def plain_rows(ids: np.ndarray, row_len: int) -> Rows:
@@ -267,3 +275,91 @@ def load_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, 
         desc="held-out continuations",
     )
     return Rows.concat(parts), held_rows, spread_windows(held, args.eval_prompts, eval_len)
+
+
+def row_anchors(first: np.ndarray, length: int, args: argparse.Namespace, generator: torch.Generator) -> torch.Tensor:
+    """`--anchors` anchors per row at or after the row's first anchor position [N, A]."""
+    return torch.stack([sample_anchors(length, args.block_size, args.anchors, generator, first=int(f)) for f in first])
+
+
+def step_batch(
+    train: Rows, group: np.ndarray, args: argparse.Namespace, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [N, longest + block size], anchors [N, A], lengths [N]) of one step over the rows `group`."""
+    lengths = train.row_lengths()[group]
+    width = int(lengths.max()) + args.block_size
+    tokens = np.zeros((len(group), width), dtype=np.int64)
+    anchors = []
+    for row, index in enumerate(group):
+        length, first = int(lengths[row]), int(train.first_anchor[index])
+        tokens[row, : min(width, train.tokens.shape[1])] = train.tokens[index, :width]
+        if length - args.block_size - first + 1 >= args.anchors:  # distinct anchors, every block whole
+            anchors.append(sample_anchors(length, args.block_size, args.anchors, generator, first=first))
+        else:  # a short continuation: anchors may repeat, and a block's slots past the row's end are not scored
+            anchors.append(torch.randint(first, length - 1, (args.anchors,), generator=generator).sort().values)
+    return torch.from_numpy(tokens), torch.stack(anchors), torch.from_numpy(lengths.astype(np.int64))
+
+
+def stop_token_ids(model: Path) -> list[int]:
+    """The verifier's end-of-turn tokens: the `eos_token_id` of its generation config and config, and its
+    tokenizer's (where it has one)."""
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        if (model / name).is_file():
+            eos = json.loads((model / name).read_text()).get("eos_token_id")
+            ids.update([eos] if isinstance(eos, int) else eos or [])
+    if (model / "tokenizer.json").is_file() or (model / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, local_files_only=True)
+        if tokenizer.eos_token_id is not None:
+            ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def prompt_file_rows(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[Rows, Rows, list[list[int]]]:
+    """(training rows, held-out rows, held-out prompts of the final check) of a `--prompts` file."""
+    prompts = PromptSet.load(args.prompts)
+    if not prompts.train or not prompts.held:
+        raise SystemExit(f"{args.prompts} holds no training or no held-out prompts")
+    stops = stop_token_ids(args.model)
+
+    def rows(chosen: list[list[int]], desc: str) -> Rows:
+        return prompt_continuations(
+            verifier,
+            chosen,
+            new_tokens=args.new_tokens,
+            stop_ids=stops,
+            token_budget=args.generate_tokens,
+            max_rows=args.generate_batch,
+            desc=desc,
+        )
+
+    spread = np.linspace(0, len(prompts.held) - 1, min(args.eval_rows, len(prompts.held))).astype(int)
+    held = rows([prompts.held[i] for i in spread], "held-out continuations")
+    final = np.linspace(0, len(prompts.held) - 1, min(args.eval_prompts, len(prompts.held))).astype(int)
+    return rows(prompts.train, "continuations"), held, [prompts.held[i] for i in final]
+
+
+def save_rows(path: Path, train: Rows, held: Rows, prompts: list[list[int]]) -> None:
+    """Write a run's rows and final-check prompts, so a resumed run (or another machine) skips generating them."""
+    ids, offsets = flatten(prompts)
+    np.savez_compressed(  # token ids fit int32: a quarter of the int64 size before compression
+        path,
+        train=train.tokens.astype(np.int32),
+        train_first=train.first_anchor,
+        train_lengths=train.row_lengths(),
+        held=held.tokens.astype(np.int32),
+        held_first=held.first_anchor,
+        held_lengths=held.row_lengths(),
+        prompts=ids,
+        prompt_offsets=offsets,
+    )
+
+
+def load_saved_rows(path: Path) -> tuple[Rows, Rows, list[list[int]]]:
+    """What `save_rows` wrote."""
+    saved = np.load(path)
+    train = Rows(saved["train"].astype(np.int64), saved["train_first"], saved["train_lengths"])
+    held = Rows(saved["held"].astype(np.int64), saved["held_first"], saved["held_lengths"])
+    return train, held, unflatten(saved["prompts"], saved["prompt_offsets"])

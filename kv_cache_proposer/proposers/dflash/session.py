@@ -268,9 +268,9 @@ class DFlashDraftSession(Generic[A]):
         # the clone drafts with less context until its window fills again.
         if self._windowed:
             cache = cast(KVSessionCache[A], self._cache)
-            window = cast(DrafterWindow, cache.strategy)
+            window = cast(DrafterWindow, cache.strategy).window
             held = cache.strategy.resident_positions(cache.next_position)
-            first = max(length - window.window, window.start, int(held[0]) if held.size else length)
-            twin = cache.clone_under(length, DrafterWindow(window.window, start=min(first, length)))
+            start = min(int(held[0]), length) if held.size else length  # the oldest position still held
+            twin = cache.clone_under(length, DrafterWindow(window, start=start))
             return DFlashDraftSession(self._engine, twin, self._batch, windowed=True)
         return DFlashDraftSession(self._engine, self._cache.clone(length), self._batch)
