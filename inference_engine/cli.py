@@ -98,14 +98,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_server(config: ServerConfig) -> int:
-    from inference_engine.server import KakeyaServer, load_runtime
-
     busy = ports_in_use(config)
     if busy:
         log.error(busy)
         return 1
     threads = resolve_threads(config.threads)
-    apply_threads(threads, config.backend)
+    apply_threads(threads, config.backend)  # before torch loads: OpenMP reads its environment once
+    from inference_engine.server import KakeyaServer, load_runtime
+
     try:
         model = resolve_model(config.model, config.model_cache_dir)
     except ModelSourceError as exc:

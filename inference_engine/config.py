@@ -196,9 +196,10 @@ class ServerConfig:
     )
     threads: int = _opt(
         0,
-        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS), waiting passively unless "
-        "OMP_WAIT_POLICY (OpenMP) or OPENBLAS_THREAD_TIMEOUT (OpenBLAS) is set; 0 uses one per usable core, the "
-        "fastest measured (docs/operator-guide.md)",
+        "CPU threads of the tensor libraries (torch intra- and inter-op, MLX's CPU BLAS); idle OpenMP threads spin "
+        "briefly, then sleep (on Linux; elsewhere they sleep at once) unless OMP_WAIT_POLICY is set, and OpenBLAS "
+        "threads sleep at once unless OPENBLAS_THREAD_TIMEOUT is set; 0 uses one per usable core "
+        "(docs/operator-guide.md)",
     )
     state_dir: str = _opt(
         "",

@@ -1,17 +1,32 @@
-"""CPU threads of the tensor libraries.
+"""CPU threads of the tensor libraries, and how their idle threads wait.
 
-OpenMP's default is one thread per core that spin-waits at every barrier. On a machine whose cores are busy with other
-work the spinning threads wait on each other and generation slows several-fold; waiting passively removes that.
-scripts/bench_threads.py measured it (docs/operator-guide.md, "CPU threads").
+A decode step of a small model is hundreds of short parallel operations. OpenMP threads that sleep between them
+(`OMP_WAIT_POLICY=PASSIVE`) pay a wake-up each time, which on SmolLM2 halved the daemon's decode speed; threads that
+spin long (GNU OpenMP's own default: 300,000 polls) wait on each other whenever other work takes a core. The
+daemon's default, `spin`, polls briefly (GNU OpenMP's `GOMP_SPINCOUNT`, ten thousand polls) and then sleeps.
+scripts/bench_threads.py measures each choice through the daemon, idle and under load (docs/operator-guide.md,
+"CPU threads").
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 # Read by OpenMP, OpenBLAS (MLX on Linux), MKL and Accelerate when they start, so they are set before any loads.
 _ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+# How idle OpenMP threads wait, by name: the environment each choice sets. `spin` needs GNU OpenMP (torch's on
+# Linux) to bound the spinning; elsewhere the daemon waits passively.
+WAITS: dict[str, dict[str, str]] = {
+    "spin": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "10000"},
+    "passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+}
+
+
+def default_wait() -> str:
+    """`spin` where torch's OpenMP is GNU's (Linux), which bounds it; `passive` elsewhere."""
+    return "spin" if sys.platform.startswith("linux") else "passive"
 
 
 def usable_cores() -> int:
@@ -30,12 +45,15 @@ def resolve_threads(requested: int, cores: int | None = None) -> int:
 
 
 def apply_threads(threads: int, backend: str) -> None:
-    """Limit the tensor libraries to `threads` CPU threads that wait passively (unless `OMP_WAIT_POLICY` and
-    `OPENBLAS_THREAD_TIMEOUT` are set). Call before the model loads: OpenMP and OpenBLAS read their environment
-    once, when torch or the BLAS library loads."""
+    """Limit the tensor libraries to `threads` CPU threads whose idle threads wait as `default_wait()` says (unless
+    the environment sets `OMP_WAIT_POLICY`) and whose OpenBLAS threads sleep at once (unless it sets
+    `OPENBLAS_THREAD_TIMEOUT`). Call before the model loads: OpenMP and OpenBLAS read their environment once, when
+    torch or the BLAS library loads."""
     for name in _ENV_VARS:
         os.environ[name] = str(threads)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if "OMP_WAIT_POLICY" not in os.environ:
+        for name, value in WAITS[default_wait()].items():
+            os.environ.setdefault(name, value)
     # OpenBLAS's idle threads spin for 2^28 cycles by default; 2^4 puts them to sleep at once.
     os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
     if backend == "torch":

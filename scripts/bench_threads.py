@@ -1,59 +1,58 @@
-"""Decode speed by CPU thread count, on an idle machine and on one whose cores are kept busy by other processes.
+"""Daemon decode speed by CPU thread count and OpenMP wait, on an idle machine and on one kept busy by other work.
 
-Greedy decoding of the same prompt with the torch verifier, once per (busy processes, threads) pair, repeats
-interleaved so machine noise hits every pair alike. "Busy" processes spin on the CPU for the length of a
-measurement, standing in for the other work of a shared machine. The daemon's `--threads 0` default
-(`inference_engine/threads.py`) is the count this measures fastest for small models under load.
-
-OpenMP's wait policy is read when torch loads, so compare policies by running the script twice
-(`OMP_WAIT_POLICY=PASSIVE python scripts/bench_threads.py ...`); the results record it.
+One daemon (`kakeya-runtime serve`, its default flags otherwise) per (wait, threads) pair: `--threads N` and the
+environment of the wait choice (`inference_engine.threads.WAITS`: `spin`, the daemon's default on Linux, spins
+briefly and then sleeps; `passive` sleeps at once). Each holds a session with the same `--history-tokens` history
+and decodes `--max-tokens` greedy tokens from a fork of it per measurement, through the Python SDK. For each
+`--busy` count that many processes spin on the CPU during the measurement, standing in for the other work of a
+shared machine. Repeats visit every (busy, wait, threads) triple in turn, so machine noise hits them alike; the
+summary holds medians and, per load and thread count, each wait's rate over `passive`'s.
 
 Usage:
-    python scripts/bench_threads.py [--model NAME|DIR|GGUF] [--threads 1 2 4] [--busy 0 2] [--prompt-tokens 64]
-        [--max-tokens 32] [--repeats 2] [--results-dir DIR]
+    python scripts/bench_threads.py [--model NAME|DIR|GGUF] [--threads 1 2] [--waits spin passive] [--busy 0 2]
+        [--history-tokens 1024] [--max-tokens 64] [--repeats 3] [--results-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.daemon import Daemon
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.proposers.base import NoProposer
-from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import FullStrategy
+from inference_engine.threads import WAITS, usable_cores
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_option(p, "the verifier")
     p.add_argument(
-        "--threads", type=int, nargs="+", default=sorted({1, 2, cores}), help="thread counts (default: 1 2 cores)"
+        "--threads", type=int, nargs="+", default=sorted({1, cores}), help="thread counts (default: 1 and cores)"
+    )
+    p.add_argument(
+        "--waits", nargs="+", choices=sorted(WAITS), default=sorted(WAITS, reverse=True), help="OpenMP waits"
     )
     p.add_argument(
         "--busy", type=int, nargs="+", default=[0, cores], help="busy processes per arm (default: 0 and cores)"
     )
-    p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
-    p.add_argument("--max-tokens", type=int, default=32, help="tokens decoded per measurement (default 32)")
-    p.add_argument("--repeats", type=int, default=2, help="measurements per pair (default 2)")
+    p.add_argument("--history-tokens", type=int, default=1024, help="session history before decoding (default 1024)")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens decoded per measurement (default 64)")
+    p.add_argument("--repeats", type=int, default=3, help="measurements per triple (default 3)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     args = p.parse_args(argv)
-    if min(args.threads) < 1 or min(args.busy) < 0 or args.repeats < 1 or args.max_tokens < 1:
-        p.error("--threads >= 1, --busy >= 0, --repeats >= 1 and --max-tokens >= 1 are required")
+    if min(args.threads) < 1 or min(args.busy) < 0 or args.repeats < 1 or args.max_tokens < 2:
+        p.error("--threads >= 1, --busy >= 0, --repeats >= 1 and --max-tokens >= 2 are required")
+    if args.history_tokens < 1:
+        p.error("--history-tokens must be at least 1")
     return args
 
 
@@ -63,35 +62,40 @@ def _spin(stop: Any) -> None:
             pass
 
 
-def decode_tokens_per_s(verifier: TorchVerifier, prompt: list[int], max_tokens: int) -> float:
-    """Greedy decode of `max_tokens` after `prompt` (prefill excluded from the clock)."""
-    decoder = Decoder(verifier, burst_tokens=1)  # one forward per step: the threads' effect on a forward
-    strategy = FullStrategy()
-    seq = SequenceState(
-        cache=verifier.new_cache(strategy), tokens=list(prompt), draft_session=NoProposer().open(strategy)
-    )
-    budget = GenerationBudget(max_new_tokens=max_tokens + 1)
-    generated = len(decoder.step(seq, SamplingParams(), budget, 0).tokens)  # prefill and the first token
-    started = time.perf_counter()
-    while generated < max_tokens + 1:
-        step = decoder.step(seq, SamplingParams(), budget, generated)
-        generated += len(step.tokens)
-        if step.stop is not None:
-            break
-    seconds = time.perf_counter() - started
-    seq.cache.release()
-    return (generated - 1) / seconds
+class Arm:
+    """One daemon at one (wait, threads), holding a session with the history."""
+
+    def __init__(self, model: Path, wait: str, threads: int, history: list[int]) -> None:
+        import kakeya
+
+        self.wait, self.threads = wait, threads
+        # the other variables any wait sets are cleared, so each daemon sees only its own choice
+        env: dict[str, str | None] = {name: None for choice in WAITS.values() for name in choice}
+        env |= WAITS[wait]
+        self.daemon = Daemon(["--model", str(model), "--threads", str(threads), "--proposer", "none"], env=env)
+        self.client = kakeya.Client(self.daemon.wait_listening())
+        self.session = self.client.create_session(initial_tokens=history, eos_token_ids=[])
+        list(self.session.generate(1))
+
+    def tokens_per_s(self, max_tokens: int) -> float:
+        """Decode rate of `max_tokens` greedy tokens from a fork: (tokens - 1) over first to last token."""
+        with self.session.fork() as session:
+            stamps = [time.perf_counter() for _ in session.generate(max_tokens)]
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+
+    def close(self) -> None:
+        self.client.close()
+        self.daemon.stop()
 
 
-def measure(verifier: TorchVerifier, prompt: list[int], threads: int, busy: int, max_tokens: int) -> float:
-    torch.set_num_threads(threads)
+def measure(arm: Arm, busy: int, max_tokens: int) -> float:
     context = multiprocessing.get_context("fork")
     stop = context.Event()
     spinners = [context.Process(target=_spin, args=(stop,), daemon=True) for _ in range(busy)]
     for spinner in spinners:
         spinner.start()
     try:
-        return decode_tokens_per_s(verifier, prompt, max_tokens)
+        return arm.tokens_per_s(max_tokens)
     finally:
         stop.set()
         for spinner in spinners:
@@ -99,21 +103,31 @@ def measure(verifier: TorchVerifier, prompt: list[int], threads: int, busy: int,
 
 
 def summarize(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    arms: dict[str, Any] = {}
+    by_busy: dict[str, Any] = {}
     for busy in sorted({s["busy"] for s in samples}):
         rates = {
-            threads: statistics.median(
-                s["tokens_per_s"] for s in samples if s["busy"] == busy and s["threads"] == threads
-            )
-            for threads in sorted({s["threads"] for s in samples})
+            wait: {
+                str(threads): round(
+                    statistics.median(
+                        s["tokens_per_s"]
+                        for s in samples
+                        if (s["busy"], s["wait"], s["threads"]) == (busy, wait, threads)
+                    ),
+                    2,
+                )
+                for threads in sorted({s["threads"] for s in samples})
+            }
+            for wait in sorted({s["wait"] for s in samples})
         }
-        fastest = max(rates, key=lambda t: rates[t])
-        arms[f"busy_{busy}"] = {
-            "tokens_per_s_by_threads": {str(t): round(r, 2) for t, r in rates.items()},
-            "fastest_threads": fastest,
-            "slowest_over_fastest": round(min(rates.values()) / rates[fastest], 3),
-        }
-    return {"by_busy_processes": arms}
+        part: dict[str, Any] = {"tokens_per_s": rates}
+        if "passive" in rates:
+            part["over_passive"] = {
+                wait: {t: round(r / rates["passive"][t], 3) for t, r in by_threads.items()}
+                for wait, by_threads in rates.items()
+                if wait != "passive"
+            }
+        by_busy[f"busy_{busy}"] = part
+    return {"by_busy_processes": by_busy}
 
 
 def plot(summary: dict[str, Any], png: Path) -> None:
@@ -122,14 +136,20 @@ def plot(summary: dict[str, Any], png: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    for name, arm in summary["by_busy_processes"].items():
-        threads = [int(t) for t in arm["tokens_per_s_by_threads"]]
-        ax.plot(threads, list(arm["tokens_per_s_by_threads"].values()), marker="o", label=name.replace("_", " "))
-    ax.set_xlabel("torch threads")
-    ax.set_ylabel("decode tokens / s")
-    ax.set_title("greedy decode speed by thread count")
-    ax.legend()
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    for busy, part in summary["by_busy_processes"].items():
+        for wait, by_threads in part["tokens_per_s"].items():
+            ax.plot(
+                [int(t) for t in by_threads],
+                list(by_threads.values()),
+                marker="o",
+                linestyle="-" if wait == "spin" else "--",
+                label=f"{wait}, {busy.replace('_', ' ')}",
+            )
+    ax.set_xlabel("--threads")
+    ax.set_ylabel("daemon decode tokens / s")
+    ax.set_title("daemon greedy decode by threads and OpenMP wait")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
@@ -137,17 +157,29 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    verifier = TorchVerifier.load(args.model, device="cpu", dtype="float32")
-    prompt = [(i * 7919) % verifier.vocab_size for i in range(1, args.prompt_tokens + 1)]
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(args.model, local_files_only=True).vocab_size
+    history = [(i * 7919) % vocab for i in range(1, args.history_tokens + 1)]
+    arms: list[Arm] = []
     samples = []
-    for repeat in range(args.repeats):
-        for busy in args.busy:
+    try:
+        for wait in args.waits:
             for threads in args.threads:
-                rate = measure(verifier, prompt, threads, busy, args.max_tokens)
-                samples.append({"repeat": repeat, "busy": busy, "threads": threads, "tokens_per_s": rate})
-                print(f"busy {busy} threads {threads}: {rate:.1f} tok/s", file=sys.stderr)
+                arms.append(Arm(args.model, wait, threads, history))
+        for repeat in range(args.repeats):
+            for busy in args.busy:
+                for arm in arms:
+                    rate = measure(arm, busy, args.max_tokens)
+                    samples.append(
+                        {"repeat": repeat, "busy": busy, "wait": arm.wait, "threads": arm.threads, "tokens_per_s": rate}
+                    )
+                    print(f"busy {busy} {arm.wait} threads {arm.threads}: {rate:.1f} tok/s", file=sys.stderr)
+    finally:
+        for arm in arms:
+            arm.close()
     summary = summarize(samples)
-    config = {k: v for k, v in vars(args).items() if k != "results_dir"}
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "results_dir"}
     path = write_results(
         "bench_threads",
         config=config,
@@ -155,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         summary=summary,
         plot=lambda p: plot(summary, p),
         out_dir=args.results_dir,
-        environment_extra={"omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")},
+        environment_extra={"cores": usable_cores(), "waits": WAITS},
     )
     print(path)
     return 0

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _LISTENING = re.compile(r'"msg": "listening", "grpc": "([^"]+)"')
@@ -25,7 +25,9 @@ def free_port() -> int:
 class Daemon:
     """`kakeya-runtime serve` as a child process on a free loopback port."""
 
-    def __init__(self, flags: Sequence[str]) -> None:
+    def __init__(self, flags: Sequence[str], env: Mapping[str, str | None] | None = None) -> None:
+        """`env`: variables set for the daemon over this process's environment (None: removed)."""
+        merged = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
         script = Path(sys.executable).with_name("kakeya-runtime")
         command = [str(script)] if script.exists() else [sys.executable, "-m", "inference_engine.cli"]
         self.command = [*command, "serve", "--port", "0", "--metrics-port", "-1", "--log-format", "json", *flags]
@@ -37,7 +39,7 @@ class Daemon:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            env={name: value for name, value in merged.items() if value is not None},
         )
         threading.Thread(target=self._read, daemon=True).start()
 

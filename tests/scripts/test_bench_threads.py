@@ -1,4 +1,5 @@
-"""scripts/bench_threads.py measures decode speed per thread count and load, and writes the common results format."""
+"""scripts/bench_threads.py measures the daemon's decode speed per OpenMP wait, thread count and load, and writes the
+common results format."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.support.children import run_child
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_benchmark_measures_every_thread_count_under_every_load(checkpoints, tmp_path):
+def test_the_benchmark_measures_every_wait_and_thread_count_under_every_load(checkpoints, tmp_path):
     command = [
         sys.executable,
         "scripts/bench_threads.py",
@@ -23,7 +24,10 @@ def test_the_benchmark_measures_every_thread_count_under_every_load(checkpoints,
         "--busy",
         "0",
         "1",
-        "--prompt-tokens",
+        "--waits",
+        "spin",
+        "passive",
+        "--history-tokens",
         "8",
         "--max-tokens",
         "4",
@@ -37,9 +41,13 @@ def test_the_benchmark_measures_every_thread_count_under_every_load(checkpoints,
     path = Path(result.stdout.strip().splitlines()[-1])
     payload = json.loads(path.read_text())
     assert path.with_suffix(".png").is_file()
-    assert {(s["busy"], s["threads"]) for s in payload["samples"]} == {(0, 1), (0, 2), (1, 1), (1, 2)}
+    triples = {(s["busy"], s["wait"], s["threads"]) for s in payload["samples"]}
+    assert triples == {(b, w, t) for b in (0, 1) for w in ("spin", "passive") for t in (1, 2)}
     assert all(s["tokens_per_s"] > 0 for s in payload["samples"])
     arms = payload["summary"]["by_busy_processes"]
     assert set(arms) == {"busy_0", "busy_1"}
-    assert all(arm["fastest_threads"] in (1, 2) for arm in arms.values())
-    assert "omp_wait_policy" in payload["environment"]
+    for arm in arms.values():
+        assert set(arm["tokens_per_s"]) == {"spin", "passive"}
+        spin, passive = arm["tokens_per_s"]["spin"], arm["tokens_per_s"]["passive"]
+        assert arm["over_passive"]["spin"] == {t: round(spin[t] / passive[t], 3) for t in ("1", "2")}
+    assert payload["environment"]["waits"]["spin"]["OMP_WAIT_POLICY"] == "ACTIVE"
