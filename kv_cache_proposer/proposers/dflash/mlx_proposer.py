@@ -11,16 +11,11 @@ import numpy as np
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.layout import input_major
 from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
-from kv_cache_proposer.cache import KVSessionCache, SessionCache
+from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible, layer_windows
 from kv_cache_proposer.proposers.dflash.mlx_model import MlxDFlashDrafter, load_mlx_drafter
-from kv_cache_proposer.proposers.dflash.session import (
-    DFlashBatchDrafter,
-    DFlashDraftSession,
-    block_masks,
-    context_strategy,
-)
+from kv_cache_proposer.proposers.dflash.session import DFlashBatchDrafter, DFlashDraftSession, block_masks
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import BatchBlock
 
@@ -72,9 +67,7 @@ class MlxDFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        held = context_strategy(strategy, self._windows)
-        cache = KVSessionCache(held, num_layers=len(self._windows), ops=self._verifier.array_ops)
-        return DFlashDraftSession(self, cache, self._batch, windowed=held is not strategy)
+        return DFlashDraftSession.opened(self, strategy, self._windows, self._verifier.array_ops, self._batch)
 
     def add_context(self, cache: SessionCache[mx.array], features: mx.array) -> None:
         count = int(features.shape[0])

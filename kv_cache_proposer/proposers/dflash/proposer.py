@@ -12,18 +12,13 @@ import torch.nn.functional as F
 
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.cache import KVSessionCache, SessionCache
+from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
-from kv_cache_proposer.proposers.dflash.session import (
-    DFlashBatchDrafter,
-    DFlashDraftSession,
-    block_masks,
-    context_strategy,
-)
+from kv_cache_proposer.proposers.dflash.session import DFlashBatchDrafter, DFlashDraftSession, block_masks
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import BatchBlock
 
@@ -72,9 +67,7 @@ class DFlashProposer:
         return "dflash"
 
     def open(self, strategy: KVStrategy) -> DFlashDraftSession:
-        held = context_strategy(strategy, self.drafter.layer_windows)
-        cache = KVSessionCache(held, num_layers=len(self.drafter.layers), ops=self._ops)
-        return DFlashDraftSession(self, cache, self._batch, windowed=held is not strategy)
+        return DFlashDraftSession.opened(self, strategy, self.drafter.layer_windows, self._ops, self._batch)
 
     @torch.inference_mode()
     def add_context(self, cache: SessionCache[torch.Tensor], features: torch.Tensor) -> None:

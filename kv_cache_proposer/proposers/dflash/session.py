@@ -203,15 +203,24 @@ class DFlashDraftSession(Generic[A]):
         engine: DraftEngine[A],
         cache: SessionCache[A],
         batch: DFlashBatchDrafter[A] | None = None,
-        *,
-        windowed: bool = False,
     ) -> None:
-        """`batch`: the batch drafter shared by the proposer's sessions (None: this session drafts alone);
-        `windowed`: `cache` holds the drafter's window alone (`context_strategy`)."""
+        """`batch`: the batch drafter shared by the proposer's sessions (None: this session drafts alone)."""
         self._engine = engine
         self._cache = cache
         self._batch = batch
-        self._windowed = windowed
+
+    @classmethod
+    def opened(
+        cls,
+        engine: DraftEngine[A],
+        strategy: KVStrategy,
+        windows: Sequence[int | None],
+        ops: Any,
+        batch: DFlashBatchDrafter[A] | None,
+    ) -> DFlashDraftSession[A]:
+        """A new session's drafter context (one layer per window), held under `context_strategy`."""
+        cache = KVSessionCache(context_strategy(strategy, windows), num_layers=len(windows), ops=ops)
+        return cls(engine, cache, batch)
 
     @property
     def batch_drafter(self) -> DFlashBatchDrafter[A] | None:
@@ -266,11 +275,10 @@ class DFlashDraftSession(Generic[A]):
         # The context K/V track the verifier's committed positions one for one, so they clone at the same length.
         # A context held over the drafter's window alone keeps what it still holds of the window before `length`:
         # the clone drafts with less context until its window fills again.
-        if self._windowed:
+        held = self._cache.strategy
+        if isinstance(held, DrafterWindow):
             cache = cast(KVSessionCache[A], self._cache)
-            window = cast(DrafterWindow, cache.strategy).window
-            held = cache.strategy.resident_positions(cache.next_position)
-            start = min(int(held[0]), length) if held.size else length  # the oldest position still held
-            twin = cache.clone_under(length, DrafterWindow(window, start=start))
-            return DFlashDraftSession(self._engine, twin, self._batch, windowed=True)
+            oldest = max(held.start, cache.next_position - held.window)  # the oldest position still held
+            twin = cache.clone_under(length, DrafterWindow(held.window, start=min(oldest, length)))
+            return DFlashDraftSession(self._engine, twin, self._batch)
         return DFlashDraftSession(self._engine, self._cache.clone(length), self._batch)
