@@ -3,16 +3,14 @@ defaults and limits."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from inference_engine import __version__
+from inference_engine.config import ServerConfig
 from inference_engine.domain import ModelInfo, ServerLimits, SessionInfo
+from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.restoration import restoration_info
 from inference_engine.sessions import Session
-from kv_cache_proposer.strategies import strategy_options
-
-if TYPE_CHECKING:
-    from inference_engine.runtime import Runtime
+from kv_cache_proposer.strategies import KVStrategy, strategy_options
+from kv_cache_proposer.verifier import Verifier
 
 
 def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds: float) -> SessionInfo:
@@ -44,18 +42,26 @@ def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds
     )
 
 
-def describe_model(runtime: Runtime) -> ModelInfo:
+def describe_model(
+    config: ServerConfig,
+    verifier: Verifier,
+    model_dir_info: ModelDirInfo,
+    *,
+    eos_token_ids: tuple[int, ...],
+    default_strategy: KVStrategy,
+    prefill_chunk_tokens: int,
+    proposer: str,
+) -> ModelInfo:
     """The served model's facts, the session defaults and the request limits."""
-    config = runtime.config
     return ModelInfo(
-        vocab_size=runtime.verifier.vocab_size,
-        eos_token_ids=runtime.default_eos_token_ids,
-        trained_context_tokens=runtime.model_dir_info.trained_context_tokens,
+        vocab_size=verifier.vocab_size,
+        eos_token_ids=eos_token_ids,
+        trained_context_tokens=model_dir_info.trained_context_tokens,
         backend=config.backend,
-        model_name=runtime.model_dir_info.name,
-        description=runtime.verifier.description,
-        chat_template=runtime.model_dir_info.chat_template,
-        default_kv_strategy=runtime.checks.default_strategy.name,
+        model_name=model_dir_info.name,
+        description=verifier.description,
+        chat_template=model_dir_info.chat_template,
+        default_kv_strategy=default_strategy.name,
         default_sink_tokens=config.sink,
         default_window_tokens=config.window,
         limits=ServerLimits(
@@ -67,8 +73,8 @@ def describe_model(runtime: Runtime) -> ModelInfo:
             max_concurrent_generations=config.max_concurrent,
             queue_deadline_s=config.queue_deadline_s,
             max_batch_size=config.max_batch_size,
-            prefill_chunk_tokens=runtime.decoder.prefill_chunk_tokens,
+            prefill_chunk_tokens=prefill_chunk_tokens,
         ),
-        proposer=runtime.proposer.name,
+        proposer=proposer,
         server_version=__version__,
     )

@@ -33,42 +33,51 @@ from inference_engine.sessions import Session, SessionStore
 from inference_engine.validation import RequestChecks
 from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
-from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
 
-class JournaledSessions:
-    """The journal half of `Runtime`, which derives from it and holds the attributes annotated here."""
+class SessionJournal:
+    """The runtime's record of its sessions: changes journaled before they are acknowledged, sessions restored from
+    the journal, and (with a shared journal) sessions taken over from other daemons."""
 
-    config: ServerConfig
-    checks: RequestChecks
-    store: SessionStore
-    verifier: Verifier
-    cluster_metrics: ClusterMetrics
-    journal: Journal | None
-    takeovers: SessionTakeovers | None  # set when the journal is shared by a cluster
-    _open_session: Callable[[str, str, Iterable[int], KVStrategy, list[int], float, KVCompressor], Session]
-    """Adds a new session to the store, its `tokens` pending (the runtime's method)."""
+    def __init__(
+        self,
+        config: ServerConfig,
+        checks: RequestChecks,
+        store: SessionStore,
+        vocab_size: int,
+        cluster_metrics: ClusterMetrics,
+        open_session: Callable[[str, str, Iterable[int], KVStrategy, list[int], float, KVCompressor], Session],
+    ) -> None:
+        """`open_session` adds a new session to the store, its `tokens` pending."""
+        self.config = config
+        self.checks = checks
+        self.store = store
+        self.vocab_size = vocab_size
+        self.cluster_metrics = cluster_metrics
+        self._open_session = open_session
+        self.journal: Journal | None = None
+        self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
 
-    def journal_identity(self) -> dict[str, Any]:
+    def identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
         identity: dict[str, Any] = {
             "model": model_identity(self.config.model_dir),
             "backend": self.config.backend,
-            "vocab_size": self.verifier.vocab_size,
+            "vocab_size": self.vocab_size,
         }
         if self.config.weights != "float32":  # a journal of full-precision weights reads as it always has
             identity["weights"] = self.config.weights
         return identity
 
-    def attach_journal(self, journal: Journal) -> None:
+    def attach(self, journal: Journal) -> None:
         """Record every session change in `journal` from now on; sessions that end are written as ended. A shared
         journal also brings the sessions this daemon does not hold when they are asked for (`acquire`)."""
         self.journal = journal
         self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
         if journal.shared:
-            self.takeovers = SessionTakeovers(journal, self.store, self.restore_session, self.cluster_metrics)
+            self.takeovers = SessionTakeovers(journal, self.store, self.restore, self.cluster_metrics)
 
     async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
         """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
@@ -76,7 +85,7 @@ class JournaledSessions:
             return self.store.get(session_id, touch=touch)
         return await self.takeovers.acquire(session_id, touch=touch)
 
-    def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
+    def restore_all(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
         """Bring journaled sessions back under their ids, with their whole history pending.
 
         Idle time counts from each session's last journaled activity, so the TTL applies as to any session. A
@@ -86,7 +95,7 @@ class JournaledSessions:
         dropped = []
         for record in records:
             try:
-                self.restore_session(record)
+                self.restore(record)
             except JournalDamaged as exc:
                 if not drop_invalid:
                     raise
@@ -95,7 +104,7 @@ class JournaledSessions:
                     self.journal.submit(JournalEnded(record.header.session_id))
         return dropped
 
-    def restore_session(self, record: SessionRecord) -> Session:
+    def restore(self, record: SessionRecord) -> Session:
         """Bring one journaled session back under its id with its whole history pending; `JournalDamaged` when
         the record does not fit this model."""
         header = record.header
@@ -111,18 +120,18 @@ class JournaledSessions:
         last_access = self.store.now() - max(0.0, time.time() - record.last_active_unix)
         return self._open_session(header.session_id, header.label, eos, strategy, tokens, last_access, compressor)
 
-    async def _journal_opened(self, session: Session) -> None:
+    async def opened(self, session: Session) -> None:
         """Journal a new session; if that fails the session is freed and the call fails."""
         entry = JournalOpened(session_header(session), tuple(session.seq.tokens), time.time())
         try:
-            await self._journal_write(entry)
+            await self.write(entry)
         except JournalUnavailable:
             self.store.detach(session, "failed", "failed: not journaled")
             session.release()
             self.store.refresh_gauges()
             raise
 
-    async def _journal_write(self, entry: JournalEntry) -> None:
+    async def write(self, entry: JournalEntry) -> None:
         if self.journal is None:
             return
         try:

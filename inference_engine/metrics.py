@@ -85,11 +85,11 @@ class Metrics:
             registry=r,
         )
         self.batch_forwards = Counter(
-            "kakeya_batch_forwards", "Batched verifier forwards the model worker ran (rate: forwards/s)", registry=r
+            "kakeya_batch_forwards", "Batched verifier forwards the engine loop ran (rate: forwards/s)", registry=r
         )
         self.batch_queue_wait_seconds = Histogram(
             "kakeya_batch_queue_wait_seconds",
-            "Time a generation step waited, once ready, for the forward that runs it",
+            "Time from a generation's previous step (or its start) to the forward that runs its next",
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -1,7 +1,7 @@
-"""The session service: creates sessions, appends tokens, runs generations on the model worker, frees memory.
+"""The session service: creates sessions, appends tokens, runs generations on the engine loop, frees memory.
 
 Transport-neutral: the gRPC servicer (and the HTTP shim) call these coroutines and convert what they return.
-Everything here runs on the event loop; tensor work goes through the `ModelWorker`.
+Everything here runs on the event loop; tensor work runs on the engine loop's thread (`EngineLoop`).
 """
 
 from __future__ import annotations
@@ -10,27 +10,43 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import asynccontextmanager
+from typing import Any
 
 from inference_engine import __version__
 from inference_engine.admission import Admission
-from inference_engine.cluster import ClusterMetrics, SessionTakeovers
+from inference_engine.cluster import ClusterMetrics
 from inference_engine.config import ServerConfig
 from inference_engine.describe import describe_model, describe_session
-from inference_engine.domain import CreateParams, GenerateEvent, GenerateParams, ModelInfo, SessionInfo
-from inference_engine.durability import JournaledSessions
-from inference_engine.errors import InvalidArgument, ResourceExhausted, ServiceError, SessionFailed, ShuttingDown
+from inference_engine.domain import (
+    CreateParams,
+    DoneEvent,
+    GenerateEvent,
+    GenerateParams,
+    ModelInfo,
+    SessionInfo,
+    TokenEvent,
+    TruncatedEvent,
+)
+from inference_engine.durability import SessionJournal
+from inference_engine.engine import EngineLoop
+from inference_engine.errors import (
+    InvalidArgument,
+    JournalUnavailable,
+    ResourceExhausted,
+    ServiceError,
+    SessionFailed,
+    ShuttingDown,
+)
 from inference_engine.forking import fork_sequence
-from inference_engine.generation import run_generation
+from inference_engine.generation import Generation, StepOutput
 from inference_engine.grammars import ModelGrammars
-from inference_engine.journal import Journal, JournalAppended
+from inference_engine.journal import Journal, JournalAppended, JournalError, SessionRecord
 from inference_engine.metrics import Metrics
 from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.restoration import restoration_setup
 from inference_engine.sessions import Session, SessionStore
-from inference_engine.step_scheduler import StepScheduler
 from inference_engine.validation import RequestChecks
-from inference_engine.worker import ModelWorker
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
@@ -42,9 +58,11 @@ from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
 
+_GAUGE_INTERVAL_S = 0.25  # how stale the KV gauges may get while a generation runs (they are exact once it ends)
 
-class Runtime(JournaledSessions):
-    """Sessions bound to one loaded verifier, journaled once a journal is attached (`JournaledSessions`)."""
+
+class Runtime:
+    """Sessions bound to one loaded verifier, journaled once a journal is attached (`SessionJournal`)."""
 
     def __init__(
         self,
@@ -71,7 +89,6 @@ class Runtime(JournaledSessions):
             proposer=self.proposer.name,
             kv_strategy=config.kv_strategy,
         ).set(1)
-        self.worker = ModelWorker()
         self.decoder = Decoder(
             verifier,
             prefill_chunk_tokens=config.prefill_chunk_tokens or None,
@@ -80,8 +97,7 @@ class Runtime(JournaledSessions):
                 self.proposer.draft_policy if config.draft_policy == "auto" else DraftPolicy(config.draft_policy)
             ),
         )
-        self.step_scheduler = StepScheduler(
-            self.worker,
+        self.engine = EngineLoop(
             self.decoder,
             metrics,
             max_batch_size=config.max_batch_size,
@@ -97,9 +113,9 @@ class Runtime(JournaledSessions):
         self._accepting = True
         self._cancelling = False  # set once shutdown cancels: queued generations then end before they start
         self._generations_in_flight = 0  # running or queued
-        self.journal: Journal | None = None
-        self.cluster_metrics = ClusterMetrics(metrics.registry)
-        self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
+        self.sessions_journal = SessionJournal(
+            config, self.checks, self.store, verifier.vocab_size, ClusterMetrics(metrics.registry), self._open_session
+        )
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
         self.restoration = restoration_setup(config, verifier.num_layers, self.model_dir_info.restore_plan)
 
@@ -116,7 +132,7 @@ class Runtime(JournaledSessions):
         session = self._open_session(
             self.store.new_id(), params.label, eos, strategy, initial, self.store.now(), compressor
         )
-        await self._journal_opened(session)
+        await self.sessions_journal.opened(session)
         log.info(
             "session created",
             extra={
@@ -134,7 +150,7 @@ class Runtime(JournaledSessions):
         session = await self.acquire(session_id)
         async with self.admission.session_turn(session):
             tokens = self.checks.append(len(session.seq.tokens), token_ids, "token_ids")
-            await self._journal_write(JournalAppended(session_id, tuple(tokens), time.time()))
+            await self.sessions_journal.write(JournalAppended(session_id, tuple(tokens), time.time()))
             session.seq.tokens.extend(tokens)
             return len(session.seq.tokens)
 
@@ -157,17 +173,46 @@ class Runtime(JournaledSessions):
             budget_stops |= grammar_stops
         session = await self.acquire(session_id)
         self._generations_in_flight += 1
+        outcome = "cancelled"  # unless the generation ends otherwise, the client went away mid-stream
+        metrics = self.metrics
         try:
             async with (
                 self._queued_generation_turn(session),
-                aclosing(self._generate_in_turn(session, params, sampling, budget_stops, controls, cancel)) as events,
+                self._running_generation(session, params, sampling, budget_stops, controls, cancel) as generation,
             ):
-                async for event in events:
-                    yield event
+                last_token_at: float | None = None
+                while True:
+                    output = await generation.next_output()
+                    try:
+                        await self._take_output(session, generation, output)
+                    except (SessionFailed, JournalUnavailable):
+                        outcome = "failed"
+                        raise
+                    if output.truncated:
+                        yield TruncatedEvent(output.truncated)
+                    logprobs = output.logprobs
+                    for index, token in enumerate(output.tokens):
+                        now = time.perf_counter()
+                        if last_token_at is not None:
+                            metrics.generate_inter_token_latency_seconds.observe(now - last_token_at)
+                        last_token_at = now
+                        yield TokenEvent(token, logprobs[index] if logprobs is not None else None)
+                    if not self._within_budget(session):
+                        outcome = "resource_exhausted"
+                        raise ResourceExhausted(
+                            f"running sessions hold {self.store.kv_live_bytes()} KV bytes, over --kv-budget-bytes "
+                            f"{self.config.kv_budget_bytes}, and no idle session is left to evict"
+                        )
+                    if output.done is not None:
+                        outcome = output.done.stop_reason.value
+                        yield DoneEvent(output.done)
+                        return
         finally:
             self._generations_in_flight -= 1
+            metrics.generate_requests.labels(outcome=outcome).inc()
 
-    async def _generate_in_turn(
+    @asynccontextmanager
+    async def _running_generation(
         self,
         session: Session,
         params: GenerateParams,
@@ -175,8 +220,9 @@ class Runtime(JournaledSessions):
         budget_stops: frozenset[int],
         controls: DecodeControls,
         cancel: asyncio.Event | None,
-    ) -> AsyncGenerator[GenerateEvent, None]:
-        """The generation once it holds the session and a slot."""
+    ) -> AsyncIterator[Generation]:
+        """The generation once it holds the session and a slot, running on the engine loop; on exit the engine is
+        done with it and every token it added to the history is journaled."""
         if self._cancelling:
             raise ShuttingDown("the server shut down before this generation started")
         seq = session.seq
@@ -191,18 +237,56 @@ class Runtime(JournaledSessions):
         )
         session.cancel = cancel or asyncio.Event()
         session.generating = True
+        self.metrics.session_history_tokens.observe(len(seq.tokens))
+        generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
         try:
-            async with aclosing(run_generation(self, session, sampling, budget, controls)) as events:
-                async for event in events:
-                    yield event
+            self.engine.begin(generation)
+            yield generation
         finally:
+            if not generation.has_ended:
+                generation.abandon()
+            # A step under way when the consumer left completes: its tokens are history, so they are journaled.
+            for output in await generation.ended():
+                try:
+                    await self._take_output(session, generation, output)
+                except ServiceError:
+                    break  # the session failed and was freed; the generation already ends with its own error
+                except Exception:  # the generation already ends with its own error; this step's is the same session's
+                    log.debug("a step of an ended generation failed", exc_info=True)
+                    break
             session.generating = False
             session.cancel = None
             # Between generations the session holds only its resident storage (packed bytes if compressed);
-            # dropping the working copy is only reference release, so it needs no turn on the model worker.
+            # dropping the working copy is only reference release, so it needs no turn on the engine thread.
             seq.cache.park()
             self.store.touch(session)
             self.store.refresh_gauges()
+
+    async def _take_output(self, session: Session, generation: Generation, output: StepOutput) -> None:
+        """Check one step's output before its tokens reach the client: a failed step fails the session, and the
+        tokens must be journaled (else the session fails: its memory and journal would disagree)."""
+        if isinstance(output.error, InvariantViolation):
+            raise self.fail_session(session, output.error) from output.error
+        if output.error is not None:
+            raise output.error
+        if output.journaled is not None:
+            try:
+                await asyncio.wrap_future(output.journaled)
+            except JournalError as exc:
+                if not generation.has_ended:
+                    generation.abandon()
+                    for left in await generation.ended():
+                        if left.journaled is not None:
+                            await asyncio.wait([asyncio.wrap_future(left.journaled)])
+                raise self.fail_unjournaled(session, exc) from exc
+
+    def _within_budget(self, session: Session) -> bool:
+        """After a step: the session counts as used now, and idle sessions are evicted while the KV bytes are over
+        the budget; whether they fit."""
+        self.store.touch(session)
+        within = self.store.enforce_budget(protect=session)
+        self.store.refresh_gauges_every(_GAUGE_INTERVAL_S)
+        return within
 
     async def fork_session(
         self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
@@ -217,7 +301,7 @@ class Runtime(JournaledSessions):
             length = history if prefix_tokens is None else prefix_tokens
             if not 0 <= length <= history:
                 raise InvalidArgument(f"prefix_tokens {length} is outside the parent's history of {history} tokens")
-            seq = await self.worker.run(fork_sequence, parent.seq, length)
+            seq = await self.engine.call(fork_sequence, parent.seq, length)
             fork = Session(
                 session_id=self.store.new_id(),
                 label=parent.label if label is None else label,
@@ -231,7 +315,7 @@ class Runtime(JournaledSessions):
             except ResourceExhausted:
                 fork.release()
                 raise
-            await self._journal_opened(fork)
+            await self.sessions_journal.opened(fork)
         log.info(
             "session forked",
             extra={"session_id": fork.session_id, "parent": session_id, "history": length, "copied": seq.committed},
@@ -289,7 +373,41 @@ class Runtime(JournaledSessions):
 
     def model_info(self) -> ModelInfo:
         """The served model's facts, the session defaults and the request limits."""
-        return describe_model(self)
+        return describe_model(
+            self.config,
+            self.verifier,
+            self.model_dir_info,
+            eos_token_ids=self.default_eos_token_ids,
+            default_strategy=self.checks.default_strategy,
+            prefill_chunk_tokens=self.decoder.prefill_chunk_tokens,
+            proposer=self.proposer.name,
+        )
+
+    # -- the journal -----------------------------------------------------------------------------------------------
+    @property
+    def journal(self) -> Journal | None:
+        return self.sessions_journal.journal
+
+    def journal_identity(self) -> dict[str, Any]:
+        """What a session snapshot must match to be restored into this runtime."""
+        return self.sessions_journal.identity()
+
+    def attach_journal(self, journal: Journal) -> None:
+        """Record every session change in `journal` from now on (`SessionJournal.attach`)."""
+        self.sessions_journal.attach(journal)
+        self.engine.journal = journal
+
+    def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
+        """Bring journaled sessions back under their ids, with their whole history pending
+        (`SessionJournal.restore_all`); returns what was dropped."""
+        return self.sessions_journal.restore_all(records, drop_invalid=drop_invalid)
+
+    async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
+        """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
+        return await self.sessions_journal.acquire(session_id, touch=touch)
+
+    def fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
+        return self.sessions_journal.fail_unjournaled(session, exc)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def evict_idle(self) -> int:
@@ -323,8 +441,7 @@ class Runtime(JournaledSessions):
         return self.active_generations == 0
 
     def shutdown(self) -> None:
-        self.step_scheduler.close()
-        self.worker.shutdown()
+        self.engine.close()
 
     # -- internals ---------------------------------------------------------------------------------------------
     def _open_session(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kv_cache_proposer import sampling
+import kv_cache_proposer.sampling as sampling
 from kv_cache_proposer.grammar import GrammarState
 from kv_cache_proposer.sampling import SamplingParams
 

@@ -5,14 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kv_cache_proposer.backends.choices import BACKENDS, COMPILE_MODES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.verifier import Verifier
 
-BACKENDS = ("torch", "mlx")
-TORCH_FORWARDS = ("auto", "library")
-# Whether the torch backend's direct forward runs its decode steps compiled by torch.compile (`TorchVerifier`).
-COMPILE_MODES = ("auto", "on", "off")
-# How the verifier holds its linear layers' weights (`torch_backend.weights`); `auto` is chosen by the caller.
-WEIGHTS = ("float32", "bfloat16", "int8", "int4")
+__all__ = ["BACKENDS", "COMPILE_MODES", "TORCH_FORWARDS", "WEIGHTS", "load_verifier", "runs_on_cpu"]
 
 
 def load_verifier(

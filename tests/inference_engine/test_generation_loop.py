@@ -1,5 +1,5 @@
-"""A generation queues its next step before it streams the current step's tokens, and a cancellation or a client
-that goes away never leaves a token in the history that was neither streamed nor journaled."""
+"""A generation's next step runs while its current tokens stream (and no step further), and a cancellation or a
+client that goes away never leaves a token in the history that was neither streamed nor journaled."""
 
 from __future__ import annotations
 
@@ -21,29 +21,30 @@ def _runtime(verifier, model_dir: Path, backend: str, **overrides) -> Runtime:
     return Runtime(verifier, config, Metrics(), model_dir_info=ModelDirInfo.read(model_dir))
 
 
-def test_the_next_step_is_under_way_before_the_current_steps_tokens_are_streamed(verifiers, verifier_pool, backend):
+def test_the_next_step_runs_while_the_consumer_streams_and_no_step_further(verifiers, verifier_pool, backend):
     runtime = _runtime(verifiers["qwen3"], verifier_pool.model_dir(backend, "qwen3"), backend)
 
     async def run() -> tuple[list[int], list[int], DoneEvent]:
         session_id, _ = await runtime.create_session(CreateParams(initial_token_ids=PROMPT, no_default_eos=True))
-        started_at_token, tokens, done = [], [], None
-        async for event in runtime.generate(session_id, GenerateParams(max_tokens=4)):
+        history_after_pause, tokens, done = [], [], None
+        async for event in runtime.generate(session_id, GenerateParams(max_tokens=6)):
             if isinstance(event, TokenEvent):
-                started_at_token.append(runtime.step_scheduler.started_steps)
                 tokens.append(event.token_id)
+                await asyncio.sleep(0.2)  # a slow client: the engine has all the time it needs meanwhile
+                history_after_pause.append(runtime.session_info(session_id).history_length - len(PROMPT))
             elif isinstance(event, DoneEvent):
                 done = event
         assert done is not None
-        return started_at_token, tokens, done
+        return history_after_pause, tokens, done
 
     try:
-        started_at_token, tokens, done = asyncio.run(run())
+        history_after_pause, tokens, done = asyncio.run(run())
     finally:
         runtime.shutdown()
-    # Every token but the last is handed out once its successor step is queued or already running (chained by
-    # the worker); the last has none. One step per token: the prompt fits one forward.
-    assert started_at_token == [2, 3, 4, 4]
-    assert len(tokens) == done.stats.generated_token_count == 4
+    # While the client holds token k, the step of token k + 1 runs (one step per token: the prompt fits one
+    # forward), and no step after it: the history is one step ahead of the stream at most.
+    assert history_after_pause == [2, 3, 4, 5, 6, 6]
+    assert len(tokens) == done.stats.generated_token_count == 6
 
 
 def test_a_cancelled_generation_streams_every_token_its_history_gained(verifiers, verifier_pool, backend):

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
+from kv_cache_proposer.backends.choices import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, unsupported
