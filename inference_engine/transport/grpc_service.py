@@ -109,17 +109,11 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
             await _abort(context, exc)
         return pb.ForkSessionResponse(session_id=session_id, history_length=history, copied_token_count=copied)
 
-    async def Converse(
+    def Converse(
         self, request_iterator: AsyncIterator[pb.ConverseRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.ConverseResponse]:
         _begin(context)
-        conversation = _Conversation(self.runtime)
-        try:
-            async with aclosing(conversation.run(request_iterator)) as responses:
-                async for response in responses:
-                    yield response
-        except ServiceError as exc:
-            await _abort(context, exc)
+        return _Conversation(self.runtime, context).run(request_iterator)
 
 
 @dataclass(slots=True)
@@ -133,17 +127,32 @@ class _Conversation:
     """One Converse stream: commands run in order; a cancel command stops every generation commanded before it."""
 
     runtime: Runtime
+    context: grpc.aio.ServicerContext
     session_id: str | None = None
     _generation_cancels: list[asyncio.Event] = field(default_factory=list)
 
     async def run(self, requests: AsyncIterator[pb.ConverseRequest]) -> AsyncGenerator[pb.ConverseResponse, None]:
+        """The stream's responses; a command's error ends the stream with its status."""
         queue: asyncio.Queue[_Command | None] = asyncio.Queue()
         reader = asyncio.create_task(self._read(requests, queue))
         try:
             while (command := await queue.get()) is not None:
-                async for response in self._execute(command):
-                    yield response
+                request = command.request
+                if request.WhichOneof("command") != "generate":
+                    yield await self._execute(command)
+                    continue
+                if self.session_id is None:
+                    raise InvalidArgument("the first command of a Converse stream must be bind")
+                params = convert.generate_params(request.generate)
+                events = self.runtime.generate(self.session_id, params, cancel=command.cancel)
+                async with aclosing(events):
+                    async for event in events:
+                        yield convert.converse_response(request.command_id, event)
+                if command.cancel is not None and command.cancel in self._generation_cancels:
+                    self._generation_cancels.remove(command.cancel)
             await reader
+        except ServiceError as exc:
+            await _abort(self.context, exc)
         finally:
             reader.cancel()
 
@@ -164,7 +173,8 @@ class _Conversation:
         finally:
             await queue.put(None)
 
-    async def _execute(self, command: _Command) -> AsyncIterator[pb.ConverseResponse]:
+    async def _execute(self, command: _Command) -> pb.ConverseResponse:
+        """A command other than generate: its one response."""
         request = command.request
         kind = request.WhichOneof("command")
         command_id = request.command_id
@@ -174,20 +184,10 @@ class _Conversation:
             await self.runtime.acquire(request.bind.session_id, touch=False)
             info = self.runtime.session_info(request.bind.session_id)
             self.session_id = request.bind.session_id
-            yield pb.ConverseResponse(command_id=command_id, bound=pb.BoundEvent(history_length=info.history_length))
-            return
+            return pb.ConverseResponse(command_id=command_id, bound=pb.BoundEvent(history_length=info.history_length))
         if self.session_id is None:
             raise InvalidArgument("the first command of a Converse stream must be bind")
         if kind == "append":
             history = await self.runtime.append(self.session_id, request.append.token_ids)
-            yield pb.ConverseResponse(command_id=command_id, appended=pb.AppendedEvent(history_length=history))
-        elif kind == "generate":
-            params = convert.generate_params(request.generate)
-            events = self.runtime.generate(self.session_id, params, cancel=command.cancel)
-            async with aclosing(events):
-                async for event in events:
-                    yield convert.converse_response(command_id, event)
-            if command.cancel is not None and command.cancel in self._generation_cancels:
-                self._generation_cancels.remove(command.cancel)
-        else:
-            raise InvalidArgument("a Converse command must set one of bind, append, generate or cancel")
+            return pb.ConverseResponse(command_id=command_id, appended=pb.AppendedEvent(history_length=history))
+        raise InvalidArgument("a Converse command must set one of bind, append, generate or cancel")
