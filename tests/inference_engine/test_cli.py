@@ -12,6 +12,8 @@ from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from tests.support.daemon import CONSOLE_SCRIPT, Daemon
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(CONSOLE_SCRIPT), *args], capture_output=True, text=True, timeout=120)

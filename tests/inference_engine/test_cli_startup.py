@@ -8,7 +8,11 @@ import socket
 import subprocess
 import time
 
+import pytest
+
 from tests.support.daemon import CONSOLE_SCRIPT, Daemon
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 
 def _stop(daemon: Daemon) -> int:

@@ -39,7 +39,7 @@ GGUFFactory = Callable[..., Path]
 # A greedy decode: the tokens after PROMPT, and the logits of one forward over PROMPT + tokens ([len, V]).
 Decode = tuple[list[int], torch.Tensor]
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 
 @pytest.fixture(scope="module")

@@ -126,10 +126,10 @@ def test_the_budget_charges_a_generating_compressed_session_its_packed_bytes_not
     session = Session(store.new_id(), "", frozenset(), SequenceState(cache=cache), store.now())
     store.add(session)
     generating = (session.kv_bytes, session.kv_charged_bytes)
-    assert cache.working_bytes > 0 and generating[1] == generating[0] - cache.working_bytes
+    assert cache.footprint().working_bytes > 0 and generating[1] == generating[0] - cache.footprint().working_bytes
     cache.park()
     # Parked, the working copy is gone and the rest is packed: no more than it was charged while generating.
-    assert cache.working_bytes == 0
+    assert cache.footprint().working_bytes == 0
     assert session.kv_bytes == session.kv_charged_bytes <= generating[1]
     other = _session(store, verifier, 40)
     store.kv_budget_bytes = session.kv_charged_bytes + other.kv_charged_bytes

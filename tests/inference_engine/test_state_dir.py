@@ -17,6 +17,8 @@ from inference_engine.journal.sqlite import FILE_NAME, SqliteJournal
 from tests.support.daemon import CONSOLE_SCRIPT, Daemon
 from tests.support.server import create, info
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 def _serve(state, *flags: str) -> subprocess.CompletedProcess[str]:
     """A start that must fail before it listens."""

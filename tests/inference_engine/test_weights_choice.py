@@ -12,6 +12,8 @@ from inference_engine.model_source import BUNDLED_MODEL_DIR, MANIFEST, choose_we
 from tests.support.daemon import Daemon
 from tests.support.gguf_files import write_gguf
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 def _converted(directory: Path, tensor_types: list[str]) -> Path:
     directory.mkdir()

@@ -22,6 +22,8 @@ from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.daemon import Daemon
 from tests.support.server import create, generate, start_server
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 PROMPT_COUNT = 20
 NEW_TOKENS = 16
 # docs/backends.md: fp32 forwards of the two frameworks differ only by summation order; the largest difference

@@ -14,6 +14,8 @@ import pytest
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.server import create, generate, info
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 @pytest.fixture
 def server(serve):

@@ -17,7 +17,7 @@ from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.concurrently import concurrently
 from tests.support.server import RunningServer, create, generate
 
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("backend", BACKENDS)]
 
 SINK_WINDOW = {"kv_strategy": pb.KV_STRATEGY_SINK_WINDOW, "sink_tokens": 2, "window_tokens": 12}
 # (session options, prompt length, generation options): full and sink_window, greedy and seeded sampling, and a

@@ -16,6 +16,8 @@ from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from tests.support.daemon import Daemon
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 ROUNDS = 4
 SESSIONS = 3
 MAX_TOKENS = 6

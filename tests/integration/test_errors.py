@@ -17,7 +17,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("backend", BACKENDS)]
 
 
 def _code(call) -> grpc.StatusCode:

@@ -13,6 +13,8 @@ from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate, info
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 STRATEGIES = {
     "full": {"kv_strategy": "full"},
     "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9},

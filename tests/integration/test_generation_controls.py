@@ -21,6 +21,8 @@ from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate, info
 from tests.support.tokenizers import EOS_TOKEN_ID, save_test_tokenizer
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 SCHEMA = {
     "type": "object",
     "properties": {

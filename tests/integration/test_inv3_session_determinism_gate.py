@@ -12,6 +12,8 @@ from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import RunningServer, converse, create, generate
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 TURN_TOKENS = 5
 
 

@@ -12,6 +12,8 @@ from inference_engine.generated import runtime_pb2 as pb
 from tests.support.backends import BACKENDS
 from tests.support.server import create, generate, info
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 
 

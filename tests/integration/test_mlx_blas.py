@@ -22,10 +22,15 @@ from tests.support.children import run_child
 from tests.support.daemon import Daemon
 from tests.support.server import create, generate
 
-pytestmark = pytest.mark.skipif(
-    not list(Path("/usr/lib").glob("*/openblas-pthread/libopenblas.so.0")),
-    reason="no system OpenBLAS: scripts/install_system_packages.sh installs the Debian package libopenblas0-pthread",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not list(Path("/usr/lib").glob("*/openblas-pthread/libopenblas.so.0")),
+        reason=(
+            "no system OpenBLAS: scripts/install_system_packages.sh installs the Debian package libopenblas0-pthread"
+        ),
+    ),
+]
 
 PROMPT = list(range(7, 7 + 300))  # long enough that attention's products go through sgemm with many keys
 NEW_TOKENS = 24

@@ -29,10 +29,13 @@ SCRAPE_INTERVAL_S = 1
 # Grafana substitutes $__rate_interval; a window of many scrape intervals stands in for it here.
 RATE_INTERVAL = "30s"
 
-pytestmark = pytest.mark.skipif(
-    shutil.which("prometheus") is None or shutil.which("promtool") is None,
-    reason="the Debian package prometheus is not installed (scripts/install_system_packages.sh installs it)",
-)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None or shutil.which("promtool") is None,
+        reason="the Debian package prometheus is not installed (scripts/install_system_packages.sh installs it)",
+    ),
+]
 
 
 def _free_port() -> int:

@@ -15,7 +15,7 @@ from tests.support.server import create, generate, info
 
 ARCHS = ["qwen3", "llama", "gemma3"]
 
-pytestmark = pytest.mark.parametrize("backend", BACKENDS)
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("backend", BACKENDS)]
 
 
 def _tokens(seed: int, n: int) -> list[int]:

@@ -25,6 +25,8 @@ from tests.support.postgres import (  # noqa: F401 - postgres is a fixture
     stop_daemons,
 )
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 SESSIONS = 30
 TURNS_BEFORE = 2
 TURNS_AFTER = 2

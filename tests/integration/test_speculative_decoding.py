@@ -12,6 +12,8 @@ from inference_engine.generated import runtime_pb2 as pb
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 STRATEGIES = {
     "full": {"kv_strategy": "full"},
     "sink_window": {"kv_strategy": "sink_window", "sink": 2, "window": 9},

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

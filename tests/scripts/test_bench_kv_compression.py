@@ -6,7 +6,11 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.children import run_child
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 

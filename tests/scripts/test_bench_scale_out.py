@@ -11,6 +11,8 @@ import pytest
 from tests.support.children import run_child
 from tests.support.postgres import haproxy_binary, postgres_bin_dir
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -8,7 +8,11 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 from tests.support.children import run_child
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_agentic" / "bench_session_long_run.py"

@@ -20,6 +20,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from lib.peer_servers import missing_peer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 TINY_LENGTHS = ["--reasoning-tokens", "3-5", "--tool-result-tokens", "10-20", "--answer-tokens", "2-3"]
 
 

@@ -19,6 +19,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from eval_niah import heldout_lines  # noqa: E402
 from lib.niah import build_document  # noqa: E402
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 @pytest.fixture(scope="module")
 def documents(tokenizer):

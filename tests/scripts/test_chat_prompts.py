@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from lib.chat_prompts import KINDS, ChatPromptBuilder, chat_prompts, definitions  # noqa: E402
 from lib.corpus import split_sources, stdlib_sources  # noqa: E402
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 @pytest.fixture(scope="module")
 def corpus():

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from inference_engine.model_source import ModelSourceError
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from lib.niah import build_document  # noqa: E402
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 WORDS = {i: f"w{i} " for i in range(50)}
 
 

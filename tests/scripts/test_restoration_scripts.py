@@ -8,8 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from kv_cache_proposer.restoration import RestorationPlan
 from tests.support.children import run_child
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 

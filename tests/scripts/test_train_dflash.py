@@ -9,11 +9,14 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from tests.support.children import run_child
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,14 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from tests.support.children import run_child
 from tests.support.daemon import Daemon
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 ROOT = Path(__file__).resolve().parents[2]
 

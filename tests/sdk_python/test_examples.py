@@ -12,6 +12,8 @@ from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from tests.support.children import run_child
 from tests.support.server import RunningServer, start_server
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "sdks" / "python" / "examples"
 BUNDLED = ROOT / "inference_engine" / "models" / "kakeya-tiny"

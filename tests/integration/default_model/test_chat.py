@@ -25,6 +25,8 @@ from tests.integration.default_model.chat import (
 )
 from tests.support.server import create, generate, info, start_server
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 def test_an_sdk_chat_answers_paris_then_rome_in_a_second_turn_of_the_same_session(server, tokenizer):
     with kakeya.Client(server.address) as client, client.create_session() as session:

@@ -32,6 +32,8 @@ from tests.support.concurrently import concurrently
 from tests.support.daemon import Daemon
 from tests.support.server import RunningServer, create, generate, info
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 
 def _shared_forwards(server: RunningServer) -> int:
     """Verifier forwards that held more than one session's step, from the batch size histogram."""

@@ -19,6 +19,8 @@ from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from tests.integration.http_shim.support import MODEL, assert_deprecated, client, wait_until_no_session
 from tests.support.server import RunningServer, start_server
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 MESSAGES = [{"role": "user", "content": "Hello"}]
 LIMITS = {"max_generate_tokens": 64, "max_append_tokens": 256, "max_message_bytes": 16384}
 

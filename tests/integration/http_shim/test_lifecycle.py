@@ -15,6 +15,8 @@ from tests.integration.http_shim.support import MODEL, client, metric, wait_unti
 from tests.support.daemon import Daemon
 from tests.support.server import RunningServer
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 MESSAGES = [{"role": "user", "content": "Tell me a long story."}]
 LONG = 4096  # far more tokens than are generated before the client goes away
 

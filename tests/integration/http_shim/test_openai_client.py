@@ -20,6 +20,8 @@ from tests.integration.http_shim.support import (
 )
 from tests.support.server import Generation
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 MESSAGES = [
     {"role": "system", "content": "You answer in one line."},
     {"role": "user", "content": "Name three colours, please."},

@@ -22,6 +22,7 @@ from kv_cache_proposer.verifier import BatchBlock
 from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, decode, proposer_options, random_tokens
 
 pytestmark = [
+    pytest.mark.slow,
     pytest.mark.usefixtures("one_torch_thread"),
     pytest.mark.skipif(
         shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor compiles C++ on a CPU"

@@ -18,6 +18,8 @@ from kv_cache_proposer.verifier import BatchBlock
 from tests.support.checkpoints import COMMON_SHAPE
 from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, SAMPLINGS, decode, proposer_options, random_tokens
 
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
 _SHAPE = {**COMMON_SHAPE, "initializer_range": 0.1}
 
 # Two more architectures the direct forward serves, beside the suite's qwen3 and llama: Qwen2 (biased Q/K/V

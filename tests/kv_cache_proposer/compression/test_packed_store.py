@@ -121,7 +121,9 @@ def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, back
     per_layer = 2 * slots * rows * (spec.code_bytes + scales)  # K and V codes and scales
     escapes = sum(layer.packed.escape_keys.nbytes + layer.packed.escape_points.nbytes for layer in layers)
     assert cache.nbytes == cache._positions.nbytes + len(layers) * per_layer + escapes
-    assert cache.escaped_vectors == sum(layer.packed.escape_keys.shape[0] for layer in layers) == 0  # D4: none here
+    assert (
+        cache.footprint().escaped_vectors == sum(layer.packed.escape_keys.shape[0] for layer in layers) == 0
+    )  # D4: none here
     # The packed arrays live in host memory that numpy reports to tracemalloc: what the cache claims it holds
     # is what was measured (minus small Python objects).
     packed = cache.nbytes - cache._positions.nbytes
@@ -139,10 +141,10 @@ def test_a_compressed_session_holds_fewer_bytes_and_reports_its_dense_equivalent
     for cache in (dense, packed):
         _generate(verifier, cache, prompt, 6)
         cache.park()
-    assert packed.compressed_bytes > 0 and dense.compressed_bytes == 0
-    assert packed.dense_equivalent_bytes == dense.dense_equivalent_bytes
+    assert packed.footprint().compressed_bytes > 0 and dense.footprint().compressed_bytes == 0
+    assert packed.footprint().dense_equivalent_bytes == dense.footprint().dense_equivalent_bytes
     # fp32 tiny models, head_dim 16: 16·4 bytes per vector dense against 13 + 4 packed.
-    assert packed.dense_equivalent_bytes / packed.compressed_bytes > 3.5
+    assert packed.footprint().dense_equivalent_bytes / packed.footprint().compressed_bytes > 3.5
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
@@ -179,7 +181,7 @@ def test_clone_and_state_of_a_compressed_cache_keep_the_packed_entries(verifiers
         assert np.array_equal(p1, p2)
         assert np.abs(k1 - k2).max() <= 0.1 * np.abs(k1).max()
         assert np.abs(v1 - v2).max() <= 0.1 * np.abs(v1).max()
-    assert twin.compressed_bytes > 0
+    assert twin.footprint().compressed_bytes > 0
 
 
 @pytest.mark.parametrize("compressor", COMPRESSORS, ids=COMPRESSOR_IDS)
@@ -196,8 +198,11 @@ def test_a_fork_copies_the_packed_codes_and_continues_with_the_tokens_of_its_par
     fork = parent.clone(parent.next_position)
     fork.park()
     # Byte for byte the same K/V (the slot table may differ by the spare stage slots a parent keeps).
-    assert _layer_bytes(fork) == _layer_bytes(parent) and fork.compressed_bytes == parent.compressed_bytes
-    assert fork.escaped_vectors == parent.escaped_vectors
+    assert (
+        _layer_bytes(fork) == _layer_bytes(parent)
+        and fork.footprint().compressed_bytes == parent.footprint().compressed_bytes
+    )
+    assert fork.footprint().escaped_vectors == parent.footprint().escaped_vectors
     for mine, theirs in zip(fork._layers, parent._layers, strict=True):
         assert np.array_equal(mine.packed.codes, theirs.packed.codes)
         assert np.array_equal(mine.packed.norms, theirs.packed.norms)
@@ -251,7 +256,7 @@ def test_a_query_reads_its_own_kv_as_computed_and_earlier_positions_as_their_cod
     def spy(layer_idx: int, keys: Any, values: Any) -> Any:
         read = stage_layer(layer_idx, keys, values)
         if layer_idx == 0:
-            seen.append((to_numpy(keys), to_numpy(read[0]), cache.own_keys, cache.key_positions.tolist()))
+            seen.append((to_numpy(keys), to_numpy(read[0]), cache.call.own_keys, cache.call.key_positions.tolist()))
         return read
 
     cache.stage_layer = spy

@@ -79,7 +79,7 @@ def test_a_drafter_projected_layer_is_f_theta_of_the_context_of_its_positions(ve
     cache.park()
     # Parked: one kept layer per evicted position, plus a context row of every committed position past the sink.
     kept = 10 * 2 * 2 * 16 * 4
-    assert cache.restoration_state_bytes == kept + (21 - 2) * context.width * 4
+    assert cache.footprint().restoration_state_bytes == kept + (21 - 2) * context.width * 4
 
 
 def test_the_caller_gets_the_features_it_asked_for_while_the_cache_takes_its_own(verifiers, drafter_dir, backend):

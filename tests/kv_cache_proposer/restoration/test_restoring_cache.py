@@ -63,7 +63,7 @@ def test_recompute_gives_the_greedy_tokens_of_full_across_evicting_turns(verifie
     cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(rebuild=rebuild))
     restored_tokens, _ = _converse(verifier, cache)
     assert restored_tokens == full_tokens
-    assert cache.evicted_count > 0 and cache.lost_count == 0
+    assert cache.evicted_count > 0 and cache.footprint().lost_count == 0
     assert cache.resident_count == RESTORE.sink + RESTORE.window
 
 
@@ -142,12 +142,15 @@ def test_a_parked_session_holds_resident_kv_and_the_plan_state_only(verifiers):
     evicted = cache.evicted_count
     keys, values, _ = cache.resident_kv(1)
     per_position = (to_numpy(keys).nbytes + to_numpy(values).nbytes) // 2 // cache.resident_count  # fp32 model
-    assert cache.restored_bytes == 0 and cache.restored_count == 0
-    assert cache.peak_restored_bytes >= 3 * evicted * per_position
+    assert cache.footprint().restored_bytes == 0 and cache.footprint().restored_count == 0
+    assert cache.footprint().peak_restored_bytes >= 3 * evicted * per_position
     # Exactly one kept layer's K/V per evicted position (no growth room), and the token ids reported apart.
-    assert cache.restoration_state_bytes == evicted * per_position
-    assert cache.history_token_bytes == 4 * seq.committed
-    assert cache.nbytes == cache.resident_bytes + cache.restoration_state_bytes + cache.history_token_bytes
+    assert cache.footprint().restoration_state_bytes == evicted * per_position
+    assert cache.footprint().history_token_bytes == 4 * seq.committed
+    assert (
+        cache.nbytes
+        == cache.resident_bytes + cache.footprint().restoration_state_bytes + cache.footprint().history_token_bytes
+    )
 
 
 def test_trimming_the_kept_layers_at_park_changes_no_token(verifiers):
@@ -172,13 +175,13 @@ def test_a_plan_kept_compressor_packs_the_kept_layers_of_an_uncompressed_session
     packed_tokens, _ = _converse(verifier, packed, seed=3)
     assert packed.evicted_count == dense.evicted_count > 0
     assert packed.resident_bytes == dense.resident_bytes  # the resident K/V stay dense
-    assert 0 < packed.restoration_state_bytes < dense.restoration_state_bytes / 3
+    assert 0 < packed.footprint().restoration_state_bytes < dense.footprint().restoration_state_bytes / 3
     assert len(packed_tokens) == len(dense_tokens)
     # A fork keeps the kept layers packed, with their codes as they are (not decoded and coded again).
     packed.park()
     fork = packed.clone(packed.next_position)
     fork.park()
-    assert fork.restoration_state_bytes == packed.restoration_state_bytes
+    assert fork.footprint().restoration_state_bytes == packed.footprint().restoration_state_bytes
     for layer, store in packed._kept.items():
         assert np.array_equal(fork._kept[layer].packed.codes, store.packed.codes)
         assert np.array_equal(fork._kept[layer].packed.qmax, store.packed.qmax)
@@ -194,7 +197,7 @@ def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(v
         verifier.commit(cache, min(9, 80 - start))
         assert cache.next_position > last  # INV-2
         last = cache.next_position
-        assert cache.restored_count == cache.evicted_count  # INV-1 of the restored K/V
+        assert cache.footprint().restored_count == cache.evicted_count  # INV-1 of the restored K/V
     assert cache.evicted_count == 80 - 11
 
 
@@ -220,7 +223,7 @@ def test_a_clone_restores_like_the_original(verifiers):
     original = to_numpy(verifier.verify(cache, tokens[39:], 1).logits)
     copied = to_numpy(verifier.verify(twin, tokens[39:], 1).logits)
     np.testing.assert_array_equal(copied, original)
-    assert twin.restoration_state_bytes > 0 and twin.evicted_count == cache.evicted_count
+    assert twin.footprint().restoration_state_bytes > 0 and twin.evicted_count == cache.evicted_count
 
 
 class _BlockSizes:
