@@ -17,6 +17,7 @@ def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds
     """A session's counters, with its last `history_tail_tokens` history tokens."""
     tokens = session.seq.tokens
     cache = session.seq.cache
+    held = cache.footprint()
     strategy = cache.strategy
     options = strategy_options(strategy)
     return SessionInfo(
@@ -24,10 +25,10 @@ def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds
         kv_live_bytes=session.kv_bytes,
         idle_seconds=max(0.0, idle_seconds),
         kv_strategy=strategy.name,
-        resident_token_count=int(cache.resident_count),
-        kv_compressed_bytes=int(cache.compressed_bytes),
+        resident_token_count=held.resident_count,
+        kv_compressed_bytes=held.compressed_bytes,
         pending_token_count=session.seq.pending_count,
-        evicted_token_count=int(cache.evicted_count),
+        evicted_token_count=held.evicted_count,
         client_label=session.label,
         generating=session.generating,
         sink_tokens=options.get("sink", 0),
@@ -36,9 +37,9 @@ def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds
         history_tail=tuple(tokens[max(0, len(tokens) - history_tail_tokens) :]) if history_tail_tokens else (),
         kv_compressor=session.compressor.name,
         kv_q_range=session.compressor.q_range if session.compressor.lattice else 0,
-        kv_dense_equivalent_bytes=int(cache.dense_equivalent_bytes),
-        kv_escaped_blocks=int(cache.escaped_vectors),
-        **restoration_info(cache),
+        kv_dense_equivalent_bytes=held.dense_equivalent_bytes,
+        kv_escaped_blocks=held.escaped_vectors,
+        **restoration_info(held),
     )
 
 

@@ -273,7 +273,7 @@ class EngineLoop:
             if tally.first_token_at is None:
                 tally.first_token_at = now
                 self._record_prefill(generation)
-                output.truncated = int(generation.seq.cache.lost_count)
+                output.truncated = generation.seq.cache.footprint().lost_count
             if self.journal is not None:
                 entry = JournalAppended(generation.session_id, tuple(result.tokens), time.time())
                 output.journaled = self.journal.submit(entry)

@@ -8,18 +8,19 @@ re-prefills its whole history: slower, but the same tokens.
 
 from __future__ import annotations
 
+from kv_cache_proposer.cache.snapshot import clone_cache
 from kv_cache_proposer.decoding import SequenceState
 
 
 def fork_sequence(seq: SequenceState, length: int) -> SequenceState:
-    """An independent sequence holding `seq`'s first `length` tokens. Runs on the model worker (it copies K/V)."""
+    """An independent sequence holding `seq`'s first `length` tokens. Runs on the engine thread (it copies K/V)."""
     if not 0 <= length <= len(seq.tokens):
         raise ValueError(f"cannot fork {length} tokens of a history of {len(seq.tokens)}")
     keep = min(seq.committed, max(length - 1, 0))
     try:
-        cache = seq.cache.clone(keep)
+        cache = clone_cache(seq.cache, keep)
     except ValueError:
-        keep, cache = 0, seq.cache.clone(0)
+        keep, cache = 0, clone_cache(seq.cache, 0)
     return SequenceState(
         cache=cache, tokens=list(seq.tokens[:length]), draft_session=seq.draft_session.clone(keep), committed=keep
     )

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from inference_engine.config import ConfigError, ServerConfig
+from kv_cache_proposer.cache.protocol import CacheFootprint
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup
-from kv_cache_proposer.verifier import SessionCache
 
 
 def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | None) -> RestorationSetup:
@@ -42,14 +41,14 @@ def restoration_setup(config: ServerConfig, num_layers: int, shipped: Path | Non
     return setup
 
 
-def restoration_info(cache: SessionCache[Any]) -> dict[str, int]:
+def restoration_info(footprint: CacheFootprint) -> dict[str, int]:
     """The `SessionInfo` fields of a session's restoration: restored positions and the bytes by kind."""
-    restoration_bytes = cache.restoration_state_bytes + cache.history_token_bytes + cache.restored_bytes
+    restoration_bytes = footprint.restoration_state_bytes + footprint.history_token_bytes + footprint.restored_bytes
     return {
-        "restored_token_count": int(cache.restored_count),
-        "kv_resident_bytes": int(cache.nbytes) - restoration_bytes,
-        "kv_restored_bytes": int(cache.restored_bytes),
-        "kv_restoration_state_bytes": int(cache.restoration_state_bytes),
-        "kv_peak_restored_bytes": int(cache.peak_restored_bytes),
-        "history_token_bytes": int(cache.history_token_bytes),
+        "restored_token_count": footprint.restored_count,
+        "kv_resident_bytes": footprint.nbytes - restoration_bytes,
+        "kv_restored_bytes": footprint.restored_bytes,
+        "kv_restoration_state_bytes": footprint.restoration_state_bytes,
+        "kv_peak_restored_bytes": footprint.peak_restored_bytes,
+        "history_token_bytes": footprint.history_token_bytes,
     }

@@ -46,7 +46,7 @@ class Session:
     @property
     def kv_bytes(self) -> int:
         """Bytes of K/V the session holds: the verifier cache and any drafter state."""
-        return int(self.seq.cache.nbytes) + int(self.seq.draft_session.nbytes)
+        return self.seq.cache.footprint().nbytes + int(self.seq.draft_session.nbytes)
 
     @property
     def kv_charged_bytes(self) -> int:
@@ -55,7 +55,8 @@ class Session:
         Between generations the two are equal; while it generates, that part is bounded by the sessions generating
         at once, not by the sessions held, so charging it would shrink every session's share of the budget (and
         refuse a generation whose session fits the budget parked)."""
-        return self.kv_bytes - int(self.seq.cache.working_bytes)
+        held = self.seq.cache.footprint()
+        return held.nbytes - held.working_bytes + int(self.seq.draft_session.nbytes)
 
     def release(self) -> None:
         """Free the session's cache and drafting state."""
@@ -186,21 +187,21 @@ class SessionStore:
         self._gauges_at = self._clock()
         self._metrics.session_active.set(len(self._sessions))
         self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
-        caches = [session.seq.cache for session in self._sessions.values()]
-        compressed = sum(int(cache.compressed_bytes) for cache in caches)
-        dense = sum(int(cache.dense_equivalent_bytes) for cache in caches if cache.compressed_bytes)
+        held = [session.seq.cache.footprint() for session in self._sessions.values()]
+        compressed = sum(f.compressed_bytes for f in held)
+        dense = sum(f.dense_equivalent_bytes for f in held if f.compressed_bytes)
         self._metrics.kv_compressed_bytes.set(compressed)
-        self._metrics.kv_dense_equivalent_bytes.set(sum(int(cache.dense_equivalent_bytes) for cache in caches))
-        self._metrics.kv_escaped_blocks.set(sum(int(cache.escaped_vectors) for cache in caches))
+        self._metrics.kv_dense_equivalent_bytes.set(sum(f.dense_equivalent_bytes for f in held))
+        self._metrics.kv_escaped_blocks.set(sum(f.escaped_vectors for f in held))
         self._metrics.kv_compression_ratio.set(dense / compressed if compressed else 1.0)
-        restored = sum(int(cache.restored_bytes) for cache in caches)
-        state = sum(int(cache.restoration_state_bytes) for cache in caches)
-        token_ids = sum(int(cache.history_token_bytes) for cache in caches)
+        restored = sum(f.restored_bytes for f in held)
+        state = sum(f.restoration_state_bytes for f in held)
+        token_ids = sum(f.history_token_bytes for f in held)
         self._metrics.kv_restored_bytes.set(restored)
-        self._metrics.kv_restored_peak_bytes.set(max((int(cache.peak_restored_bytes) for cache in caches), default=0))
+        self._metrics.kv_restored_peak_bytes.set(max((f.peak_restored_bytes for f in held), default=0))
         self._metrics.kv_restoration_state_bytes.set(state)
         self._metrics.history_token_bytes.set(token_ids)
-        self._metrics.kv_resident_bytes.set(sum(int(cache.nbytes) for cache in caches) - restored - state - token_ids)
+        self._metrics.kv_resident_bytes.set(sum(f.nbytes for f in held) - restored - state - token_ids)
 
     def _least_recent_idle(self, exclude: Session | None = None, holding_memory: bool = False) -> Session | None:
         for session in self._sessions.values():

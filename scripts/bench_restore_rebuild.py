@@ -116,8 +116,8 @@ def run_session(verifier: Any, cache: Any, texts: list[list[int]], new_tokens: i
         "decode_tokens_per_s": decoded / decode_s if decode_s else 0.0,
         "prefill_s": prefill_s,
         "sustained_bytes": sustained[-1],
-        "peak_bytes": max(sustained) + int(cache.peak_restored_bytes),
-        "restoration_state_bytes": int(cache.restoration_state_bytes),
+        "peak_bytes": max(sustained) + int(cache.footprint().peak_restored_bytes),
+        "restoration_state_bytes": int(cache.footprint().restoration_state_bytes),
         "evicted_tokens": int(cache.evicted_count),
     }
 

@@ -50,11 +50,11 @@ class BatchLayout(Generic[A]):
         self._ops = ops
         self._join_batch = join_batch
         self.lengths = [len(block.token_ids) for block in blocks]
-        self._key_counts = [int(block.cache.key_positions.size) for block in blocks]
+        self._key_counts = [int(block.cache.call.key_positions.size) for block in blocks]
         for block, length in zip(blocks, self.lengths, strict=True):
-            if block.cache.query_positions.size != length:
+            if block.cache.call.query_positions.size != length:
                 raise InvariantViolation(
-                    "inv1", f"a block of {length} tokens met a stage of {block.cache.query_positions.size} queries"
+                    "inv1", f"a block of {length} tokens met a stage of {block.cache.call.query_positions.size} queries"
                 )
         if packed:
             self.width = sum(self.lengths)
@@ -96,10 +96,10 @@ class BatchLayout(Generic[A]):
     def position_matrix(self) -> np.ndarray:
         """Global position of every query `[rows, width]` (padded queries sit before their row's first one)."""
         if self.packed:
-            return np.concatenate([block.cache.query_positions for block in self.blocks])[None, :]
+            return np.concatenate([block.cache.call.query_positions for block in self.blocks])[None, :]
         out = np.empty((len(self.blocks), self.width), dtype=np.int64)
         for row, (block, start) in enumerate(zip(self.blocks, self.query_starts, strict=True)):
-            first = int(block.cache.query_offset)
+            first = int(block.cache.call.query_offset)
             out[row] = np.arange(first - start, first - start + self.width)
         return out
 
@@ -124,11 +124,11 @@ class BatchLayout(Generic[A]):
             cache = block.cache
             allowed = visible_keys(
                 cache.strategy,
-                cache.query_positions,
-                cache.key_positions,
+                cache.call.query_positions,
+                cache.call.key_positions,
                 causal=causal,
                 window=window,
-                own_keys=cache.own_keys,
+                own_keys=cache.call.own_keys,
             )
             row, start, end = self.query_span(index)
             key_start = self._key_starts[index]

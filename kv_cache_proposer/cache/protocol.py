@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import numpy as np
@@ -26,11 +27,46 @@ class AttentionPrefix(Protocol[A_co]):
         ...
 
 
+@dataclass(frozen=True, slots=True)
+class CacheFootprint:
+    """What a session cache holds, in positions and bytes (`SessionCache.footprint`)."""
+
+    resident_count: int = 0  # positions whose K/V are resident
+    evicted_count: int = 0  # committed positions no longer resident
+    lost_count: int = 0  # committed positions whose K/V no forward reads any more (evicted and not restored)
+    restored_count: int = 0  # evicted positions whose restored K/V are held now
+    nbytes: int = 0  # bytes held now: resident K/V, restoration state and restored K/V together
+    working_bytes: int = 0  # the part of `nbytes` held only while the session generates, freed by `park()`
+    compressed_bytes: int = 0  # bytes of compressed K/V payload (0: an uncompressed cache)
+    dense_equivalent_bytes: int = 0  # bytes the resident K/V would take dense, in the model's dtype
+    escaped_vectors: int = 0  # resident vectors a compressed cache holds uncompressed (its code cannot hold them)
+    restored_bytes: int = 0  # bytes of restored K/V of evicted positions held now (transient)
+    peak_restored_bytes: int = 0  # the most bytes of restored K/V held at once so far
+    restoration_state_bytes: int = 0  # bytes of per-position state kept to restore evicted positions
+    history_token_bytes: int = 0  # bytes of history token ids kept to rebuild evicted K/V by a forward
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCall:
+    """The model call in flight over a cache: the positions it queries and the keys its attention reads."""
+
+    query_positions: np.ndarray  # [n] global positions of the queries
+    key_positions: np.ndarray  # [K] global positions of the keys read, in order (-1: an empty slot)
+    query_offset: int  # global position of the first query
+    keys_before_queries: int  # keys read ahead of the queries' own
+    own_keys: int  # keys after the stage, the queries' K/V as computed, each read by its own query only
+    prefix_keys: int  # keys read ahead of the cache's own slots (K/V of positions not resident)
+
+
+NO_CALL = ModelCall(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0, 0, 0, 0)
+
+
 class SessionCache(Protocol[A]):
     """The contract of a per-session K/V cache, as the decoder, the daemon and the backends use it.
 
     A forward calls `begin_stage` for its block, then `stage_layer` for every layer, which returns what that
-    layer's attention reads; `commit` makes a prefix of the stage resident and drops the rest.
+    layer's attention reads (the keys of `call`); `commit` makes a prefix of the stage resident and drops the rest.
+    Copies and snapshots of a cache are in `cache.snapshot`.
     """
 
     @property
@@ -44,55 +80,12 @@ class SessionCache(Protocol[A]):
         """Global position of the next committed token (= number of committed positions)."""
         ...
 
-    @property
-    def resident_count(self) -> int:
-        """Positions whose K/V are resident."""
+    def footprint(self) -> CacheFootprint:
+        """What the cache holds now, in positions and bytes."""
         ...
 
-    @property
-    def evicted_count(self) -> int:
-        """Committed positions no longer resident."""
-        ...
-
-    @property
-    def lost_count(self) -> int:
-        """Committed positions whose K/V no forward reads any more (evicted and not restored)."""
-        ...
-
-    @property
-    def restored_count(self) -> int:
-        """Evicted positions whose restored K/V are held now."""
-        ...
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the cache holds now (resident K/V, restoration state and restored K/V together)."""
-        ...
-
-    @property
-    def working_bytes(self) -> int:
-        """The part of `nbytes` held only while the session generates, freed by `park()` (a compressed cache's
-        decoded working copy)."""
-        ...
-
-    @property
-    def restored_bytes(self) -> int:
-        """Bytes of restored K/V of evicted positions held now (transient)."""
-        ...
-
-    @property
-    def peak_restored_bytes(self) -> int:
-        """The most bytes of restored K/V held at once so far."""
-        ...
-
-    @property
-    def restoration_state_bytes(self) -> int:
-        """Bytes of the per-position state kept to restore evicted positions (K/V of kept layers)."""
-        ...
-
-    @property
-    def history_token_bytes(self) -> int:
-        """Bytes of the history's token ids the cache keeps to rebuild evicted K/V by a forward."""
+    def park(self) -> None:
+        """The session stops generating for now: drop working copies so it holds only its resident storage."""
         ...
 
     @property
@@ -106,57 +99,8 @@ class SessionCache(Protocol[A]):
         ...
 
     @property
-    def compressed_bytes(self) -> int:
-        """Bytes of compressed K/V payload (0 for an uncompressed cache)."""
-        ...
-
-    @property
-    def dense_equivalent_bytes(self) -> int:
-        """Bytes the resident K/V would take dense, in the model's dtype."""
-        ...
-
-    @property
-    def escaped_vectors(self) -> int:
-        """Resident K/V vectors a compressed cache holds uncompressed (its code cannot represent them)."""
-        ...
-
-    def park(self) -> None:
-        """The session stops generating for now: drop working copies so it holds only its resident storage."""
-        ...
-
-    @property
-    def query_positions(self) -> np.ndarray:
-        """Global positions of the queries of the model call in flight `[n]`."""
-        ...
-
-    @property
-    def key_positions(self) -> np.ndarray:
-        """Global positions of the keys the model call in flight reads (-1: an empty slot) `[K]`."""
-        ...
-
-    @property
-    def query_offset(self) -> int:
-        """Global position of the first query of the model call in flight."""
-        ...
-
-    @property
-    def keys_before_queries(self) -> int:
-        """Keys the model call in flight reads ahead of its own queries."""
-        ...
-
-    @property
-    def own_keys(self) -> int:
-        """Keys the model call in flight reads after its own queries, the last of `key_positions`: the queries' K/V
-        as computed, each read by its own query only (a lossy cache's call over several queries; else 0)."""
-        ...
-
-    @property
-    def prefix(self) -> AttentionPrefix[A] | None:
-        """The parts read ahead of the cache's own slots, if any."""
-        ...
-
-    def attach_prefix(self, prefix: AttentionPrefix[A] | None) -> None:
-        """Read `prefix` ahead of the cache's own slots in every forward from now on (None: stop)."""
+    def call(self) -> ModelCall:
+        """The model call in flight (selected by `begin_stage` / `select_queries`; `NO_CALL` after a commit)."""
         ...
 
     def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
@@ -174,7 +118,7 @@ class SessionCache(Protocol[A]):
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         """Stage one layer's K/V `[B, H, n, D]` for the model call in flight; returns what its attention reads
-        `[B, H, K, D]`, in the order of `key_positions`."""
+        `[B, H, K, D]`, in the order of `call.key_positions`."""
         ...
 
     def commit(self, count: int) -> None:
@@ -190,13 +134,6 @@ class SessionCache(Protocol[A]):
 
     def resident_kv(self, layer_idx: int) -> tuple[A, A, np.ndarray]:
         """Resident (keys, values, positions) of one layer, ordered by position: `[B, H, R, D]` x2 and `[R]`."""
-        ...
-
-    def clone(self, length: int) -> SessionCache[A]:
-        """An independent cache holding what this one would hold had it committed only `length` positions.
-
-        Raises `ValueError` when positions the copy needs were already evicted here.
-        """
         ...
 
     def release(self) -> None:

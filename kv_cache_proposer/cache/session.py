@@ -12,8 +12,9 @@ slot order never matters:
 Either way, staged K/V of rejected drafts never overwrite a resident entry (no write on reject).
 
 With lossy layer stores (compressed K/V), a model call over n > 1 queries reads its own block twice: as held, at
-the stage, for the later queries, and after the stage as computed, each entry by its own query only (`own_keys`),
-so that every query reads its own position as computed and the others as held, whatever the block size.
+the stage, for the later queries, and after the stage as computed, each entry by its own query only
+(`ModelCall.own_keys`), so that every query reads its own position as computed and the others as held, whatever
+the block size.
 
 What attention reads may start with extra parts in front of the resident slots: an `AttentionPrefix` supplies K/V
 of positions that are not resident (for instance rebuilt evicted positions), with their global positions, and the
@@ -37,7 +38,7 @@ from kv_cache_proposer.cache.layer_store import (
     finish_stages,
     start_stages,
 )
-from kv_cache_proposer.cache.protocol import AttentionPrefix
+from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, ModelCall
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
@@ -69,6 +70,7 @@ class KVSessionCache(Generic[A]):
         self._query_start = self._query_end = 0  # the part of the stage the model call in flight processes
         self._staged_counts = [0] * num_layers  # staged K/V written per layer since the stage began
         self._prefix: AttentionPrefix[A] | None = None
+        self._call = NO_CALL
         self._released = False
 
     # -- counters ----------------------------------------------------------------------------------------------
@@ -93,45 +95,29 @@ class KVSessionCache(Generic[A]):
         return self._next_position - self.resident_count
 
     @property
-    def lost_count(self) -> int:
-        """Committed positions whose K/V no forward reads any more (evicted and not restored)."""
-        return self.evicted_count
-
-    @property
-    def restored_count(self) -> int:
-        """Evicted positions whose restored K/V are held now (0 for a cache that restores nothing)."""
-        return 0
-
-    @property
     def nbytes(self) -> int:
         return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
 
-    @property
-    def working_bytes(self) -> int:
-        """The part of `nbytes` held only while the session generates, which `park()` frees: a compressed store's
-        decoded working copy, and the growth room of an unbounded cache's buffers."""
+    def footprint(self) -> CacheFootprint:
         used = self._parked_slots()
-        return sum(layer.working_nbytes(used) for layer in self._layers)
-
-    @property
-    def restored_bytes(self) -> int:
-        """Bytes of restored K/V of evicted positions held now (transient; 0 for a cache that restores nothing)."""
-        return 0
-
-    @property
-    def peak_restored_bytes(self) -> int:
-        """The most bytes of restored K/V held at once so far."""
-        return 0
-
-    @property
-    def restoration_state_bytes(self) -> int:
-        """Bytes of the per-position state kept to restore evicted positions (0 for a cache that restores nothing)."""
-        return 0
-
-    @property
-    def history_token_bytes(self) -> int:
-        """Bytes of token ids kept to rebuild evicted K/V (0 for a cache that restores nothing)."""
-        return 0
+        compressed = dense = escaped = working = 0
+        for layer in self._layers:
+            held = layer.footprint()
+            compressed += held.compressed_bytes
+            dense += held.dense_equivalent_bytes
+            escaped += held.escaped_vectors
+            working += layer.working_nbytes(used)
+        evicted = self.evicted_count
+        return CacheFootprint(
+            resident_count=self.resident_count,
+            evicted_count=evicted,
+            lost_count=evicted,
+            nbytes=self.nbytes,
+            working_bytes=working,
+            compressed_bytes=compressed,
+            dense_equivalent_bytes=dense,
+            escaped_vectors=escaped,
+        )
 
     @property
     def restoration_feature_layers(self) -> tuple[int, ...]:
@@ -140,18 +126,6 @@ class KVSessionCache(Generic[A]):
 
     def take_features(self, features: np.ndarray) -> None:
         return None
-
-    @property
-    def compressed_bytes(self) -> int:
-        return sum(layer.footprint().compressed_bytes for layer in self._layers)
-
-    @property
-    def dense_equivalent_bytes(self) -> int:
-        return sum(layer.footprint().dense_equivalent_bytes for layer in self._layers)
-
-    @property
-    def escaped_vectors(self) -> int:
-        return sum(layer.footprint().escaped_vectors for layer in self._layers)
 
     def park(self) -> None:
         """Between generations: every layer drops what only speeds up forwards and, unless the strategy bounds
@@ -176,42 +150,41 @@ class KVSessionCache(Generic[A]):
 
     # -- the model call in flight ------------------------------------------------------------------------------
     @property
-    def query_positions(self) -> np.ndarray:
-        offset = self.stage_offset
-        return self._positions[offset + self._query_start : offset + self._query_end]
+    def call(self) -> ModelCall:
+        return self._call
 
-    @property
-    def key_positions(self) -> np.ndarray:
-        parts = [self._positions[: self.stage_offset + self._query_end]]
+    def _locate_call(self) -> None:
+        """The geometry of the model call just selected (`call`)."""
+        offset = self.stage_offset
+        queries = self._positions[offset + self._query_start : offset + self._query_end]
+        count = self._query_end - self._query_start
+        own = count if self._lossy and count > 1 else 0  # a lossy cache's call over several queries reads them
+        parts = [self._positions[: offset + self._query_end]]
+        prefix = 0
         if self._prefix is not None:
             parts.insert(0, self._prefix.positions)
-        if self.own_keys:
-            parts.append(self.query_positions)
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    @property
-    def own_keys(self) -> int:
-        """Keys after the stage that only their own query reads: a lossy cache's model call over n > 1 queries
-        reads their K/V as computed there (0 otherwise)."""
-        count = self._query_end - self._query_start
-        return count if self._lossy and count > 1 else 0
-
-    @property
-    def query_offset(self) -> int:
-        return self._next_position + self._query_start
-
-    @property
-    def keys_before_queries(self) -> int:
-        prefix = 0 if self._prefix is None else int(self._prefix.positions.size)
-        return prefix + self.stage_offset + self._query_start
+            prefix = int(self._prefix.positions.size)
+        if own:
+            parts.append(queries)
+        self._call = ModelCall(
+            query_positions=queries,
+            key_positions=parts[0] if len(parts) == 1 else np.concatenate(parts),
+            query_offset=self._next_position + self._query_start,
+            keys_before_queries=prefix + offset + self._query_start,
+            own_keys=own,
+            prefix_keys=prefix,
+        )
 
     @property
     def prefix(self) -> AttentionPrefix[A] | None:
+        """The K/V read ahead of the cache's own slots, if any."""
         return self._prefix
 
     def attach_prefix(self, prefix: AttentionPrefix[A] | None) -> None:
         """Read `prefix` ahead of the cache's own slots in every forward from now on (None: stop)."""
         self._prefix = prefix
+        if self._call is not NO_CALL:
+            self._locate_call()
 
     def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
         if self._released:
@@ -241,6 +214,7 @@ class KVSessionCache(Generic[A]):
         if not 0 <= start < end <= self._staged:
             raise ValueError(f"cannot select [{start}, {end}) of a stage of {self._staged}")
         self._query_start, self._query_end = start, end
+        self._locate_call()
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         count = self._query_end - self._query_start
@@ -279,6 +253,7 @@ class KVSessionCache(Generic[A]):
             self._positions[plan.slots] = plan.sources + self._next_position
         self._next_position += count
         self._staged = self._query_start = self._query_end = 0
+        self._call = NO_CALL
         self._staged_counts = [0] * len(self._layers)
         self._ops.settle(self.arrays())
         self.check_invariants()

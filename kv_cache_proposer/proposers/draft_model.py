@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kv_cache_proposer.cache.snapshot import clone_cache
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftPolicy
 from kv_cache_proposer.sampling import SamplingParams
@@ -43,7 +44,7 @@ class DraftModelSession:
 
     @property
     def nbytes(self) -> int:
-        return int(self._cache.nbytes)
+        return self._cache.footprint().nbytes
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
         if max_tokens < 1:
@@ -83,9 +84,9 @@ class DraftModelSession:
         and let the next proposal prefill the draft model."""
         keep = min(self._committed, length)
         try:
-            cache = self._cache.clone(keep)
+            cache = clone_cache(self._cache, keep)
         except ValueError:
-            keep, cache = 0, self._cache.clone(0)
+            keep, cache = 0, clone_cache(self._cache, 0)
         twin = DraftModelSession(
             self._model,
             self._cache.strategy,

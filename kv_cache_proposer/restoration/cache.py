@@ -14,6 +14,7 @@ Positions leaving the window are captured at commit, before their slots are over
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,6 +23,7 @@ import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.protocol import CacheFootprint
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.drafter_context import ContextStore
@@ -100,33 +102,38 @@ class RestoringSessionCache(KVSessionCache[A]):
         return self._plan
 
     @property
-    def lost_count(self) -> int:
-        return 0
-
-    @property
-    def restored_count(self) -> int:
-        """Evicted positions whose restored K/V are held now (transient)."""
-        return 0 if self._restored is None else self._restored.count
-
-    @property
     def resident_bytes(self) -> int:
         """Bytes of the resident K/V and the slot table."""
         return super().nbytes
 
-    @property
-    def restored_bytes(self) -> int:
+    def _restored_bytes(self) -> int:
+        """Bytes of the restored K/V of evicted positions held now (transient)."""
         return 0 if self._restored is None else self._restored.nbytes
 
-    @property
-    def peak_restored_bytes(self) -> int:
-        return self._peak_restored_bytes
-
-    @property
-    def restoration_state_bytes(self) -> int:
+    def _state_bytes(self) -> int:
         """Bytes of the kept layers' K/V of evicted positions (exactly what they need while parked), plus the
         drafter context rows of every committed position past the sink when a layer is projected from them."""
         contexts = 0 if self._contexts is None else self._contexts.nbytes
         return sum(store.nbytes for store in self._kept.values()) + contexts
+
+    @property
+    def nbytes(self) -> int:
+        return self.resident_bytes + self._state_bytes() + int(self._tokens.nbytes) + self._restored_bytes()
+
+    def footprint(self) -> CacheFootprint:
+        """The resident part's footprint, with the plan's state, the token ids kept for `tokens` and `recompute`
+        rebuilds (the session's history, which every session holds anyway, so reported apart from the plan's K/V
+        state) and the restored K/V; no position is lost."""
+        return dataclasses.replace(
+            super().footprint(),
+            lost_count=0,
+            restored_count=0 if self._restored is None else self._restored.count,
+            nbytes=self.nbytes,
+            restored_bytes=self._restored_bytes(),
+            peak_restored_bytes=self._peak_restored_bytes,
+            restoration_state_bytes=self._state_bytes(),
+            history_token_bytes=int(self._tokens.nbytes),
+        )
 
     @property
     def restoration_feature_layers(self) -> tuple[int, ...]:
@@ -138,16 +145,6 @@ class RestoringSessionCache(KVSessionCache[A]):
         flight."""
         if self._contexts is not None:
             self._contexts.stage_features(self._query_start, features)
-
-    @property
-    def history_token_bytes(self) -> int:
-        """Bytes of the token ids kept for `tokens` and `recompute` rebuilds: the session's history, which every
-        session holds anyway, so it is reported apart from the plan's K/V state."""
-        return int(self._tokens.nbytes)
-
-    @property
-    def nbytes(self) -> int:
-        return self.resident_bytes + self.restoration_state_bytes + self.history_token_bytes + self.restored_bytes
 
     def arrays(self) -> list[A]:
         held = super().arrays() + [array for store in self._kept.values() for array in store.arrays()]
@@ -341,7 +338,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         self.attach_prefix(None)
 
     def _note_peak(self) -> None:
-        self._peak_restored_bytes = max(self._peak_restored_bytes, self.restored_bytes)
+        self._peak_restored_bytes = max(self._peak_restored_bytes, self._restored_bytes())
 
     def _check_restoration(self) -> None:
         """INV-1 for the restoration state: every kept layer (and the restored K/V, when held) covers exactly the

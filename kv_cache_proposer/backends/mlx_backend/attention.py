@@ -29,7 +29,7 @@ class StagingLayer:
     @property
     def offset(self) -> int:
         """RoPE offset of the model call: the global position of its first token (evictions never shift it)."""
-        return self._cache.query_offset
+        return self._cache.call.query_offset
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         return self._cache.stage_layer(self._layer_idx, keys, values)
@@ -49,14 +49,14 @@ class StagingLayer:
         return False
 
     def size(self) -> int:
-        return self._cache.resident_count
+        return self._cache.footprint().resident_count
 
     def empty(self) -> bool:
         return self._cache.next_position == 0
 
     @property
     def nbytes(self) -> int:
-        return self._cache.nbytes
+        return self._cache.footprint().nbytes
 
 
 def attention_mask(
@@ -64,13 +64,14 @@ def attention_mask(
 ) -> AttentionMask:
     """Which keys of the model call in flight each of its queries may attend: `[n, K]` booleans, or mlx-lm's
     `None` / `"causal"` shorthands where those say the same (an unbounded cache read alone is in position order)."""
-    queries = cache.query_positions
+    call = cache.call
+    queries = call.query_positions
     if query_len != queries.size:
         raise InvariantViolation("inv1", f"a mask for {query_len} queries was asked for a call over {queries.size}")
-    own = cache.own_keys
-    if cache.strategy.bounded_slots is None and cache.prefix is None and window is None and not (own or return_array):
+    own = call.own_keys
+    if cache.strategy.bounded_slots is None and call.prefix_keys == 0 and window is None and not (own or return_array):
         return None if query_len == 1 else "causal"
-    return mx.array(visible_keys(cache.strategy, queries, cache.key_positions, window=window, own_keys=own))
+    return mx.array(visible_keys(cache.strategy, queries, call.key_positions, window=window, own_keys=own))
 
 
 def staging_layers(cache: SessionCache[mx.array], layer_windows: tuple[int | None, ...]) -> list[StagingLayer]:

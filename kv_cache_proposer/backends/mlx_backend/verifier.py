@@ -109,7 +109,7 @@ class MlxVerifier(BackendModel[mx.array]):
         head = block_len - logits_rows if block_len - logits_rows >= _KV_ONLY_MIN_TOKENS else 0
         input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
         layers = staging_layers(cache, self._layer_windows)
-        base = cache.query_offset - cache.next_position  # index in the stage of the block's start
+        base = cache.call.query_offset - cache.next_position  # index in the stage of the block's start
         if head:
             cache.select_queries(base, base + head)
             self.model(input_ids[:, :head], cache=layers)  # outputs never evaluated

@@ -6,7 +6,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from kv_cache_proposer.backends.batching import BatchLayout
-from kv_cache_proposer.cache.protocol import SessionCache
+from kv_cache_proposer.cache.protocol import ModelCall, SessionCache
 
 
 class _StagingLayer(CacheLayerMixin):
@@ -29,10 +29,15 @@ class _StagingLayer(CacheLayerMixin):
         return self._cache.stage_layer(self._layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.keys_before_queries + query_length + self._cache.own_keys, 0
+        counts = self._key_counts()
+        return counts.keys_before_queries + query_length + counts.own_keys, 0
 
     def get_seq_length(self) -> int:
-        return self._cache.keys_before_queries
+        return self._key_counts().keys_before_queries
+
+    def _key_counts(self) -> ModelCall | BatchLayout[torch.Tensor]:
+        """Where the keys of the model call in flight stand around its queries."""
+        return self._cache if isinstance(self._cache, BatchLayout) else self._cache.call
 
     def get_max_length(self) -> int:
         return -1

@@ -177,13 +177,13 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         logits_rows: int,
         feature_layers: Sequence[int],
     ) -> VerifyOutput[torch.Tensor]:
-        query_positions = cache.query_positions  # [n]
+        query_positions = cache.call.query_positions  # [n]
         position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
         masks: Masks = self._attention_masks(cache)
-        if masks is None and self._direct is not None and len(query_positions) > 1 and cache.keys_before_queries:
+        if masks is None and self._direct is not None and len(query_positions) > 1 and cache.call.keys_before_queries:
             # transformers builds this block's causal mask itself; the direct forward is handed it, or told that
             # the block reads every earlier key and itself causally where it attends to that in two parts
-            if self._direct.splits(len(query_positions), cache.keys_before_queries):
+            if self._direct.splits(len(query_positions), cache.call.keys_before_queries):
                 masks = OVER_HISTORY
             else:
                 masks = self._attention_masks(cache, always=True)
@@ -260,9 +260,9 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         """The masks of the forward in flight; unless `always`, None where the library's own causal mask says the
         same (an unbounded cache read alone is in position order), which lets attention skip the mask for a single
         query."""
-        strategy, query_positions, key_positions = cache.strategy, cache.query_positions, cache.key_positions
-        own = cache.own_keys
-        unbounded = strategy.bounded_slots is None and cache.prefix is None and not own
+        strategy, query_positions, key_positions = cache.strategy, cache.call.query_positions, cache.call.key_positions
+        own = cache.call.own_keys
+        unbounded = strategy.bounded_slots is None and cache.call.prefix_keys == 0 and not own
         if unbounded and self._all_full_attention and not always:
             return None
         masks = {"full_attention": visible_keys(strategy, query_positions, key_positions, own_keys=own)}  # [n, K]

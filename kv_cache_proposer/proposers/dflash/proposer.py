@@ -74,7 +74,7 @@ class DFlashProposer:
         """Project the verifier features [n, L*H] of the next n positions to context K/V and keep them."""
         count = features.shape[0]
         cache.begin_stage(count)
-        positions = torch.tensor(cache.query_positions[None], device=self._device)  # [1, n]
+        positions = torch.tensor(cache.call.query_positions[None], device=self._device)  # [1, n]
         self.context_projections += 1
         layers = self.drafter.context_kv(features[None].to(self._embed.dtype), positions)
         for index, (keys, values) in enumerate(layers):
@@ -87,7 +87,7 @@ class DFlashProposer:
         block = torch.tensor([[last_token] + [self.spec.mask_token_id] * count], device=self._device)  # [1, M]
         embeds = F.embedding(block, self._embed) * self.spec.input_embedding_scale  # [1, M, H]
         cache.begin_stage(count + 1)
-        query_pos = cache.query_positions  # [M]
+        query_pos = cache.call.query_positions  # [M]
         masks = [
             None if mask is None else torch.from_numpy(mask).to(self._device)[None, None]
             for mask in block_masks(cache, self.drafter.layer_windows)
@@ -114,7 +114,7 @@ class DFlashProposer:
         if not live:
             return errors
         features = torch.cat([items[i][1] for i in live]).to(self._embed.dtype)  # [N, L*H]
-        packed = np.concatenate([items[i][0].query_positions for i in live])
+        packed = np.concatenate([items[i][0].call.query_positions for i in live])
         positions = torch.from_numpy(packed[None]).to(self._device)  # [1, N]
         self.context_projections += 1
         layers = self.drafter.context_kv(features[None], positions)  # per layer [1, KVH, N, D]

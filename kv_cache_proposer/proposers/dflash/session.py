@@ -21,6 +21,7 @@ import numpy as np
 
 from kv_cache_proposer.cache import KVSessionCache, SessionCache, visible_keys
 from kv_cache_proposer.cache.arrays import A
+from kv_cache_proposer.cache.snapshot import clone_cache
 from kv_cache_proposer.errors import EngineError
 from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec
@@ -77,7 +78,7 @@ def block_masks(cache: SessionCache[Any], windows: Sequence[int | None]) -> list
     """Per drafter layer, which keys the staged block reads [M, K]: the context under the session's strategy and
     the whole block both ways. None where a layer reads every key (attention then needs no mask); layers with the
     same window share one array."""
-    query_pos, key_pos = cache.query_positions, cache.key_positions
+    query_pos, key_pos = cache.call.query_positions, cache.call.key_positions
     built: dict[int | None, np.ndarray | None] = {}
     for window in windows:
         if window not in built:
@@ -236,7 +237,7 @@ class DFlashDraftSession(Generic[A]):
 
     @property
     def nbytes(self) -> int:
-        return int(self._cache.nbytes)
+        return self._cache.footprint().nbytes
 
     def draft_count(self, history: Sequence[int], max_tokens: int) -> int:
         """How many tokens a proposal after `history` drafts (0: none)."""
@@ -281,4 +282,4 @@ class DFlashDraftSession(Generic[A]):
             oldest = max(held.start, cache.next_position - held.window)  # the oldest position still held
             twin = cache.clone_under(length, DrafterWindow(held.window, start=min(oldest, length)))
             return DFlashDraftSession(self._engine, twin, self._batch)
-        return DFlashDraftSession(self._engine, self._cache.clone(length), self._batch)
+        return DFlashDraftSession(self._engine, clone_cache(self._cache, length), self._batch)
