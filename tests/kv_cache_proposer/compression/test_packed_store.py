@@ -283,7 +283,7 @@ def test_one_token_steps_code_every_layers_new_kv_in_one_pass_taken_at_the_commi
     cache = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
     verifier.verify(cache, _tokens(11, 9), 1)
     verifier.commit(cache, 9)
-    codecs = {id(layer._codec): layer._codec for layer in cache._layers}
+    codecs = {id(layer.layout.codec): layer.layout.codec for layer in cache._layers}
     calls: list[int] = []
     starts: list[int] = []
 
@@ -297,9 +297,9 @@ def test_one_token_steps_code_every_layers_new_kv_in_one_pass_taken_at_the_commi
     verifier.verify(cache, _tokens(12, 1), 1)
     assert starts == [cache.num_layers]  # one pass for every layer, begun once the last layer staged
     for layer in cache._layers:  # and nothing taken yet: the stage still holds the K/V as computed
-        keys, values = layer._work.read(9, 10)
-        assert np.array_equal(to_numpy(keys[:, :, 9:10]), to_numpy(layer._pending[1]))
-        assert np.array_equal(to_numpy(values[:, :, 9:10]), to_numpy(layer._pending[2]))
+        keys, values = layer.read(9, 10)
+        assert np.array_equal(to_numpy(keys[:, :, 9:10]), to_numpy(layer.pending.keys))
+        assert np.array_equal(to_numpy(values[:, :, 9:10]), to_numpy(layer.pending.values))
     verifier.commit(cache, 1)
     assert calls == [cache.num_layers] and starts == [cache.num_layers]
     direct = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
