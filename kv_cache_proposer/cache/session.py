@@ -1,24 +1,9 @@
 """The session cache: one session's K/V under a KV strategy, written once for every backend.
 
-Storage is a slot table plus one `LayerStore` per layer. `positions[s]` is the global position held in slot s
-(-1: empty). Slots `[0, stage_offset)` are resident; the stage follows them, holding the K/V of the forward in
-flight. Attention reads resident slots and stage together, with a mask built from their positions, so the physical
-slot order never matters:
-
-- `full`: slot = position and the stage sits right after the committed slots, so a commit moves nothing.
-- `sink_window`: slots `[0, sink)` hold the sink, `[sink, sink + window)` are a ring for the window and the stage
-  sits after the ring; a commit moves the accepted staged entries into their ring slots, overwriting evicted ones.
-
-Either way, staged K/V of rejected drafts never overwrite a resident entry (no write on reject).
-
-With lossy layer stores (compressed K/V), a model call over n > 1 queries reads its own block twice: as held, at
-the stage, for the later queries, and after the stage as computed, each entry by its own query only
-(`ModelCall.own_keys`), so that every query reads its own position as computed and the others as held, whatever
-the block size.
-
-What attention reads may start with extra parts in front of the resident slots: an `AttentionPrefix` supplies K/V
-of positions that are not resident (for instance rebuilt evicted positions), with their global positions, and the
-mask treats them like any other key.
+A slot table (the global position of every slot) plus one `LayerStore` per layer: resident slots, then the stage
+of the forward in flight; a commit makes a prefix of the stage resident and evicts per strategy, and rejected
+drafts never overwrite a resident entry. The layout of each strategy, the reads of lossy stores and attention
+prefixes are described in docs/architecture.md ("Session caches").
 """
 
 from __future__ import annotations

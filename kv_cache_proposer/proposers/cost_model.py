@@ -1,33 +1,10 @@
 """A per-session cost model of speculative decoding: whether the next step drafts, and how many tokens.
 
-The model keeps what the session measured, as exponentially weighted averages of recent steps:
-
-- the acceptance of each drafted position, conditional on every earlier position being accepted (a position the
-  proposer left empty, or a grammar cut, counts as not accepted);
-- the seconds of a proposal, per requested draft length;
-- the seconds of a verifier forward, per block length (a block of one token is a plain step; a burst of plain
-  steps counts as that many plain steps of its average length).
-
-For the next step it picks the draft length k (0: a plain step) that maximises the expected tokens per second,
-E[tokens | k] / (t_draft(k) + t_forward(k + 1)), where E[tokens | k] = 1 + sum over j <= k of the product of the
-first j positions' acceptances, against 1 / t_forward(1). A length not measured yet is assumed to cost what the
-nearest longer measured length costs (costs do not fall with length), or, above the longest measured one, that
-cost scaled up in proportion to the length.
-
-Priors: every position's acceptance starts at `PRIOR_ACCEPTANCE`, worth one observation (the averages weigh
-the newest observation by 1 / (observations + 1) until that falls to `ACCEPTANCE_WEIGHT`); times have no prior,
-so a session first drafts the whole limit until a draft is timed, then takes a plain step until one is timed, then
-drafts the whole limit until it has observed `MIN_DRAFTS_SEEN` proposals (one unlucky draft would otherwise stop a
-session drafting for a long time).
-
-The model keeps probing both arms. After a run of plain steps it drafts once (the best length) to refresh its
-acceptance. The run is `probe_after_declines` steps, or longer where a probe costs more than a plain step, so that
-probes add at most `PROBE_SHARE` to the time of the plain steps between them (a burst of plain steps counts as
-that many; a drafting step ten times a plain one's cost is probed once per 180 plain steps). A probe whose drafts
-were accepted beyond the estimate is followed by another at once, so a session whose text turned predictable takes
-drafting back up within a few steps. After `refresh_plain_after` drafting steps in a row it takes one plain step,
-as the time of one grows with the history.
-Every decision is a deterministic function of the observations.
+It keeps exponentially weighted averages of the session's acceptance per drafted position and of the seconds of a
+proposal and of a forward per block length, and picks the draft length k (0: a plain step) that maximises the
+expected tokens per second, E[tokens | k] / (t_draft(k) + t_forward(k + 1)); it keeps probing both arms. Every
+decision is a deterministic function of the observations. The rules (priors, probes, refreshes) are in
+docs/speculative-decoding.md ("Draft length").
 """
 
 from __future__ import annotations
