@@ -260,6 +260,7 @@ class Runtime:
             # dropping the working copy is only reference release, so it needs no turn on the engine thread.
             seq.cache.park()
             self.store.touch(session)
+            self.store.charge(session)
             self.store.refresh_gauges()
 
     async def _take_output(self, session: Session, generation: Generation, output: StepOutput) -> None:

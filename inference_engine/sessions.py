@@ -82,6 +82,7 @@ class SessionStore:
         self._metrics = metrics
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
+        self._charged: dict[str, int] = {}  # each session's `kv_charged_bytes` as of its last change (`charge`)
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended, for NOT_FOUND messages
         self.on_detach: Callable[[Session], object] | None = None  # told of every session that ends
         self._gauges_at = -float("inf")  # when the gauges were last refreshed
@@ -110,6 +111,7 @@ class SessionStore:
             self.evict(victim, "lru")
         self.enforce_budget(protect=None)
         self._sessions[session.session_id] = session
+        self._charged[session.session_id] = session.kv_charged_bytes
         self._metrics.session_opened.inc()
         self.refresh_gauges()
 
@@ -135,6 +137,7 @@ class SessionStore:
         """Remove a session from the store (its id answers NOT_FOUND from now on). The caller frees its memory."""
         if self._sessions.pop(session.session_id, None) is None:
             return
+        self._charged.pop(session.session_id, None)
         session.closed = True
         self._ended[session.session_id] = why
         while len(self._ended) > _TOMBSTONES:
@@ -163,16 +166,27 @@ class SessionStore:
     def enforce_budget(self, protect: Session | None) -> bool:
         """Evict idle sessions, least recently used first, until the KV bytes fit the budget.
 
-        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_charged_bytes`.
+        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_charged_bytes`. With
+        `protect` (the session that just stepped) only that one is charged again, the others as of their last step
+        or park (`charge`), so a step costs one session's accounting, not every session's; without it, all are.
         """
-        total = sum(s.kv_charged_bytes for s in self._sessions.values())
+        if protect is None:
+            self._charged = {key: session.kv_charged_bytes for key, session in self._sessions.items()}
+        else:
+            self.charge(protect)
+        total = sum(self._charged.values())
         while total > self.kv_budget_bytes:
             victim = self._least_recent_idle(exclude=protect, holding_memory=True)
             if victim is None:
                 return False
-            total -= victim.kv_charged_bytes
+            total -= self._charged.get(victim.session_id, 0)
             self.evict(victim, "budget")
         return True
+
+    def charge(self, session: Session) -> None:
+        """Record what `session` is charged against the budget now (after a step, or when it parks)."""
+        if session.session_id in self._charged:
+            self._charged[session.session_id] = session.kv_charged_bytes
 
     def kv_live_bytes(self) -> int:
         return sum(s.kv_bytes for s in self._sessions.values())
