@@ -13,6 +13,7 @@ current / baseline ratios) and a PNG plot next to it.
 Usage:
     python scripts/bench_engine_revisions.py --baseline REV [--backends torch,mlx] [--strategies full,sink_window]
         [--history-tokens 1024] [--new-tokens 128] [--repeats 7] [--sink 4] [--window 256] [--threads 1]
+        [--kv-compressor none|kakeya_d4s:38|...]
         [--model NAME|DIR|GGUF] [--out results]
     python scripts/bench_engine_revisions.py --baseline HEAD --smoke    # seconds-long run with tiny sizes (tests)
 
@@ -52,6 +53,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
+    p.add_argument(
+        "--kv-compressor",
+        default="none",
+        help="the sessions' KV compressor, as `serve --kv-compressor` takes it (kakeya_d4s:38: packed K/V)",
+    )
     p.add_argument("--threads", type=int, default=1, help="CPU threads of torch and the BLAS in each worker")
     add_model_option(p, "the model both revisions load")
     p.add_argument("--out", type=Path, default=ROOT / "results")
@@ -71,6 +77,7 @@ def serve_worker(tree: Path, backend: str, args: argparse.Namespace) -> int:
     sys.path.insert(0, str(tree))
     import kv_cache_proposer
     from kv_cache_proposer.backends import load_verifier
+    from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
     from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
     from kv_cache_proposer.sampling import SamplingParams
     from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
@@ -83,12 +90,13 @@ def serve_worker(tree: Path, backend: str, args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     verifier = load_verifier(backend, args.model, device="cpu", dtype="float32")
     history = [(i * 7919 + 13) % verifier.vocab_size for i in range(args.history_tokens)]
+    layer_store = compressor_layer_store(backend, KVCompressor.parse(args.kv_compressor))
     print(json.dumps({"ready": True, "engine": str(Path(kv_cache_proposer.__file__).parent)}), flush=True)
     for line in sys.stdin:
         strategy_name = json.loads(line)["strategy"]
         strategy = FullStrategy() if strategy_name == "full" else SinkWindowStrategy(sink=args.sink, window=args.window)
         decoder = Decoder(verifier, prefill_chunk_tokens=512)
-        seq = SequenceState(cache=verifier.new_cache(strategy), tokens=list(history))
+        seq = SequenceState(cache=verifier.new_cache(strategy, layer_store=layer_store), tokens=list(history))
         budget, params = GenerationBudget(max_new_tokens=args.new_tokens), SamplingParams()
         tokens: list[int] = []
         started = time.perf_counter()
@@ -140,6 +148,7 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
         f"--sink={args.sink}",
         f"--window={args.window}",
         f"--threads={args.threads}",
+        f"--kv-compressor={args.kv_compressor}",
         f"--model={args.model}",
     ]
 
