@@ -114,7 +114,13 @@ class BackendModel(ABC, Generic[A]):
             setup = restoration or RestorationSetup()
             ops, layers = self.array_ops, self.num_layers
             return RestoringSessionCache(
-                strategy, num_layers=layers, ops=ops, model=self, setup=setup, layer_store=layer_store
+                strategy,
+                num_layers=layers,
+                ops=ops,
+                forward_layers=self.forward_layers,
+                chunk_tokens=setup.chunk_tokens or self.prefill_chunk_tokens,
+                setup=setup,
+                layer_store=layer_store,
             )
         return KVSessionCache(strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store)
 
@@ -150,6 +156,18 @@ class BackendModel(ABC, Generic[A]):
             _hand_features(self.array_ops, out, block.cache, layers, feature_layers)
             for out, block in zip(outs, blocks, strict=True)
         ]
+
+    def forward_layers(self, cache: SessionCache[A], token_ids: Sequence[int], last_layer: int) -> None:
+        """Stage the block at the cache's next positions and run layers `0..last_layer` over it, each staging its
+        K/V; no later layer and no logits (a restoration's rebuild: `restoration.rebuild.LayerForward`)."""
+        if not 0 <= last_layer < self.num_layers:
+            raise ValueError(f"last_layer {last_layer} is outside the model's {self.num_layers} layers")
+        cache.begin_stage(len(token_ids), token_ids=token_ids)
+        self.run_layers(cache, token_ids, last_layer)
+
+    @abstractmethod
+    def run_layers(self, cache: SessionCache[A], token_ids: Sequence[int], last_layer: int) -> None:
+        """The model's layers `0..last_layer` over the block whose stage just began (see `forward_layers`)."""
 
     @abstractmethod
     def burst(

@@ -29,7 +29,14 @@ from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.drafter_context import ContextStore
 from kv_cache_proposer.restoration.plan import LayerSource, RestorationPlan
 from kv_cache_proposer.restoration.projection import rows_kv
-from kv_cache_proposer.restoration.rebuild import RestoredPrefix, forward_kv, gather_all, prefix_kv, project
+from kv_cache_proposer.restoration.rebuild import (
+    LayerForward,
+    RestoredPrefix,
+    forward_kv,
+    gather_all,
+    prefix_kv,
+    project,
+)
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 
 RebuildMode = Literal["generation", "step"]
@@ -73,13 +80,15 @@ class RestoringSessionCache(KVSessionCache[A]):
         *,
         num_layers: int,
         ops: ArrayOps[A],
-        model: Any,
+        forward_layers: LayerForward[A],
+        chunk_tokens: int,
         setup: RestorationSetup,
         layer_store: LayerStoreFactory[A] | None = None,
     ) -> None:
         super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store)
         self._restoring = strategy
-        self._model = model  # a CausalLM: runs the forwards of `tokens` and `recompute` layers
+        self._forward_layers = forward_layers  # the verifier's first layers: `tokens` and `recompute` rebuilds
+        self._chunk_tokens = chunk_tokens  # the most tokens a rebuild forward takes
         self._setup = setup
         self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
         self._plan = setup.plan_for(num_layers)
@@ -252,7 +261,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         if token_layers:
             tokens = self._tokens[first : first + added].tolist()
             rebuilt = forward_kv(
-                self._model, self._ops, self.num_layers, tokens, start=first, last_layer=max(token_layers)
+                self._forward_layers, self._ops, self.num_layers, tokens, start=first, last_layer=max(token_layers)
             )
         per_layer = []
         for layer, source in enumerate(self._plan.layers):
@@ -285,16 +294,16 @@ class RestoringSessionCache(KVSessionCache[A]):
         if layers:
             if self._plan.needs_prefix_forward:
                 forward = prefix_kv(
-                    self._model,
+                    self._forward_layers,
                     self._ops,
                     self._tokens[:end].tolist(),
                     np.arange(sink, end, dtype=np.int64),
                     last_layer=max(layers),
-                    chunk_tokens=self._setup.chunk_tokens or int(self._model.prefill_chunk_tokens),
+                    chunk_tokens=self._chunk_tokens,
                 )
             else:
                 forward = forward_kv(
-                    self._model,
+                    self._forward_layers,
                     self._ops,
                     self.num_layers,
                     self._tokens[sink:end].tolist(),
@@ -361,7 +370,8 @@ class RestoringSessionCache(KVSessionCache[A]):
             self._restoring,
             num_layers=self.num_layers,
             ops=self._ops,
-            model=self._model,
+            forward_layers=self._forward_layers,
+            chunk_tokens=self._chunk_tokens,
             setup=self._setup,
             layer_store=self._session_store,
         )

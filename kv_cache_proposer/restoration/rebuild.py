@@ -5,14 +5,14 @@ What a rebuild produces is transient: the `RestoredPrefix` the session cache put
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from typing import Any, Generic
+from typing import Generic, Protocol
 
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore
+from kv_cache_proposer.cache.protocol import SessionCache
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.restoration.plan import LayerSource
 from kv_cache_proposer.restoration.projection import kv_rows, rows_kv
@@ -68,14 +68,18 @@ class RestoredPrefix(Generic[A]):
         self._positions = np.arange(self._first, self._first + needed, dtype=np.int64)
 
 
-class _LayersCaptured(Exception):
-    """Raised inside a capture forward once every layer it needs has staged its K/V (the rest is not run)."""
+class LayerForward(Protocol[A]):
+    """The verifier's first layers over a block (`BackendModel.forward_layers`): what a rebuild runs."""
+
+    def __call__(self, cache: SessionCache[A], token_ids: Sequence[int], last_layer: int) -> None:
+        """Stage `token_ids` at the cache's next positions and run layers `0..last_layer` over them, each staging
+        its K/V in `cache`; no later layer runs."""
+        ...
 
 
 class CaptureCache(KVSessionCache[A]):
     """A scratch cache for one forward over a block at global positions `start, start + 1, ...` that attends only
-    within the block; it records the K/V the model stages and cuts the forward short after layer `last_layer`
-    (layers after it are not needed)."""
+    within the block; it records the K/V the model stages for layers `0..last_layer`."""
 
     def __init__(self, ops: ArrayOps[A], num_layers: int, *, start: int, last_layer: int) -> None:
         super().__init__(FullStrategy(), num_layers=num_layers, ops=ops)
@@ -89,19 +93,18 @@ class CaptureCache(KVSessionCache[A]):
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         self.captured[layer_idx] = (keys, values)
-        if layer_idx >= self._last_layer:
-            raise _LayersCaptured
+        if layer_idx == self._last_layer:
+            return keys, values  # its attention's output is not needed either
         return super().stage_layer(layer_idx, keys, values)
 
 
 def forward_kv(
-    model: Any, ops: ArrayOps[A], num_layers: int, tokens: Sequence[int], *, start: int, last_layer: int
+    forward: LayerForward[A], ops: ArrayOps[A], num_layers: int, tokens: Sequence[int], *, start: int, last_layer: int
 ) -> dict[int, tuple[A, A]]:
     """K/V `[B, H, len(tokens), D]` of layers `0..last_layer` for `tokens` at positions `start, start + 1, ...`,
-    from one cache-less forward of `model` that attends only among `tokens`."""
+    from one cache-less forward that attends only among `tokens`."""
     scratch: CaptureCache[A] = CaptureCache(ops, num_layers, start=start, last_layer=last_layer)
-    with contextlib.suppress(_LayersCaptured):
-        model.verify(scratch, list(tokens), 1)
+    forward(scratch, list(tokens), last_layer)
     captured = scratch.captured
     ops.settle([array for pair in captured.values() for array in pair])
     scratch.release()
@@ -110,18 +113,10 @@ def forward_kv(
 
 class PrefixCache(KVSessionCache[A]):
     """A scratch full-attention cache of layers `0..last_layer` for a forward over a token prefix in chunks: each
-    chunk attends to the chunks before it, as the verifier's own chunked prefill does, and the forward is cut
-    short after `last_layer`."""
+    chunk attends to the chunks before it, as the verifier's own chunked prefill does."""
 
     def __init__(self, ops: ArrayOps[A], *, last_layer: int) -> None:
         super().__init__(FullStrategy(), num_layers=last_layer + 1, ops=ops)
-        self._last_layer = last_layer
-
-    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
-        attended = super().stage_layer(layer_idx, keys, values)
-        if layer_idx >= self._last_layer:
-            raise _LayersCaptured
-        return attended
 
     def gather(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
         """K/V `[B, H, len(positions), D]` of committed positions (slot = position under `full`)."""
@@ -129,7 +124,7 @@ class PrefixCache(KVSessionCache[A]):
 
 
 def prefix_kv(
-    model: Any,
+    forward: LayerForward[A],
     ops: ArrayOps[A],
     tokens: Sequence[int],
     positions: np.ndarray,
@@ -138,15 +133,14 @@ def prefix_kv(
     chunk_tokens: int,
 ) -> dict[int, tuple[A, A]]:
     """K/V of layers `0..last_layer` at `positions` of the token prefix `tokens` (positions 0, 1, ...), from
-    cache-less forwards of `model` over chunks of at most `chunk_tokens`: a forward's attention scores are
-    `chunk x prefix` rather than `prefix x prefix`, so the transient memory grows linearly with the history."""
+    cache-less forwards over chunks of at most `chunk_tokens`: a forward's attention scores are `chunk x prefix`
+    rather than `prefix x prefix`, so the transient memory grows linearly with the history."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     scratch: PrefixCache[A] = PrefixCache(ops, last_layer=last_layer)
     for start in range(0, len(tokens), chunk_tokens):
         block = list(tokens[start : start + chunk_tokens])
-        with contextlib.suppress(_LayersCaptured):
-            model.verify(scratch, block, 1)
+        forward(scratch, block, last_layer)
         scratch.commit(len(block))
     kv = {layer: scratch.gather(layer, positions) for layer in range(last_layer + 1)}
     ops.settle([array for pair in kv.values() for array in pair])

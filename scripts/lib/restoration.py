@@ -191,7 +191,12 @@ def token_only_layers(verifier: Any, tokens: Sequence[int], *, start: int, toler
     verifier.verify(full, list(tokens), 1)
     verifier.commit(full, len(tokens))
     alone = forward_kv(
-        verifier, ops, verifier.num_layers, list(tokens[start:]), start=start, last_layer=verifier.num_layers - 1
+        verifier.forward_layers,
+        ops,
+        verifier.num_layers,
+        list(tokens[start:]),
+        start=start,
+        last_layer=verifier.num_layers - 1,
     )
     found = []
     for layer in range(verifier.num_layers):

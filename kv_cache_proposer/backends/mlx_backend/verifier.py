@@ -101,6 +101,14 @@ class MlxVerifier(BackendModel[mx.array]):
                 mx.eval(rows, cache.arrays())
         return VerifyOutput(rows, features)
 
+    def run_layers(self, cache: SessionCache[mx.array], token_ids: Sequence[int], last_layer: int) -> None:
+        with mx.stream(self.device):
+            input_ids = mx.array([list(token_ids)], dtype=mx.int32)  # [1, n]
+            # mlx-lm runs one layer per cache entry it is given: the later layers never run, and nothing evaluates
+            # the head's lazy output.
+            self.model(input_ids, cache=staging_layers(cache, self._layer_windows)[: last_layer + 1])
+            mx.eval(cache.arrays())
+
     def _logits(self, cache: SessionCache[mx.array], token_ids: Sequence[int], logits_rows: int) -> mx.array:
         """The lazy float32 logits `[rows, V]` of the block's last `logits_rows` positions; its K/V staged."""
         block_len = len(token_ids)

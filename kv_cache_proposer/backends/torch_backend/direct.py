@@ -147,10 +147,21 @@ class DirectForward:
         stage their K/V through `stage(layer, k, v) -> (keys, values)`. `masks` is what transformers' attention
         would be given: a boolean mask [B, 1, n, K], one per layer type, or None for a causal block that reads
         only itself or a single query; or `OVER_HISTORY` where `splits` says so."""
-        steps: LayerSteps = self._scripted
+        out = self._run(self._steps(input_ids), input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
+        assert out is not None
+        return out
+
+    def stage_layers(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, masks: Masks, stage: Stage, last_layer: int
+    ) -> None:
+        """Layers `0..last_layer` of the block, each staging its K/V through `stage`; the forward stops after the
+        last one's staging (no attention there, no later layer, no logits)."""
+        self._run(self._steps(input_ids), input_ids, position_ids, masks, stage, 1, (), last_layer=last_layer)
+
+    def _steps(self, input_ids: torch.Tensor) -> LayerSteps:
         if self._compiled is not None and input_ids.shape[1] <= COMPILED_MAX_QUERIES:
-            steps = self._compiled
-        return self._run(steps, input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
+            return self._compiled
+        return self._scripted
 
     def _run(
         self,
@@ -161,7 +172,9 @@ class DirectForward:
         stage: Stage,
         logits_to_keep: int | torch.Tensor,
         feature_layers: Sequence[int],
-    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        last_layer: int | None = None,
+    ) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+        """The forward (see `__call__`); with `last_layer`, only up to that layer's staging (None)."""
         hidden = self._embed(input_ids)  # [B, n, H]
         cos, sin = self._rotary(hidden, position_ids)  # [B, n, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -171,6 +184,8 @@ class DirectForward:
         q, k, v = steps.first(hidden, layers[0].inputs, layers[0].head_dim, cos, sin)
         for index, layer in enumerate(layers):
             keys, values = stage(index, k, v)
+            if index == last_layer:
+                return None
             mask = masks[layer.kind] if isinstance(masks, Mapping) else masks
             attended = _attend(q, keys, values, mask, layer)
             if index == last:  # under the final norm

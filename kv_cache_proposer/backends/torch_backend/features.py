@@ -1,4 +1,5 @@
-"""Capturing a transformers model's hidden states during a forward, through forward hooks.
+"""Capturing a transformers model's hidden states during a forward, through forward hooks (and running only its
+first layers, `first_layers`).
 
 The feature of layer i is what transformers returns as `hidden_states[i + 1]` with `output_hidden_states=True`,
 the convention published DFlash drafters are trained on: the residual stream after decoder layer i, except for the
@@ -49,3 +50,16 @@ def layer_outputs(model: PreTrainedModel, layer_ids: Sequence[int]) -> Iterator[
 def concatenated(outputs: dict[int, list[torch.Tensor]], layer_ids: Sequence[int]) -> torch.Tensor:
     """The last recorded output of each layer, concatenated along the hidden dimension [B, T, L*H]."""
     return torch.cat([outputs[index][-1] for index in layer_ids], dim=-1)
+
+
+@contextmanager
+def first_layers(model: PreTrainedModel, count: int) -> Iterator[None]:
+    """Within the block, the model's decoder runs its first `count` layers only (the later ones are set aside and
+    put back after)."""
+    decoder: Any = model.get_decoder()
+    layers = decoder.layers
+    decoder.layers = torch.nn.ModuleList(list(layers)[:count])
+    try:
+        yield
+    finally:
+        decoder.layers = layers

@@ -17,7 +17,7 @@ from kv_cache_proposer.backends.choices import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, unsupported
-from kv_cache_proposer.backends.torch_backend.features import concatenated, layer_outputs
+from kv_cache_proposer.backends.torch_backend.features import concatenated, first_layers, layer_outputs
 from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_dir
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
@@ -170,6 +170,16 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             return picks, None
         return picks, torch.cat([cast(torch.Tensor, f) for f in features])
 
+    @torch.inference_mode()
+    def run_layers(self, cache: SessionCache[torch.Tensor], token_ids: Sequence[int], last_layer: int) -> None:
+        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        position_ids, masks = self._call_inputs(cache)
+        if self._direct is not None:
+            self._direct.stage_layers(input_ids, position_ids, masks, cache.stage_layer, last_layer)
+            return
+        with first_layers(self.model, last_layer + 1):
+            self._run(input_ids, position_ids, masks, cache, 1, ())
+
     def _forward_ids(
         self,
         cache: SessionCache[torch.Tensor],
@@ -177,6 +187,12 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         logits_rows: int,
         feature_layers: Sequence[int],
     ) -> VerifyOutput[torch.Tensor]:
+        position_ids, masks = self._call_inputs(cache)
+        logits, features = self._run(input_ids, position_ids, masks, cache, logits_rows, feature_layers)
+        return VerifyOutput(logits[0, -logits_rows:].float(), None if features is None else features[0])
+
+    def _call_inputs(self, cache: SessionCache[torch.Tensor]) -> tuple[torch.Tensor, Masks]:
+        """The position ids `[1, n]` and masks of the model call in flight."""
         query_positions = cache.call.query_positions  # [n]
         position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
         masks: Masks = self._attention_masks(cache)
@@ -187,8 +203,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
                 masks = OVER_HISTORY
             else:
                 masks = self._attention_masks(cache, always=True)
-        logits, features = self._run(input_ids, position_ids, masks, cache, logits_rows, feature_layers)
-        return VerifyOutput(logits[0, -logits_rows:].float(), None if features is None else features[0])
+        return position_ids, masks
 
     def _run(
         self,

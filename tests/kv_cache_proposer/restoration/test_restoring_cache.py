@@ -227,22 +227,22 @@ def test_a_clone_restores_like_the_original(verifiers):
 
 
 class _BlockSizes:
-    """The verifier itself, recording the length of every block a forward reads."""
+    """The verifier's `forward_layers`, recording the length of every block a forward reads."""
 
     def __init__(self, verifier: Any) -> None:
         self._verifier = verifier
         self.sizes: list[int] = []
 
-    def verify(self, cache: Any, token_ids: Any, logits_rows: int, **kwargs: Any) -> Any:
+    def __call__(self, cache: Any, token_ids: Any, last_layer: int) -> None:
         self.sizes.append(len(token_ids))
-        return self._verifier.verify(cache, token_ids, logits_rows, **kwargs)
+        self._verifier.forward_layers(cache, token_ids, last_layer)
 
 
 def test_a_chunked_prefix_forward_gives_the_kv_of_one_forward_over_the_whole_prefix(verifiers):
     verifier = verifiers["qwen3"]
     tokens = _tokens(12, 45)
     positions = np.arange(2, 40, dtype=np.int64)
-    whole = forward_kv(verifier, verifier.array_ops, verifier.num_layers, tokens, start=0, last_layer=2)
+    whole = forward_kv(verifier.forward_layers, verifier.array_ops, verifier.num_layers, tokens, start=0, last_layer=2)
     spy = _BlockSizes(verifier)
     chunked = prefix_kv(spy, verifier.array_ops, tokens, positions, last_layer=2, chunk_tokens=7)
     assert spy.sizes == [7] * 6 + [3]
