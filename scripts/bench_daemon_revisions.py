@@ -24,7 +24,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kakeya
+from lib import revisions
 from lib.daemon import Daemon
 from lib.decode_arms import history_tokens, timed_tokens
 from lib.model_option import add_model_option
@@ -59,18 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def export_revision(revision: str, target: Path) -> str:
     """The daemon's packages at `revision`, unpacked under `target`; returns the full commit id."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT, capture_output=True, text=True
+    return revisions.export_revision(
+        revision, target, ("inference_engine", "kv_cache_proposer"), tool="bench_daemon_revisions"
     )
-    if commit.returncode != 0:
-        raise SystemExit(f"bench_daemon_revisions: unknown revision {revision!r}")
-    archive = target / "packages.tar"
-    with archive.open("wb") as out:
-        command = ["git", "archive", commit.stdout.strip(), "inference_engine", "kv_cache_proposer"]
-        subprocess.run(command, cwd=ROOT, stdout=out, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    return commit.stdout.strip()
 
 
 def check_imports_from(tree: Path) -> None:

@@ -29,13 +29,13 @@ import os
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 import time
 from pathlib import Path
 from typing import IO, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib import revisions
 from lib.model_option import add_model_option
 from lib.results import write_results
 
@@ -154,18 +154,8 @@ def _forwarded(args: argparse.Namespace) -> list[str]:
 
 
 def export_revision(revision: str, target: Path) -> str:
-    """The engine package of `revision` unpacked under `target`; returns the full commit id."""
-    commit = subprocess.run(
-        ["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT, capture_output=True, text=True
-    )
-    if commit.returncode != 0:
-        raise SystemExit(f"bench_engine_revisions: unknown revision {revision!r}")
-    archive = target / "engine.tar"
-    with archive.open("wb") as out:
-        subprocess.run(["git", "archive", commit.stdout.strip(), "kv_cache_proposer"], cwd=ROOT, stdout=out, check=True)
-    with tarfile.open(archive) as tar:
-        tar.extractall(target, filter="data")
-    return commit.stdout.strip()
+    """The engine package at `revision`, unpacked under `target`; returns the full commit id."""
+    return revisions.export_revision(revision, target, ("kv_cache_proposer",), tool="bench_engine_revisions")
 
 
 def main(argv: list[str] | None = None) -> int:
