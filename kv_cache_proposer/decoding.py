@@ -1,17 +1,7 @@
-"""The speculative decode step: draft a block, verify it in one forward, commit the accepted prefix.
-
-A session's history is `committed tokens + pending tokens`. Committed tokens have resident K/V; pending tokens
-(appended by the client, or the last generated token) are processed by the next step. Each step feeds
-`pending + draft` to the verifier in one forward, samples the verifier's own token after every position from the
-last pending one on, accepts drafts while they equal those samples, and commits the K/V of the pending tokens and
-of the accepted drafts. The verifier's sample after the last accepted position (the bonus token) becomes pending.
-
-A generation may carry `DecodeControls` (controls.py): a grammar cuts the draft to its longest valid prefix before
-the forward and masks every row, penalties reshape every row, stop sequences end the generation after their first
-complete match (also when it spans steps), and log-probabilities are reported per emitted token.
-
-Under the `cost` draft policy each session's `DraftCostModel` picks the step's draft length (0: a plain step) from
-the times the decoder measures around proposals and forwards and from the acceptance it sees.
+"""The speculative decode step: draft a block, verify it in one forward, commit the accepted prefix; with a
+generation's controls (grammar, penalties, stop sequences, log-probabilities) and, under the `cost` draft policy, a
+per-session choice of the draft length (`DraftCostModel`). docs/architecture.md ("The decode step") describes a
+step.
 """
 
 from __future__ import annotations

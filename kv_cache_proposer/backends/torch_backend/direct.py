@@ -1,23 +1,9 @@
-"""The llama family's forward, run directly over the model's own weights.
-
-For Llama, Mistral, Qwen2 and Qwen3 checkpoints attended through PyTorch's SDPA, a forward here runs the
-operations of transformers' modeling code for these models, in the same order and on the same parameter tensors,
-so it computes the same values bit for bit, with one exception below. What it leaves out is the Python around
-them: a decoder layer is its K/V staging and attention between spans of compiled compute (`layer_steps`), instead
-of some forty module calls, hooks and keyword merges. On a model whose step is small next to that overhead (any
-model on a CPU at short histories) this is most of a step. The spans run as TorchScript functions, with
-transformers' kernels in their order; after `compile_steps`, blocks of a few queries (decode steps, speculative
-blocks) run them as graphs compiled by `torch.compile` instead, whose fused kernels round differently.
-
-The exception: on a CPU, a block of queries over a long history of an unbounded cache (every earlier key visible,
-its own keys causally) attends in two parts merged by their log-sum-exps, the earlier keys without a mask and its
-own keys under the kernel's causal flag. Under an explicit mask PyTorch's CPU flash kernel computes every score of
-the block's own square and reads the mask for each score; the two parts read no mask and skip the hidden half of
-the square. The values then differ from transformers' by float rounding (the softmax's sum is added up in two
-parts).
-
-Any other architecture, attention implementation or module layout runs through transformers' modules
-(`unsupported` says why).
+"""The llama family's forward, run directly over the model's own weights: transformers' operations in transformers'
+order on the same tensors, without the Python around them (a decoder layer is its K/V staging and attention
+between spans of compute, `layer_steps`). The values are transformers' bit for bit except where a block over a long
+history attends in two parts (`_attend_over_history`). Any other architecture, attention implementation or module
+layout runs through transformers' modules (`unsupported` says why). docs/architecture.md ("The decode step")
+describes both paths and where their values differ.
 """
 
 from __future__ import annotations
