@@ -10,7 +10,7 @@ position as computed and every other position as held, so a token's K/V read by 
 which forward computed it. A forward over one query stages its K/V as computed, and the store may turn them into
 their held form as late as the commit or the next forward (`finish_stages`: every layer of a cache at once). A
 forward over n > 1 queries stages the held form, for the later queries, and `read` appends the n entries as computed
-after the stage: attention reads those `own_keys`, each by its own query only (see `SessionCache.own_keys`).
+after the stage: attention reads those `own_keys`, each by its own query only (see `ModelCall.own_keys`).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ def visible_keys(
 
     A key position below zero is an empty slot. `causal` hides keys after the query (a drafter's block reads
     both ways); `window` hides keys `window` or more positions away (a sliding-window layer). The last `own_keys`
-    keys are the queries' own K/V as computed (`SessionCache.own_keys`): each query reads its own there, and the
+    keys are the queries' own K/V as computed (`ModelCall.own_keys`): each query reads its own there, and the
     same position's other key only from later queries.
     """
     q = query_positions[:, None]  # [n, 1]
