@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from inference_engine.domain import GenerationStats, StopReason
 from inference_engine.errors import ShuttingDown
@@ -36,36 +36,22 @@ GATHER_S = 0.005  # how long a batch waits for running generations whose consume
 _POLL_S = 0.05  # how often a waiting loop with running generations re-reads their cancel events
 
 
-class Schedulable(Protocol):
-    @property
-    def prefill_tokens(self) -> int: ...
-
-
-def plan_batch(candidates: Sequence[Schedulable], *, max_batch_size: int, token_budget: int) -> list[int]:
-    """Which of the ready candidates (oldest first) step in the next forward: at most `max_batch_size`, prefilling
-    at most `token_budget` prompt tokens together. A candidate whose prompt does not fit waits (and, being oldest,
-    goes first next time) while those behind it that fit still join, so decode steps never wait behind a prefill."""
+def plan_batch(prefill_tokens: Sequence[int], *, max_batch_size: int, token_budget: int) -> list[int]:
+    """Which of the ready generations (oldest first; each by the prompt tokens its step prefills) step in the next
+    forward: at most `max_batch_size`, prefilling at most `token_budget` prompt tokens together. One whose prompt does
+    not fit waits (and, being oldest, goes first next time) while those behind it that fit still join, so decode
+    steps never wait behind a prefill."""
     chosen: list[int] = []
     prefill = 0
-    for index, candidate in enumerate(candidates):
+    for index, tokens in enumerate(prefill_tokens):
         if len(chosen) == max_batch_size:
             break
-        size = min(candidate.prefill_tokens, token_budget)
+        size = min(tokens, token_budget)
         if chosen and prefill + size > token_budget:
             continue
         chosen.append(index)
         prefill += size
     return chosen
-
-
-@dataclass(slots=True)
-class _Candidate:
-    generation: Generation
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Prompt tokens its step prefills: its pending tokens but the last (a decode step has none)."""
-        return self.generation.seq.pending_count - 1
 
 
 @dataclass(slots=True)
@@ -115,7 +101,6 @@ class EngineLoop:
         self.token_budget = token_budget
         self.gather_s = gather_s
         self.journal: Journal | None = None  # set when the runtime attaches one
-        self.started_steps = 0  # steps chosen for a forward so far
         self._wake = threading.Condition()
         self._calls: list[_Call] = []  # guarded by _wake
         self._arrivals: list[Generation] = []  # guarded by _wake
@@ -223,9 +208,9 @@ class EngineLoop:
             else:
                 deliveries.append((generation, StepOutput(done=self._finish(generation, StopReason.CANCELLED)), True))
         ready = [g for g in self._running if g.ready]
-        chosen = plan_batch(
-            [_Candidate(g) for g in ready], max_batch_size=self.max_batch_size, token_budget=self.token_budget
-        )
+        # a step prefills its pending tokens but the last (a decode step has none)
+        prefills = [g.seq.pending_count - 1 for g in ready]
+        chosen = plan_batch(prefills, max_batch_size=self.max_batch_size, token_budget=self.token_budget)
         return [ready[i] for i in chosen], len(ready)
 
     def _idle(self) -> None:
@@ -240,7 +225,6 @@ class EngineLoop:
     def _run(self, batch: list[Generation]) -> list[_Delivery]:
         """One forward for the batch, and each generation's output of it."""
         started = time.perf_counter()
-        self.started_steps += len(batch)
         metrics = self.metrics
         for generation in batch:
             metrics.batch_queue_wait_seconds.observe(max(0.0, started - generation.ready_at))

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, Iterable
 from typing import Any
 
 from inference_engine import __version__
@@ -34,31 +33,26 @@ from inference_engine.errors import (
     InvalidArgument,
     JournalUnavailable,
     ResourceExhausted,
-    ServiceError,
     SessionFailed,
     ShuttingDown,
 )
 from inference_engine.forking import fork_sequence
-from inference_engine.generation import Generation, StepOutput
 from inference_engine.grammars import ModelGrammars
-from inference_engine.journal import Journal, JournalAppended, JournalError, SessionRecord
+from inference_engine.journal import Journal, JournalAppended, SessionRecord
 from inference_engine.metrics import Metrics
 from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.restoration import restoration_setup
 from inference_engine.sessions import Session, SessionStore
+from inference_engine.streaming import GenerationStreams
 from inference_engine.validation import RequestChecks
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
-from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
-from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
-
-_GAUGE_INTERVAL_S = 0.25  # how stale the KV gauges may get while a generation runs (they are exact once it ends)
 
 
 class Runtime:
@@ -116,6 +110,7 @@ class Runtime:
         self.sessions_journal = SessionJournal(
             config, self.checks, self.store, verifier.vocab_size, ClusterMetrics(metrics.registry), self._open_session
         )
+        self.streams = GenerationStreams(self.engine, self.store, self.admission, self.sessions_journal, metrics)
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
         self.restoration = restoration_setup(config, verifier.num_layers, self.model_dir_info.restore_plan)
 
@@ -174,120 +169,57 @@ class Runtime:
         session = await self.acquire(session_id)
         self._generations_in_flight += 1
         outcome = "cancelled"  # unless the generation ends otherwise, the client went away mid-stream
-        metrics = self.metrics
+        streams, metrics = self.streams, self.metrics
         try:
-            async with (
-                self._queued_generation_turn(session),
-                self._running_generation(session, params, sampling, budget_stops, controls, cancel) as generation,
-            ):
-                last_token_at: float | None = None
-                while True:
-                    output = await generation.next_output()
-                    try:
-                        await self._take_output(session, generation, output)
-                    except (SessionFailed, JournalUnavailable):
-                        outcome = "failed"
-                        raise
-                    if output.truncated:
-                        yield TruncatedEvent(output.truncated)
-                    logprobs = output.logprobs
-                    for index, token in enumerate(output.tokens):
-                        now = time.perf_counter()
-                        if last_token_at is not None:
-                            metrics.generate_inter_token_latency_seconds.observe(now - last_token_at)
-                        last_token_at = now
-                        yield TokenEvent(token, logprobs[index] if logprobs is not None else None)
-                    if not self._within_budget(session):
-                        outcome = "resource_exhausted"
-                        raise ResourceExhausted(
-                            f"running sessions hold {self.store.kv_live_bytes()} KV bytes, over --kv-budget-bytes "
-                            f"{self.config.kv_budget_bytes}, and no idle session is left to evict"
-                        )
-                    if output.done is not None:
-                        outcome = output.done.stop_reason.value
-                        yield DoneEvent(output.done)
-                        return
+            async with streams.turn(session):
+                budget = self._budget(session, params, budget_stops)
+                async with streams.running(session, sampling, budget, controls, cancel) as generation:
+                    last_token_at: float | None = None
+                    while True:
+                        output = await generation.next_output()
+                        try:
+                            await streams.take(session, generation, output)
+                        except (SessionFailed, JournalUnavailable):
+                            outcome = "failed"
+                            raise
+                        if output.truncated:
+                            yield TruncatedEvent(output.truncated)
+                        logprobs = output.logprobs
+                        for index, token in enumerate(output.tokens):
+                            now = time.perf_counter()
+                            if last_token_at is not None:
+                                metrics.generate_inter_token_latency_seconds.observe(now - last_token_at)
+                            last_token_at = now
+                            yield TokenEvent(token, logprobs[index] if logprobs is not None else None)
+                        if not streams.within_budget(session):
+                            outcome = "resource_exhausted"
+                            raise ResourceExhausted(
+                                f"running sessions hold {self.store.kv_live_bytes()} KV bytes, over --kv-budget-bytes "
+                                f"{self.config.kv_budget_bytes}, and no idle session is left to evict"
+                            )
+                        if output.done is not None:
+                            outcome = output.done.stop_reason.value
+                            yield DoneEvent(output.done)
+                            return
         finally:
             self._generations_in_flight -= 1
             metrics.generate_requests.labels(outcome=outcome).inc()
 
-    @asynccontextmanager
-    async def _running_generation(
-        self,
-        session: Session,
-        params: GenerateParams,
-        sampling: SamplingParams,
-        budget_stops: frozenset[int],
-        controls: DecodeControls,
-        cancel: asyncio.Event | None,
-    ) -> AsyncIterator[Generation]:
-        """The generation once it holds the session and a slot, running on the engine loop; on exit the engine is
-        done with it and every token it added to the history is journaled."""
+    def _budget(self, session: Session, params: GenerateParams, stops: frozenset[int]) -> GenerationBudget:
+        """The limits of a generation on a session that holds its turn; refused while shutting down, on an empty
+        history or one at the history limit."""
         if self._cancelling:
             raise ShuttingDown("the server shut down before this generation started")
-        seq = session.seq
-        if not seq.tokens:
+        tokens = session.seq.tokens
+        if not tokens:
             raise InvalidArgument("the session history is empty: append tokens before generating")
-        if len(seq.tokens) >= self.config.max_history_tokens:
-            raise ResourceExhausted(f"the session holds {len(seq.tokens)} tokens, the --max-history-tokens limit")
-        budget = GenerationBudget(
+        if len(tokens) >= self.config.max_history_tokens:
+            raise ResourceExhausted(f"the session holds {len(tokens)} tokens, the --max-history-tokens limit")
+        return GenerationBudget(
             max_new_tokens=params.max_tokens,
-            stop_token_ids=session.eos_token_ids | budget_stops,
+            stop_token_ids=session.eos_token_ids | stops,
             max_history_tokens=self.config.max_history_tokens,
         )
-        session.cancel = cancel or asyncio.Event()
-        session.generating = True
-        self.metrics.session_history_tokens.observe(len(seq.tokens))
-        generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
-        try:
-            self.engine.begin(generation)
-            yield generation
-        finally:
-            if not generation.has_ended:
-                generation.abandon()
-            # A step under way when the consumer left completes: its tokens are history, so they are journaled.
-            for output in await generation.ended():
-                try:
-                    await self._take_output(session, generation, output)
-                except ServiceError:
-                    break  # the session failed and was freed; the generation already ends with its own error
-                except Exception:  # the generation already ends with its own error; this step's is the same session's
-                    log.debug("a step of an ended generation failed", exc_info=True)
-                    break
-            session.generating = False
-            session.cancel = None
-            # Between generations the session holds only its resident storage (packed bytes if compressed);
-            # dropping the working copy is only reference release, so it needs no turn on the engine thread.
-            seq.cache.park()
-            self.store.touch(session)
-            self.store.charge(session)
-            self.store.refresh_gauges()
-
-    async def _take_output(self, session: Session, generation: Generation, output: StepOutput) -> None:
-        """Check one step's output before its tokens reach the client: a failed step fails the session, and the
-        tokens must be journaled (else the session fails: its memory and journal would disagree)."""
-        if isinstance(output.error, InvariantViolation):
-            raise self.fail_session(session, output.error) from output.error
-        if output.error is not None:
-            raise output.error
-        if output.journaled is not None:
-            try:
-                await asyncio.wrap_future(output.journaled)
-            except JournalError as exc:
-                if not generation.has_ended:
-                    generation.abandon()
-                    for left in await generation.ended():
-                        if left.journaled is not None:
-                            await asyncio.wait([asyncio.wrap_future(left.journaled)])
-                raise self.fail_unjournaled(session, exc) from exc
-
-    def _within_budget(self, session: Session) -> bool:
-        """After a step: the session counts as used now, and idle sessions are evicted while the KV bytes are over
-        the budget; whether they fit."""
-        self.store.touch(session)
-        within = self.store.enforce_budget(protect=session)
-        self.store.refresh_gauges_every(_GAUGE_INTERVAL_S)
-        return within
 
     async def fork_session(
         self, session_id: str, prefix_tokens: int | None = None, label: str | None = None
@@ -346,22 +278,7 @@ class Runtime:
         `generating` for a generation the client has already cancelled. A running generation delays the answer by
         at most `window_s`; a cancelled one ends after its current step.
         """
-        try:
-            session = self.store.get(session_id, touch=False)
-        except ServiceError:
-            return  # session_info reports the error
-        deadline = time.monotonic() + window_s
-        while session.generating and time.monotonic() < deadline:
-            if session.cancel is not None and session.cancel.is_set():
-                await self._wait_generation_end(session, timeout_s=self.config.queue_deadline_s)
-                return
-            await asyncio.sleep(0.001)
-
-    @staticmethod
-    async def _wait_generation_end(session: Session, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while session.generating and time.monotonic() < deadline:
-            await asyncio.sleep(0.002)
+        await self.streams.settle_cancellations(session_id, window_s=window_s, timeout_s=self.config.queue_deadline_s)
 
     def session_info(self, session_id: str, history_tail_tokens: int = 0) -> SessionInfo:
         """Describe a session without counting as an access; optionally include the last history tokens."""
@@ -406,9 +323,6 @@ class Runtime:
     async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
         """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
         return await self.sessions_journal.acquire(session_id, touch=touch)
-
-    def fail_unjournaled(self, session: Session, exc: JournalError) -> JournalUnavailable:
-        return self.sessions_journal.fail_unjournaled(session, exc)
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
     def evict_idle(self) -> int:
@@ -471,33 +385,6 @@ class Runtime:
         )
         self.store.add(session)
         return session
-
-    def fail_session(self, session: Session, exc: InvariantViolation) -> SessionFailed:
-        """Fail a session whose cache broke an invariant: count it, free it, and return the error to raise."""
-        session.invariant_violations[exc.kind] += 1
-        self.metrics.cache_invariant_violations.labels(kind=exc.kind).inc()
-        self.store.detach(session, "failed", f"failed: {exc}")
-        session.release()
-        self.store.refresh_gauges()
-        log.error("session failed", extra={"session_id": session.session_id, "violation": str(exc)})
-        return SessionFailed(f"session {session.session_id!r} failed and was freed: cache invariant {exc}")
-
-    @asynccontextmanager
-    async def _queued_generation_turn(self, session: Session) -> AsyncIterator[None]:
-        """A generation turn (`Admission.generation_turn`), with the wait counted in the queue depth and queue wait
-        metrics."""
-        queued_at = time.perf_counter()
-        waiting = True
-        self.metrics.generate_queue_depth.inc()
-        try:
-            async with self.admission.generation_turn(session):
-                waiting = False
-                self.metrics.generate_queue_depth.dec()
-                self.metrics.generate_queue_wait_seconds.observe(time.perf_counter() - queued_at)
-                yield
-        finally:
-            if waiting:
-                self.metrics.generate_queue_depth.dec()
 
     def _model_eos(self, info: ModelDirInfo) -> tuple[int, ...]:
         inside = tuple(t for t in info.eos_token_ids if 0 <= t < self.verifier.vocab_size)

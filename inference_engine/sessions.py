@@ -10,10 +10,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionNotFound
+from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionFailed, SessionNotFound
 from inference_engine.metrics import Metrics
 from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.decoding import SequenceState
+from kv_cache_proposer.errors import InvariantViolation
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,16 @@ class SessionStore:
         self.refresh_gauges()
         if self.on_detach is not None:
             self.on_detach(session)
+
+    def fail(self, session: Session, exc: InvariantViolation) -> SessionFailed:
+        """Fail a session whose cache broke an invariant: count it, free it, and return the error to raise."""
+        session.invariant_violations[exc.kind] += 1
+        self._metrics.cache_invariant_violations.labels(kind=exc.kind).inc()
+        self.detach(session, "failed", f"failed: {exc}")
+        session.release()
+        self.refresh_gauges()
+        log.error("session failed", extra={"session_id": session.session_id, "violation": str(exc)})
+        return SessionFailed(f"session {session.session_id!r} failed and was freed: cache invariant {exc}")
 
     def evict(self, session: Session, reason: str) -> None:
         """Evict an idle session and free its memory."""

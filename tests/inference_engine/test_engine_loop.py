@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import random
 import threading
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import pytest
 
@@ -60,8 +60,11 @@ async def _drain(generation: Generation) -> tuple[list[int], StepOutput]:
             return tokens, output
 
 
-async def _held(engine: EngineLoop) -> tuple[threading.Event, asyncio.Future[object]]:
-    """Hold the engine thread in a call until the returned gate is set: what begins meanwhile arrives together."""
+async def _begin_together(
+    engine: EngineLoop, generations: list[Generation], meanwhile: Callable[[], object] = lambda: None
+) -> None:
+    """Begin `generations` while a call holds the engine thread (and run `meanwhile` there too), so that they
+    arrive together at its next turn."""
     gate, entered = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -71,17 +74,16 @@ async def _held(engine: EngineLoop) -> tuple[threading.Event, asyncio.Future[obj
     held = asyncio.ensure_future(engine.call(hold))
     while not entered.is_set():
         await asyncio.sleep(0.001)
-    return gate, held
-
-
-@dataclass
-class _Prompt:
-    prefill_tokens: int
+    for generation in generations:
+        engine.begin(generation)
+    meanwhile()
+    gate.set()
+    await held
 
 
 def test_a_forward_prefills_one_chunk_at_most_and_decode_steps_always_join():
     # A long prompt, decode steps, two short prompts (prompt tokens: pending tokens but the last).
-    candidates = [_Prompt(n - 1) for n in (40, 1, 10, 1, 1, 5)]
+    candidates = [n - 1 for n in (40, 1, 10, 1, 1, 5)]
     first = plan_batch(candidates, max_batch_size=4, token_budget=CHUNK)
     left = [i for i in range(len(candidates)) if i not in first]
     second = [left[i] for i in plan_batch([candidates[i] for i in left], max_batch_size=4, token_budget=CHUNK)]
@@ -99,12 +101,8 @@ def test_generations_that_arrive_together_share_one_forward_and_get_their_result
     engine, metrics = _engine(verifier, max_batch_size=8)
 
     async def run() -> list[tuple[list[int], StepOutput]]:
-        gate, held = await _held(engine)
         generations = [_generation(_seq(verifier, 5, i), 1, f"s{i}") for i in range(3)]
-        for generation in generations:
-            engine.begin(generation)
-        gate.set()
-        await held
+        await _begin_together(engine, generations)
         return await asyncio.gather(*(_drain(g) for g in generations))
 
     try:
@@ -122,12 +120,8 @@ def test_batch_size_one_runs_every_step_alone(verifiers):
     engine, metrics = _engine(verifier, max_batch_size=1)
 
     async def run() -> None:
-        gate, held = await _held(engine)
         generations = [_generation(_seq(verifier, 3, i), 1, f"s{i}") for i in range(3)]
-        for generation in generations:
-            engine.begin(generation)
-        gate.set()
-        await held
+        await _begin_together(engine, generations)
         await asyncio.gather(*(_drain(g) for g in generations))
 
     try:
@@ -143,14 +137,9 @@ def test_a_generation_cancelled_before_its_step_ends_untouched_and_the_others_ru
     engine, metrics = _engine(verifier, max_batch_size=8)
 
     async def run() -> tuple[list[int], StepOutput, list[int], int]:
-        gate, held = await _held(engine)
         seqs = [_seq(verifier, 4, i) for i in range(2)]
         generations = [_generation(seq, 1, f"s{i}") for i, seq in enumerate(seqs)]
-        for generation in generations:
-            engine.begin(generation)
-        generations[0].cancel.set()
-        gate.set()
-        await held
+        await _begin_together(engine, generations, meanwhile=generations[0].cancel.set)
         (cancelled_tokens, cancelled), (kept, _) = await asyncio.gather(*(_drain(g) for g in generations))
         return cancelled_tokens, cancelled, kept, seqs[0].committed
 

@@ -1,0 +1,144 @@
+"""A generation's event-loop side: its turn, its start on the engine loop, each step's output checked before the
+tokens reach the client (a failed step fails the session, the tokens must be journaled, the KV budget must hold),
+and its end, once the engine is done with it and every token it added to the history is journaled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from inference_engine.admission import Admission
+from inference_engine.durability import SessionJournal
+from inference_engine.engine import EngineLoop
+from inference_engine.errors import ServiceError
+from inference_engine.generation import Generation, StepOutput
+from inference_engine.journal import JournalError
+from inference_engine.metrics import Metrics
+from inference_engine.sessions import Session, SessionStore
+from kv_cache_proposer.controls import DecodeControls
+from kv_cache_proposer.decoding import GenerationBudget
+from kv_cache_proposer.errors import InvariantViolation
+from kv_cache_proposer.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_GAUGE_INTERVAL_S = 0.25  # how stale the KV gauges may get while a generation runs (they are exact once it ends)
+
+
+class GenerationStreams:
+    """Runs generations on the engine loop for the runtime and checks what each step gives them."""
+
+    def __init__(
+        self, engine: EngineLoop, store: SessionStore, admission: Admission, journal: SessionJournal, metrics: Metrics
+    ) -> None:
+        self.engine = engine
+        self.store = store
+        self.admission = admission
+        self.journal = journal
+        self.metrics = metrics
+
+    @asynccontextmanager
+    async def turn(self, session: Session) -> AsyncIterator[None]:
+        """A generation turn (`Admission.generation_turn`), with the wait counted in the queue depth and queue wait
+        metrics."""
+        queued_at = time.perf_counter()
+        waiting = True
+        self.metrics.generate_queue_depth.inc()
+        try:
+            async with self.admission.generation_turn(session):
+                waiting = False
+                self.metrics.generate_queue_depth.dec()
+                self.metrics.generate_queue_wait_seconds.observe(time.perf_counter() - queued_at)
+                yield
+        finally:
+            if waiting:
+                self.metrics.generate_queue_depth.dec()
+
+    @asynccontextmanager
+    async def running(
+        self,
+        session: Session,
+        sampling: SamplingParams,
+        budget: GenerationBudget,
+        controls: DecodeControls,
+        cancel: asyncio.Event | None,
+    ) -> AsyncIterator[Generation]:
+        """The generation of a session that holds its turn, running on the engine loop; on exit the engine is done
+        with it, every token it added to the history is journaled and the session parks."""
+        seq = session.seq
+        session.cancel = cancel or asyncio.Event()
+        session.generating = True
+        self.metrics.session_history_tokens.observe(len(seq.tokens))
+        generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
+        try:
+            self.engine.begin(generation)
+            yield generation
+        finally:
+            # A step under way when the consumer left completes: its tokens are history, so they are journaled.
+            for output in await self._stop(generation):
+                try:
+                    await self.take(session, generation, output)
+                except ServiceError:
+                    break  # the session failed and was freed; the generation already ends with its own error
+                except Exception:  # the generation already ends with its own error; this step's is the same session's
+                    log.debug("a step of an ended generation failed", exc_info=True)
+                    break
+            session.generating = False
+            session.cancel = None
+            # Between generations the session holds only its resident storage (packed bytes if compressed);
+            # dropping the working copy is only reference release, so it needs no turn on the engine thread.
+            seq.cache.park()
+            self.store.touch(session)
+            self.store.charge(session)
+            self.store.refresh_gauges()
+
+    async def take(self, session: Session, generation: Generation, output: StepOutput) -> None:
+        """Check one step's output before its tokens reach the client: a failed step fails the session, and the
+        tokens must be journaled (else the session fails, once the engine let go of it: its memory and journal would
+        disagree)."""
+        if isinstance(output.error, InvariantViolation):
+            raise self.store.fail(session, output.error) from output.error
+        if output.error is not None:
+            raise output.error
+        if output.journaled is not None:
+            try:
+                await asyncio.wrap_future(output.journaled)
+            except JournalError as exc:
+                await self._stop(generation)
+                raise self.journal.fail_unjournaled(session, exc) from exc
+
+    def within_budget(self, session: Session) -> bool:
+        """After a step: the session counts as used now, and idle sessions are evicted while the KV bytes are over
+        the budget; whether they fit."""
+        self.store.touch(session)
+        within = self.store.enforce_budget(protect=session)
+        self.store.refresh_gauges_every(_GAUGE_INTERVAL_S)
+        return within
+
+    async def settle_cancellations(self, session_id: str, *, window_s: float, timeout_s: float) -> None:
+        """Let a cancellation sent just before this call end the session's generation (see
+        `Runtime.settle_cancellations`): a running generation delays the caller by at most `window_s`, a cancelled
+        one by the rest of its current step (at most `timeout_s`)."""
+        try:
+            session = self.store.get(session_id, touch=False)
+        except ServiceError:
+            return  # the caller's own lookup reports the error
+        deadline = time.monotonic() + window_s
+        while session.generating and time.monotonic() < deadline:
+            if session.cancel is not None and session.cancel.is_set():
+                deadline = time.monotonic() + timeout_s
+                while session.generating and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)
+                return
+            await asyncio.sleep(0.001)
+
+    @staticmethod
+    async def _stop(generation: Generation) -> list[StepOutput]:
+        """Take no further step for `generation` and wait until the engine is done with it; the outputs nobody
+        read (empty when they were taken already)."""
+        if not generation.has_ended:
+            generation.abandon()
+        return await generation.ended()
