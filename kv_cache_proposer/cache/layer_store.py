@@ -22,6 +22,7 @@ from typing import Generic, Protocol
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.cache.protocol import KeyPart
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,11 @@ class LayerStore(Protocol[A]):
     def read(self, stage_offset: int, end: int) -> tuple[A, A]:
         """Dense K/V `[B, H, end, D]` of slots `[0, end)`: resident slots before `stage_offset`, staged after (a lossy
         store appends a multi-query forward's own entries as computed)."""
+        ...
+
+    def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
+        """What `read` returns, as consecutive parts: a store that holds resident entries compactly hands them over
+        as they are held, for attention to read chunk by chunk."""
         ...
 
     def commit(self, plan: CommitPlan) -> None:
@@ -228,6 +234,9 @@ class DenseLayerStore(Generic[A]):
         if self._keys is None or self._values is None:
             raise ValueError("the layer holds no K/V")
         return self._ops.head(self._keys, end), self._ops.head(self._values, end)
+
+    def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
+        return [self.read(stage_offset, end)]
 
     def commit(self, plan: CommitPlan) -> None:
         if self._keys is None or self._values is None:

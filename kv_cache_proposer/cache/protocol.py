@@ -58,6 +58,25 @@ class ModelCall:
     prefix_keys: int  # keys read ahead of the cache's own slots (K/V of positions not resident)
 
 
+class HeldKeys(Protocol[A_co]):
+    """Keys and values of a run of slots held in a compact form (lattice coordinates, say), which attention reads a
+    chunk at a time instead of as one dense copy."""
+
+    @property
+    def length(self) -> int:
+        """Number of keys."""
+        ...
+
+    def dense(self) -> tuple[A_co, A_co]:
+        """The keys and values `[B, H, length, D]` as dense arrays (a transient copy, for a reader that needs one)."""
+        ...
+
+
+KeyPart = tuple[A, A] | HeldKeys[A]
+"""A run of the keys a model call reads, in the order of `ModelCall.key_positions`: dense keys and values
+`[B, H, c, D]`, or keys held compactly."""
+
+
 NO_CALL = ModelCall(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), 0, 0, 0, 0)
 
 
@@ -119,6 +138,11 @@ class SessionCache(Protocol[A]):
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         """Stage one layer's K/V `[B, H, n, D]` for the model call in flight; returns what its attention reads
         `[B, H, K, D]`, in the order of `call.key_positions`."""
+        ...
+
+    def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
+        """`stage_layer`, returning what attention reads as consecutive parts (dense or held compactly) whose keys,
+        joined, are `stage_layer`'s; a forward that reads the parts one at a time never holds the history dense."""
         ...
 
     def commit(self, count: int) -> None:

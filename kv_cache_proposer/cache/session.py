@@ -23,7 +23,7 @@ from kv_cache_proposer.cache.layer_store import (
     finish_stages,
     start_stages,
 )
-from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, ModelCall
+from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, KeyPart, ModelCall
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
@@ -202,6 +202,9 @@ class KVSessionCache(Generic[A]):
         self._locate_call()
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+        return self._joined(self.stage_layer_parts(layer_idx, keys, values))
+
+    def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
         count = self._query_end - self._query_start
         given = self._ops.length(keys)
         if given != count:
@@ -214,11 +217,17 @@ class KVSessionCache(Generic[A]):
         self._staged_counts[layer_idx] += count
         if self._lossy and layer_idx == len(self._layers) - 1:
             start_stages(self._layers)  # the forward's deferred work may run beside its last layer and head
-        layer_keys, layer_values = layer.read(offset, offset + self._query_end)
+        parts = layer.read_parts(offset, offset + self._query_end)
         if self._prefix is None:
-            return layer_keys, layer_values
-        prefix_keys, prefix_values = self._prefix.layer(layer_idx)
-        return self._ops.concat([prefix_keys, layer_keys]), self._ops.concat([prefix_values, layer_values])
+            return tuple(parts)
+        return (self._prefix.layer(layer_idx), *parts)
+
+    def _joined(self, parts: Sequence[KeyPart[A]]) -> tuple[A, A]:
+        """The parts' keys and values as one dense pair (no copy for a single dense part)."""
+        dense = [part if isinstance(part, tuple) else part.dense() for part in parts]
+        if len(dense) == 1:
+            return dense[0]
+        return self._ops.concat([k for k, _ in dense]), self._ops.concat([v for _, v in dense])
 
     # -- commit ------------------------------------------------------------------------------------------------
     def commit(self, count: int) -> None:

@@ -9,6 +9,7 @@ from typing import Any, Generic, Protocol
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A
+from kv_cache_proposer.cache.protocol import HeldKeys
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
 
@@ -70,6 +71,22 @@ class LatticeCodec(Protocol[A]):
 
     def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """`coding` on the host: doubled `[2·B, H, n, D]` int16, norms and qmax `[2·B, H, n]` float16."""
+        ...
+
+    @property
+    def reads_held(self) -> bool:
+        """Whether this backend's attention reads K/V as coded (`held_keys`); otherwise a generating session keeps
+        its resident entries decoded."""
+        ...
+
+    def held_keys(self, coding: StagedCoding[A], dtype: Any) -> HeldKeys[A]:
+        """The K/V `coding` stands for (laid out as `StagedCoding`), for attention to read without decoding them
+        all; `dense()` gives what `decode` gives, in `dtype`."""
+        ...
+
+    def coordinate_dtype(self) -> Any:
+        """The backend integer dtype a held coding keeps its doubled coordinates in: the narrowest that holds
+        `[-2Q, 2Q]`."""
         ...
 
 

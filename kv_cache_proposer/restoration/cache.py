@@ -23,7 +23,7 @@ import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
-from kv_cache_proposer.cache.protocol import CacheFootprint
+from kv_cache_proposer.cache.protocol import CacheFootprint, KeyPart
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.drafter_context import ContextStore
@@ -337,10 +337,10 @@ class RestoringSessionCache(KVSessionCache[A]):
         out_k, out_v = rows_kv(rows, int(like.shape[1]), int(like.shape[3]))  # type: ignore[attr-defined]
         return self._ops.from_host(out_k, like), self._ops.from_host(out_v, like)
 
-    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+    def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
         if self._contexts is not None and self._kv_like is None:
             self._kv_like = self._ops.take(keys, np.zeros(1, dtype=np.int64))  # one position's K, kept for shapes
-        return super().stage_layer(layer_idx, keys, values)
+        return super().stage_layer_parts(layer_idx, keys, values)
 
     def _drop_restored(self) -> None:
         self._restored = None

@@ -12,7 +12,7 @@ import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore
-from kv_cache_proposer.cache.protocol import SessionCache
+from kv_cache_proposer.cache.protocol import KeyPart, SessionCache
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.restoration.plan import LayerSource
 from kv_cache_proposer.restoration.projection import kv_rows, rows_kv
@@ -91,11 +91,11 @@ class CaptureCache(KVSessionCache[A]):
     def stage_offset(self) -> int:
         return 0  # nothing is resident: the block's slots start at 0 whatever its positions
 
-    def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
+    def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
         self.captured[layer_idx] = (keys, values)
         if layer_idx == self._last_layer:
-            return keys, values  # its attention's output is not needed either
-        return super().stage_layer(layer_idx, keys, values)
+            return ((keys, values),)  # its attention's output is not needed either
+        return super().stage_layer_parts(layer_idx, keys, values)
 
 
 def forward_kv(

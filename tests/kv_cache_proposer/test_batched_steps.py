@@ -127,8 +127,9 @@ def test_a_row_that_breaks_the_batched_forward_fails_alone(verifiers):
         raise InvariantViolation("inv1", "layer storage broke")
 
     def corrupt(round_: int) -> None:
-        if round_ == 2:
-            broken.stage_layer = stage_layer  # type: ignore[method-assign]  # the forward raises inside the model
+        if round_ == 2:  # the forward raises inside the model, batched or alone
+            broken.stage_layer = stage_layer  # type: ignore[method-assign]
+            broken.stage_layer_parts = stage_layer  # type: ignore[method-assign]
 
     together, _ = _together(decoder, seqs, corrupt)
     assert isinstance(together[2], InvariantViolation) and "layer storage broke" in str(together[2])

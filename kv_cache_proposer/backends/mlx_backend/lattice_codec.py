@@ -10,6 +10,7 @@ from functools import partial
 import mlx.core as mx
 import numpy as np
 
+from kv_cache_proposer.cache.protocol import HeldKeys
 from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding, split_stacked
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
@@ -124,3 +125,13 @@ class MlxLatticeCodec:
 
     def to_host(self, coding: StagedCoding[mx.array]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return np.array(coding.doubled), np.array(coding.norms.squeeze(-1)), np.array(coding.qmax.squeeze(-1))
+
+    @property
+    def reads_held(self) -> bool:
+        return False  # mlx-lm's attention reads dense K/V: a generating session keeps its entries decoded
+
+    def held_keys(self, coding: StagedCoding[mx.array], dtype: mx.Dtype) -> HeldKeys[mx.array]:
+        raise NotImplementedError("attention on MLX reads decoded K/V, not held codings (reads_held is False)")
+
+    def coordinate_dtype(self) -> mx.Dtype:
+        return mx.int16

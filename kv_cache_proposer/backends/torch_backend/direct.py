@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.modeling_utils import slice_logits_to_keep
 
+from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.layer_steps import (
     CompiledSteps,
     Inputs,
@@ -28,12 +29,14 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import (
     ScriptedSteps,
 )
 from kv_cache_proposer.backends.torch_backend.weights import DENSE, PackedLinear, linear
+from kv_cache_proposer.cache.protocol import KeyPart
 
 _flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[KeyPart[torch.Tensor], ...]]
+"""Stages a layer's K/V and returns what its attention reads, in parts (`SessionCache.stage_layer_parts`)."""
 
 # The mask of a block that reads every earlier key, then its own keys causally (`DirectForward.splits`).
 OVER_HISTORY: Final = "over history"
@@ -169,11 +172,11 @@ class DirectForward:
         last = len(layers) - 1
         q, k, v = steps.first(hidden, layers[0].inputs, layers[0].head_dim, cos, sin)
         for index, layer in enumerate(layers):
-            keys, values = stage(index, k, v)
+            parts = stage(index, k, v)
             if index == last_layer:
                 return None
             mask = masks[layer.kind] if isinstance(masks, Mapping) else masks
-            attended = _attend(q, keys, values, mask, layer)
+            attended = _attend_parts(q, parts, mask, layer)
             if index == last:  # under the final norm
                 hidden = steps.last(hidden, attended, layer.output, layer.head_dim, self._norm)
             else:
@@ -187,9 +190,26 @@ class DirectForward:
         return logits, features
 
 
-def _own_keys(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _own_keys(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[KeyPart[torch.Tensor], ...]:
     """The staging of a block that reads only itself."""
-    return keys, values
+    return ((keys, values),)
+
+
+def _attend_parts(
+    q: torch.Tensor, parts: tuple[KeyPart[torch.Tensor], ...], mask: torch.Tensor | str | None, layer: _Layer
+) -> torch.Tensor:
+    """Attention over a layer's keys in parts: dense parts joined and read by SDPA (`_attend`), as one tensor;
+    where a part is held compactly, part by part (`attend_parts`), with the mask as booleans over every key."""
+    if all(isinstance(part, tuple) for part in parts):
+        dense: list[Any] = list(parts)
+        if len(dense) == 1:
+            return _attend(q, dense[0][0], dense[0][1], mask, layer)
+        keys, values = torch.cat([k for k, _ in dense], dim=2), torch.cat([v for _, v in dense], dim=2)
+        return _attend(q, keys, values, mask, layer)
+    if isinstance(mask, str) or (mask is None and q.shape[2] > 1):
+        raise ValueError("attention over held keys needs the block's mask")
+    allowed = None if mask is None else (mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0)
+    return attend_parts(q, parts, allowed, scale=layer.scaling)
 
 
 def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer) -> torch.Tensor:

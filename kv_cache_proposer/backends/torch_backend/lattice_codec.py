@@ -14,12 +14,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
+from kv_cache_proposer.backends.torch_backend.chunked_attention import Partial
 from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
@@ -137,6 +138,138 @@ def _single_threaded() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
+HELD_CHUNK = 4096
+"""Held keys that attention converts to float32 at once: the bound of its transient buffers, and large enough that
+per-chunk work costs little (a decode step over 8k held keys of the default model: 4,096 ran fastest of 1,024 to
+8,192)."""
+
+
+def _held_attention(
+    q: torch.Tensor,
+    doubled: torch.Tensor,
+    norms: torch.Tensor,
+    qmax: torch.Tensor,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    allowed: Optional[torch.Tensor],  # noqa: UP045 (TorchScript reads `Optional`)
+    hadamard: torch.Tensor,
+    scale: float,
+    q_range: int,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of the queries `q` `[B, H, n, D]` over held keys (doubled coordinates `[2B, H_kv, c, D]`, K rows
+    then V rows, and their fp16 norms and qmax `[2B, H_kv, c, 1]`) followed by dense `tail` K/V `[B, H_kv, t, D]`
+    (`allowed`: `[n, c + t]`, None: every key), as a `Partial`: output `[B, H_kv, g·n, D]` and log-sum-exp.
+
+    A softmax kept online over chunks of `chunk` held keys, then the tail: a chunk's coordinates are converted to
+    float32, scored against the rotated queries and scaled by their s·n/2 (see `TorchHeldKeys`)."""
+    batch, heads, n, dim = q.shape
+    kv_heads, count = doubled.shape[1], doubled.shape[2]
+    groups = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, groups * n, dim).float()
+    rotated = torch.matmul(grouped, hadamard.t()) * scale
+    factors = (qmax.float() * norms.float() * (0.5 / q_range)).transpose(-1, -2)  # [2B, H_kv, 1, c]
+    rows: Optional[torch.Tensor] = None  # noqa: UP045
+    if allowed is not None:
+        rows = allowed.repeat(groups, 1)  # [g·n, c + t]: each query head's rows
+    top = torch.full((batch, kv_heads, groups * n, 1), float("-inf"), device=q.device)
+    sums = torch.zeros_like(top)
+    held = torch.zeros_like(grouped)  # in the rotated space
+    start = 0
+    while start < count:
+        end = min(count, start + chunk)
+        keys = doubled[:batch, :, start:end].float()
+        scores = torch.matmul(rotated, keys.transpose(-1, -2)) * factors[:batch, :, :, start:end]
+        if rows is not None:
+            scores = scores.masked_fill(~rows[:, start:end], float("-inf"))
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
+        weights = torch.exp(scores - safe)
+        correction = torch.exp(top - safe)
+        sums = sums * correction + weights.sum(dim=-1, keepdim=True)
+        values = doubled[batch:, :, start:end].float()
+        held = held * correction + torch.matmul(weights * factors[batch:, :, :, start:end], values)
+        top = new_top
+        start = end
+    out = torch.matmul(held, hadamard)
+    if tail_keys.shape[2] > 0:
+        scores = torch.matmul(grouped, tail_keys.float().transpose(-1, -2)) * scale
+        if rows is not None:
+            scores = scores.masked_fill(~rows[:, count:], float("-inf"))
+        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
+        safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
+        weights = torch.exp(scores - safe)
+        correction = torch.exp(top - safe)
+        sums = sums * correction + weights.sum(dim=-1, keepdim=True)
+        out = out * correction + torch.matmul(weights, tail_values.float())
+        top = new_top
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    return out / sums.clamp_min(1.1754943508222875e-38), safe + torch.log(sums)
+
+
+@cache
+def _compiled_attention() -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(_held_attention)
+
+
+class TorchHeldKeys:
+    """K/V held as lattice coordinates (`StagedCoding`: K rows, then V rows), attended without decoding them.
+
+    A decoded key is `(c·s) H · n` (coordinates c, scale s = qmax/Q, norm n, the self-inverse rotation H), so a
+    query's score is `(q Hᵀ)·c · s·n` and the weighted values are `(Σ w·s·n·c) H`: attention runs on the
+    coordinates in the rotated space, chunk by chunk, and rotates each query's output back once. Float32
+    throughout; the scores equal those over the decoded keys within float rounding, not bit for bit. Compiled
+    with TorchScript, as the codec's steps are: a decode step pays per op it dispatches."""
+
+    def __init__(self, coding: StagedCoding[torch.Tensor], hadamard: torch.Tensor, q_range: int, dtype: torch.dtype):
+        self.coding = coding
+        self._hadamard = hadamard
+        self._q_range = q_range
+        self._dtype = dtype
+
+    @property
+    def length(self) -> int:
+        return int(self.coding.doubled.shape[2])
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        doubled, norms, qmax = self.coding.doubled, self.coding.norms, self.coding.qmax
+        shape = doubled.shape
+        lattice = doubled.reshape(-1, shape[-1]).to(torch.float32) / 2  # exact: halves of integers
+        scale = qmax.reshape(-1, 1).to(torch.float32) / float(self._q_range)
+        decoded = _compiled()[1](lattice, scale, norms.reshape(-1, 1), self._hadamard).reshape(shape).to(self._dtype)
+        batch = shape[0] // 2
+        return decoded[:batch], decoded[batch:]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        allowed: torch.Tensor | None,
+        scale: float,
+        tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Partial:
+        """Attention of the queries `[B, H, n, D]` over these keys and then the dense `tail` K/V, if any
+        (`allowed` `[n, length + tail]`, None: all)."""
+        doubled = self.coding.doubled
+        if tail is None:
+            empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
+            tail = (empty, empty)
+        return _compiled_attention()(
+            q,
+            doubled,
+            self.coding.norms,
+            self.coding.qmax,
+            tail[0],
+            tail[1],
+            allowed,
+            self._hadamard,
+            scale,
+            self._q_range,
+            HELD_CHUNK,
+        )
+
+
 class TorchLatticeCodec:
     """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes
     (a one-scale spec's differ where the module docstring of `lattice.py` says)."""
@@ -198,10 +331,20 @@ class TorchLatticeCodec:
 
     def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (
-            coding.doubled.cpu().numpy(),
+            coding.doubled.to(torch.int16).cpu().numpy(),
             coding.norms.squeeze(-1).cpu().numpy(),
             coding.qmax.squeeze(-1).cpu().numpy(),
         )
+
+    @property
+    def reads_held(self) -> bool:
+        return True
+
+    def held_keys(self, coding: StagedCoding[torch.Tensor], dtype: torch.dtype) -> TorchHeldKeys:
+        return TorchHeldKeys(coding, self._hadamard, self.spec.q_range, dtype)
+
+    def coordinate_dtype(self) -> torch.dtype:
+        return torch.int8 if 2 * self.spec.q_range <= 127 else torch.int16
 
 
 def coding_matches(codec: TorchLatticeCodec, vectors: torch.Tensor) -> bool:

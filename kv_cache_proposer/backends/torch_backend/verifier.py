@@ -16,13 +16,14 @@ from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.choices import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
-from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, unsupported
+from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, Stage, unsupported
 from kv_cache_proposer.backends.torch_backend.features import concatenated, first_layers, layer_outputs
 from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_dir
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.backends.torch_backend.weights import pack_linears
 from kv_cache_proposer.cache import SessionCache, visible_keys
+from kv_cache_proposer.cache.protocol import KeyPart
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
@@ -175,7 +176,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
         position_ids, masks = self._call_inputs(cache)
         if self._direct is not None:
-            self._direct.stage_layers(input_ids, position_ids, masks, cache.stage_layer, last_layer)
+            self._direct.stage_layers(input_ids, position_ids, masks, cache.stage_layer_parts, last_layer)
             return
         with first_layers(self.model, last_layer + 1):
             self._run(input_ids, position_ids, masks, cache, 1, ())
@@ -217,9 +218,8 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         """Logits [1, rows, V] and the chosen layers' features [1, T, L*H] of one model call, staging into
         `stager`: directly over the weights, or through transformers' modules."""
         if self._direct is not None:
-            logits, outputs = self._direct(
-                input_ids, position_ids, masks, stager.stage_layer, logits_to_keep, feature_layers
-            )
+            stage = stager.stage_layer_parts if not isinstance(stager, BatchLayout) else _one_part(stager)
+            logits, outputs = self._direct(input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
             return logits, torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         with layer_outputs(self.model, feature_layers) as captured:
             output = self.model(
@@ -300,3 +300,12 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             return mask
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(mask, zero, torch.finfo(self.dtype).min)
+
+
+def _one_part(layout: BatchLayout[torch.Tensor]) -> Stage:
+    """A batched forward's staging, as one dense part per layer."""
+
+    def stage(layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[KeyPart[torch.Tensor], ...]:
+        return (layout.stage_layer(layer_idx, keys, values),)
+
+    return stage

@@ -94,6 +94,9 @@ class HalfPrecisionStore:
         keys, values = self._dense.read(stage_offset, end)
         return self._ops.cast(keys, self._model_dtype), self._ops.cast(values, self._model_dtype)
 
+    def read_parts(self, stage_offset: int, end: int) -> list[Any]:
+        return [self.read(stage_offset, end)]
+
     def commit(self, plan: CommitPlan) -> None:
         self._dense.commit(plan)
         self.held = self._dense.held

@@ -251,15 +251,18 @@ def test_a_query_reads_its_own_kv_as_computed_and_earlier_positions_as_their_cod
     verifier.verify(cache, _tokens(10, 6), 1)
     verifier.commit(cache, 6)
     seen: list[tuple[np.ndarray, np.ndarray, int, list[int]]] = []
-    stage_layer = cache.stage_layer
+    stage_layer_parts = cache.stage_layer_parts
 
     def spy(layer_idx: int, keys: Any, values: Any) -> Any:
-        read = stage_layer(layer_idx, keys, values)
-        if layer_idx == 0:
-            seen.append((to_numpy(keys), to_numpy(read[0]), cache.call.own_keys, cache.call.key_positions.tolist()))
-        return read
+        parts = stage_layer_parts(layer_idx, keys, values)
+        if layer_idx == 0:  # the keys read, joined (a held part as it decodes)
+            read = np.concatenate(
+                [to_numpy(part[0] if isinstance(part, tuple) else part.dense()[0]) for part in parts], axis=2
+            )
+            seen.append((to_numpy(keys), read, cache.call.own_keys, cache.call.key_positions.tolist()))
+        return parts
 
-    cache.stage_layer = spy
+    cache.stage_layer_parts = spy
     for block in ([5], [5, 6, 7]):
         verifier.verify(cache, block, 1)
         computed, read, own, key_positions = seen[-1]

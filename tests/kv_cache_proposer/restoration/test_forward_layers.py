@@ -25,9 +25,9 @@ class _Staged(KVSessionCache[Any]):
         super().__init__(FullStrategy(), num_layers=verifier.num_layers, ops=verifier.array_ops)
         self.layers: list[int] = []
 
-    def stage_layer(self, layer_idx: int, keys: Any, values: Any) -> tuple[Any, Any]:
+    def stage_layer_parts(self, layer_idx: int, keys: Any, values: Any) -> tuple[Any, ...]:
         self.layers.append(layer_idx)
-        return super().stage_layer(layer_idx, keys, values)
+        return super().stage_layer_parts(layer_idx, keys, values)
 
 
 def _whole_forward_kv(verifier: Any, layers: int) -> list[tuple[np.ndarray, np.ndarray]]:

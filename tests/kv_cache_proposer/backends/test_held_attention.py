@@ -1,0 +1,74 @@
+"""Attention over K/V held as lattice coordinates (torch): the keys' decoded values attended densely, within float
+rounding, read in chunks of 1, 7 and more than the history, with and without a causal block after them and with
+positions no query may read, for every K/V head grouping; and as a generating packed session reads them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kv_cache_proposer.backends.torch_backend import lattice_codec
+from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
+from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
+from kv_cache_proposer.compression.lattice import LatticeSpec
+from tests.kv_cache_proposer.backends.test_chunked_attention import _reference
+
+HISTORY, QUERIES, DIM, KV_HEADS = 37, 5, 16, 2
+
+
+def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) -> lattice_codec.TorchHeldKeys:
+    """`keys`/`values` coded as a generating packed layer holds them (int8 doubled coordinates)."""
+    _, _, coding = codec.code_blocks([(keys, values)], torch.float32)[0]
+    doubled = coding.doubled.to(codec.coordinate_dtype())
+    return codec.held_keys(type(coding)(doubled, coding.norms, coding.qmax), torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["d4", "e8"])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+def test_held_keys_attend_as_their_decoded_values_do(monkeypatch, kind, groups, causal, chunk):
+    monkeypatch.setattr(lattice_codec, "HELD_CHUNK", chunk)
+    rng = np.random.default_rng(groups * 10 + chunk)
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * groups, QUERIES, DIM)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, HISTORY, DIM)).astype(np.float32)) for _ in "kv")
+    own_keys, own_values = (
+        torch.from_numpy(rng.standard_normal((1, KV_HEADS, QUERIES, DIM)).astype(np.float32)) for _ in "kv"
+    )
+    codec = TorchLatticeCodec(LatticeSpec(kind, DIM, 19), torch.device("cpu"))
+    held = _held(codec, keys, values)
+    decoded_keys, decoded_values = held.dense()
+    allowed = np.ones((QUERIES, HISTORY + QUERIES), dtype=bool)
+    allowed[:, 3] = False  # a slot no query reads (an empty ring slot, say)
+    if causal:
+        allowed[:, HISTORY:] = np.tril(np.ones((QUERIES, QUERIES), dtype=bool))
+    scale = DIM**-0.5
+    everything = (torch.cat([decoded_keys, own_keys], 2), torch.cat([decoded_values, own_values], 2))
+    expected = _reference(q.numpy(), everything[0].numpy(), everything[1].numpy(), allowed, scale)
+    mask = torch.from_numpy(allowed)
+    together = attend_parts(q, [held, (own_keys, own_values)], mask, scale=scale)  # the stage read in the same pass
+    np.testing.assert_allclose(together.numpy(), expected, atol=3e-5, rtol=3e-5)
+    prefix = (decoded_keys[:, :, :4], decoded_values[:, :, :4])  # a dense part ahead of a held one, merged after
+    rest = _held(codec, keys[:, :, 4:], values[:, :, 4:])
+    parts = attend_parts(q, [prefix, rest, (own_keys, own_values)], mask, scale=scale)
+    rest_keys, rest_values = rest.dense()
+    joined = (torch.cat([prefix[0], rest_keys, own_keys], 2), torch.cat([prefix[1], rest_values, own_values], 2))
+    expected = _reference(q.numpy(), joined[0].numpy(), joined[1].numpy(), allowed, scale)
+    np.testing.assert_allclose(parts.numpy(), expected, atol=3e-5, rtol=3e-5)
+
+
+def test_a_query_that_may_read_no_held_key_reads_only_the_stage_and_one_that_reads_nothing_gets_zeros():
+    rng = np.random.default_rng(5)
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS, 2, DIM)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, HISTORY, DIM)).astype(np.float32)) for _ in "kv")
+    own_keys, own_values = (
+        torch.from_numpy(rng.standard_normal((1, KV_HEADS, 2, DIM)).astype(np.float32)) for _ in "kv"
+    )
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", DIM, 38), torch.device("cpu")), keys, values)
+    allowed = np.zeros((2, HISTORY + 2), dtype=bool)
+    allowed[1, HISTORY:] = True  # the second query reads only the stage; the first reads nothing
+    out = attend_parts(q, [held, (own_keys, own_values)], torch.from_numpy(allowed), scale=DIM**-0.5)
+    assert torch.all(out[:, :, 0] == 0)
+    expected = _reference(q.numpy()[:, :, 1:], own_keys.numpy(), own_values.numpy(), allowed[1:, HISTORY:], DIM**-0.5)
+    np.testing.assert_allclose(out[:, :, 1:].numpy(), expected, atol=3e-5, rtol=3e-5)
