@@ -109,6 +109,7 @@ class SessionInfo:
     kv_restoration_state_bytes: int = 0
     kv_peak_restored_bytes: int = 0
     history_token_bytes: int = 0  # dlm_restore: token ids kept to rebuild evicted K/V by a forward
+    kv_peak_bytes: int = 0  # the most bytes the session has held at once (after each step, and now)
 
 
 @dataclass(frozen=True, slots=True)

@@ -172,6 +172,12 @@ class Metrics:
             "The most bytes of restored K/V one held dlm_restore session has held at once (its per-step peak)",
             registry=r,
         )
+        self.kv_session_peak_bytes = Gauge(
+            "kakeya_kv_session_peak_bytes",
+            "The most KV bytes one held session has held at once (after each step of its generations): what a "
+            "generating session needs",
+            registry=r,
+        )
         self.kv_restoration_state_bytes = Gauge(
             "kakeya_kv_restoration_state_bytes",
             "Bytes of per-position state dlm_restore sessions keep to restore evicted positions (kept layers' K/V)",

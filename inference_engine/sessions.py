@@ -38,6 +38,7 @@ class Session:
     cancel: asyncio.Event | None = None
     closed: bool = False
     invariant_violations: dict[str, int] = field(default_factory=lambda: {"inv1": 0, "inv2": 0})
+    kv_peak_bytes: int = 0  # the most `kv_bytes` seen at once: after each step of its generations, and when charged
 
     @property
     def busy(self) -> bool:
@@ -48,16 +49,6 @@ class Session:
     def kv_bytes(self) -> int:
         """Bytes of K/V the session holds: the verifier cache and any drafter state."""
         return self.seq.cache.footprint().nbytes + int(self.seq.draft_session.nbytes)
-
-    @property
-    def kv_charged_bytes(self) -> int:
-        """Bytes the session is charged against the store's KV byte budget: `kv_bytes` less what only a generating
-        session holds (a compressed cache's decoded K/V, the growth room of its buffers; freed when it parks).
-        Between generations the two are equal; while it generates, that part is bounded by the sessions generating
-        at once, not by the sessions held, so charging it would shrink every session's share of the budget (and
-        refuse a generation whose session fits the budget parked)."""
-        held = self.seq.cache.footprint()
-        return held.nbytes - held.working_bytes + int(self.seq.draft_session.nbytes)
 
     def release(self) -> None:
         """Free the session's cache and drafting state."""
@@ -83,7 +74,7 @@ class SessionStore:
         self._metrics = metrics
         self._clock = clock
         self._sessions: OrderedDict[str, Session] = OrderedDict()  # least recently used first
-        self._charged: dict[str, int] = {}  # each session's `kv_charged_bytes` as of its last change (`charge`)
+        self._charged: dict[str, int] = {}  # each session's `kv_bytes` as of its last change (`charge`)
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> why it ended, for NOT_FOUND messages
         self.on_detach: Callable[[Session], object] | None = None  # told of every session that ends
         self._gauges_at = -float("inf")  # when the gauges were last refreshed
@@ -112,7 +103,7 @@ class SessionStore:
             self.evict(victim, "lru")
         self.enforce_budget(protect=None)
         self._sessions[session.session_id] = session
-        self._charged[session.session_id] = session.kv_charged_bytes
+        self._charged[session.session_id] = self._held_now(session)
         self._metrics.session_opened.inc()
         self.refresh_gauges()
 
@@ -177,12 +168,13 @@ class SessionStore:
     def enforce_budget(self, protect: Session | None) -> bool:
         """Evict idle sessions, least recently used first, until the KV bytes fit the budget.
 
-        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_charged_bytes`. With
+        Returns whether the store is within budget afterwards. Sessions count their `Session.kv_bytes`: everything
+        they hold, a generating session's working storage too, so the budget holds while sessions generate. With
         `protect` (the session that just stepped) only that one is charged again, the others as of their last step
         or park (`charge`), so a step costs one session's accounting, not every session's; without it, all are.
         """
         if protect is None:
-            self._charged = {key: session.kv_charged_bytes for key, session in self._sessions.items()}
+            self._charged = {key: self._held_now(session) for key, session in self._sessions.items()}
         else:
             self.charge(protect)
         total = sum(self._charged.values())
@@ -197,7 +189,14 @@ class SessionStore:
     def charge(self, session: Session) -> None:
         """Record what `session` is charged against the budget now (after a step, or when it parks)."""
         if session.session_id in self._charged:
-            self._charged[session.session_id] = session.kv_charged_bytes
+            self._charged[session.session_id] = self._held_now(session)
+
+    @staticmethod
+    def _held_now(session: Session) -> int:
+        """What `session` holds now (`Session.kv_bytes`), noted in its peak."""
+        held = session.kv_bytes
+        session.kv_peak_bytes = max(session.kv_peak_bytes, held)
+        return held
 
     def kv_live_bytes(self) -> int:
         return sum(s.kv_bytes for s in self._sessions.values())
@@ -224,6 +223,7 @@ class SessionStore:
         token_ids = sum(f.history_token_bytes for f in held)
         self._metrics.kv_restored_bytes.set(restored)
         self._metrics.kv_restored_peak_bytes.set(max((f.peak_restored_bytes for f in held), default=0))
+        self._metrics.kv_session_peak_bytes.set(max((s.kv_peak_bytes for s in self._sessions.values()), default=0))
         self._metrics.kv_restoration_state_bytes.set(state)
         self._metrics.history_token_bytes.set(token_ids)
         self._metrics.kv_resident_bytes.set(sum(f.nbytes for f in held) - restored - state - token_ids)

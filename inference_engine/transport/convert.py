@@ -168,6 +168,7 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         kv_restoration_state_bytes=info.kv_restoration_state_bytes,
         kv_peak_restored_bytes=info.kv_peak_restored_bytes,
         history_token_bytes=info.history_token_bytes,
+        kv_peak_bytes=info.kv_peak_bytes,
     )
 
 

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from inference_engine.describe import describe_session
 from inference_engine.errors import InvalidArgument, ResourceExhausted, SessionNotFound
 from inference_engine.metrics import Metrics
 from inference_engine.sessions import Session, SessionStore
@@ -102,13 +103,12 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
     a, empty, b = _session(store, verifier, 10), _session(store), _session(store, verifier, 10)
     grower = _session(store, verifier, 10)
-    one = a.kv_charged_bytes
-    assert 0 < one < a.kv_bytes  # the growth room of a cache that has not parked is not charged
+    one = a.kv_bytes
     store.kv_budget_bytes = 3 * one
     assert store.enforce_budget(protect=grower)
     verifier.verify(grower.seq.cache, [t % 100 for t in range(300)], 1)
     verifier.commit(grower.seq.cache, 300)  # the protected session grows past one session's worth
-    store.kv_budget_bytes = grower.kv_charged_bytes + one  # room for one of the two idle holders
+    store.kv_budget_bytes = grower.kv_bytes + one  # room for one of the two idle holders
     assert store.enforce_budget(protect=grower)
     assert a not in store.sessions() and empty in store.sessions() and b in store.sessions()
     assert a.kv_bytes == 0, "an evicted session's memory is freed"
@@ -117,7 +117,7 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     assert store.sessions() == [empty, grower]
 
 
-def test_the_budget_charges_a_generating_compressed_session_its_packed_bytes_not_its_working_copy(verifier):
+def test_the_budget_charges_a_generating_session_all_it_holds_and_its_peak_outlives_the_generation(verifier):
     store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
     factory = compressor_layer_store("torch", KVCompressor("kakeya_d4", 38))
     cache = verifier.new_cache(FullStrategy(), layer_store=factory)
@@ -125,17 +125,19 @@ def test_the_budget_charges_a_generating_compressed_session_its_packed_bytes_not
     verifier.commit(cache, 40)
     session = Session(store.new_id(), "", frozenset(), SequenceState(cache=cache), store.now())
     store.add(session)
-    generating = (session.kv_bytes, session.kv_charged_bytes)
-    assert cache.footprint().working_bytes > 0 and generating[1] == generating[0] - cache.footprint().working_bytes
-    cache.park()
-    # Parked, the working copy is gone and the rest is packed: no more than it was charged while generating.
-    assert cache.footprint().working_bytes == 0
-    assert session.kv_bytes == session.kv_charged_bytes <= generating[1]
     other = _session(store, verifier, 40)
-    store.kv_budget_bytes = session.kv_charged_bytes + other.kv_charged_bytes
-    assert store.enforce_budget(protect=None) and len(store) == 2
-    store.kv_budget_bytes -= 1
-    assert store.enforce_budget(protect=None) and store.sessions() == [other]
+    generating = session.kv_bytes
+    assert cache.footprint().working_bytes > 0  # the unpacked residents and the stage, held while it generates
+    store.kv_budget_bytes = generating + other.kv_bytes
+    assert store.enforce_budget(protect=session) and len(store) == 2
+    assert session.kv_peak_bytes == generating
+    store.kv_budget_bytes -= 1  # the generating session's working storage counts: the idle one must go
+    assert store.enforce_budget(protect=session) and store.sessions() == [session]
+    cache.park()
+    store.charge(session)
+    assert cache.footprint().working_bytes == 0 and session.kv_bytes < generating
+    info = describe_session(session, 0, idle_seconds=0.0)
+    assert info.kv_live_bytes == session.kv_bytes and info.kv_peak_bytes == generating
 
 
 def test_session_lock_marks_it_busy():

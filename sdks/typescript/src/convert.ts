@@ -281,5 +281,6 @@ export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
     kvRestorationStateBytes: count(response.kvRestorationStateBytes),
     kvPeakRestoredBytes: count(response.kvPeakRestoredBytes),
     historyTokenBytes: count(response.historyTokenBytes),
+    kvPeakBytes: count(response.kvPeakBytes),
   };
 }

@@ -208,4 +208,7 @@ export interface SessionInfo {
   /** `dlm_restore`: bytes of the history's token ids the server keeps to rebuild evicted K/V by a forward (part of
    * `kvLiveBytes`). */
   historyTokenBytes: number;
+  /** The most bytes of KV cache memory the session has held at once (`kvLiveBytes` after each step of its
+   * generations, and now): what it needs while it generates. */
+  kvPeakBytes: number;
 }

@@ -311,4 +311,5 @@ def session_info(reply: pb.GetSessionInfoResponse) -> SessionInfo:
         kv_restoration_state_bytes=reply.kv_restoration_state_bytes,
         kv_peak_restored_bytes=reply.kv_peak_restored_bytes,
         history_token_bytes=reply.history_token_bytes,
+        kv_peak_bytes=reply.kv_peak_bytes,
     )

@@ -137,6 +137,9 @@ class SessionInfo:
     history_token_bytes: int = 0
     """DLM_RESTORE: bytes of the history's token ids the server keeps to rebuild evicted K/V by a forward (part of
     `kv_live_bytes`)."""
+    kv_peak_bytes: int = 0
+    """The most bytes of KV cache memory the session has held at once (`kv_live_bytes` after each step of its
+    generations, and now): what it needs while it generates."""
 
     def __repr__(self) -> str:
         parts = []

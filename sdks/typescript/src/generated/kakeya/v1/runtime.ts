@@ -338,6 +338,11 @@ export interface GetSessionInfoResponse {
    * (plans with a `tokens` or `recompute` layer: 4 bytes per committed position; included in kv_live_bytes).
    */
   historyTokenBytes: bigint;
+  /**
+   * The most bytes of KV cache memory the session has held at once (kv_live_bytes after each step of its
+   * generations, and now): what a generating session needs, for every strategy and compressor.
+   */
+  kvPeakBytes: bigint;
 }
 
 /** ConverseRequest is one command on a Converse stream. The first command must be `bind`. */
@@ -2085,6 +2090,7 @@ function createBaseGetSessionInfoResponse(): GetSessionInfoResponse {
     kvRestorationStateBytes: 0n,
     kvPeakRestoredBytes: 0n,
     historyTokenBytes: 0n,
+    kvPeakBytes: 0n,
   };
 }
 
@@ -2220,6 +2226,12 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         throw new globalThis.Error("value provided for field message.historyTokenBytes of type uint64 too large");
       }
       writer.uint32(216).uint64(message.historyTokenBytes);
+    }
+    if (message.kvPeakBytes !== 0n) {
+      if (BigInt.asUintN(64, message.kvPeakBytes) !== message.kvPeakBytes) {
+        throw new globalThis.Error("value provided for field message.kvPeakBytes of type uint64 too large");
+      }
+      writer.uint32(224).uint64(message.kvPeakBytes);
     }
     return writer;
   },
@@ -2447,6 +2459,14 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
             message.historyTokenBytes = reader.uint64() as bigint;
             continue;
           }
+          case 28: {
+            if (tag !== 224) {
+              break;
+            }
+
+            message.kvPeakBytes = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2524,6 +2544,9 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
       : 0n;
     message.historyTokenBytes = (object.historyTokenBytes !== undefined && object.historyTokenBytes !== null)
       ? BigInt(object.historyTokenBytes)
+      : 0n;
+    message.kvPeakBytes = (object.kvPeakBytes !== undefined && object.kvPeakBytes !== null)
+      ? BigInt(object.kvPeakBytes)
       : 0n;
     return message;
   },
