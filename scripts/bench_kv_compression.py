@@ -20,9 +20,10 @@ compressed one decodes its packed K/V then), which the time to first token of a 
 
 Part 3: one daemon per variant with the same `--kv-budget-bytes` (`--budget-sessions` dense 2,048-token sessions
 and a quarter more, so the dense count is not on an edge) and 2,048-token sessions created until the first is
-evicted. The budget charges what a session keeps between generations (a generating compressed session's decoded
-working copy is not charged), so the sessions held are `budget // bytes per session` up to one session: the
-summary puts the measured count next to that expectation and the session growth next to the byte ratio.
+evicted. The budget charges every session all it holds: a parked one its bytes between generations, the generating
+one its peak (`kv_peak_bytes`: a compressed session's unpacked residents too), so the sessions held are
+`(budget - peak) // parked bytes + 1`: the summary puts the measured count next to that expectation and the session
+growth next to the byte ratio.
 
 Writes `results/bench_kv_compression_<stamp>.json` and a PNG (rate–distortion curves of K and V, bytes per token).
 
@@ -210,13 +211,14 @@ def sessions_under_budget(
     try:
         with kakeya.Client(daemon.wait_listening(), timeout_s=600.0) as client:
             sessions: list[Any] = []
-            session_bytes = 0
+            session_bytes = peak_bytes = 0
             for i in range(args.max_sessions):
                 start = (i * 997) % max(1, len(text) - length)
                 session = client.create_session(initial_tokens=text[start : start + length - 1])
                 list(session.generate(1))
                 if not sessions:
-                    session_bytes = int(session.info().kv_live_bytes)
+                    described = session.info()
+                    session_bytes, peak_bytes = int(described.kv_live_bytes), int(described.kv_peak_bytes)
                 sessions.append(session)
                 alive = 0
                 for s in sessions:
@@ -226,8 +228,8 @@ def sessions_under_budget(
                     except kakeya.SessionNotFound:
                         pass
                 if alive < len(sessions):
-                    return {"held": alive, "capped": False, "session_bytes": session_bytes}
-            return {"held": len(sessions), "capped": True, "session_bytes": session_bytes}
+                    return {"held": alive, "capped": False, "session_bytes": session_bytes, "peak_bytes": peak_bytes}
+            return {"held": len(sessions), "capped": True, "session_bytes": session_bytes, "peak_bytes": peak_bytes}
     finally:
         daemon.stop()
 
@@ -243,12 +245,14 @@ def _niah_discordant(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 
 
 def _budget_row(held: dict[str, Any], none: dict[str, Any], budget: int) -> dict[str, Any]:
-    """Part 3 of one variant: sessions held, what the bytes predict, and the growth next to the byte ratio."""
-    expected = budget // held["session_bytes"] if held["session_bytes"] else None
+    """Part 3 of one variant: sessions held, what the bytes predict (parked sessions beside one generating at its
+    peak), and the growth next to the byte ratio."""
+    expected = (budget - held["peak_bytes"]) // held["session_bytes"] + 1 if held["session_bytes"] else None
     return {
         "held": held["held"],
         "capped_by_max_sessions": held["capped"],
         "session_bytes": held["session_bytes"],
+        "generating_peak_bytes": held["peak_bytes"],
         "expected_held": expected,
         "growth_vs_none": held["held"] / none["held"],
         "byte_ratio_vs_none": none["session_bytes"] / held["session_bytes"] if held["session_bytes"] else None,

@@ -17,14 +17,27 @@ keeps its own KV strategy, positions and sliding window.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Generic
 
 import numpy as np
 
 from kv_cache_proposer.cache import visible_keys
 from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.cache.protocol import KeyPart
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.verifier import BatchBlock
+
+
+@dataclass(frozen=True, slots=True)
+class RowKeys(Generic[A]):
+    """What one row of a packed batched forward reads: its queries `[query_start, query_end)` of the call, and its
+    keys, from `key_start` of the joined keys, in parts."""
+
+    query_start: int
+    query_end: int
+    key_start: int
+    parts: tuple[KeyPart[A], ...]
 
 
 class BatchLayout(Generic[A]):
@@ -136,6 +149,22 @@ class BatchLayout(Generic[A]):
             if not self.packed and start:
                 mask[row, :start, self.key_width - 1] = True  # padded queries read one real key
         return mask
+
+    def stage_layer_rows(self, layer_idx: int, keys: A, values: A) -> list[RowKeys[A]]:
+        """Stage each row's K/V `[1, H, width, D]` of a packed layout in its cache; returns what each row's attention
+        reads, in parts (`SessionCache.stage_layer_parts`), with where the row's queries and keys sit."""
+        if not self.packed:
+            raise ValueError("rows read in parts only from a packed layout")
+        source_keys: Any = keys
+        source_values: Any = values
+        rows = []
+        for index, block in enumerate(self.blocks):
+            _, start, end = self.query_span(index)
+            parts = block.cache.stage_layer_parts(
+                layer_idx, source_keys[:, :, start:end], source_values[:, :, start:end]
+            )
+            rows.append(RowKeys(start, end, self._key_starts[index], parts))
+        return rows
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
         """Stage each row's K/V `[rows, H, width, D]` in its cache; returns what attention reads

@@ -32,6 +32,10 @@ from kv_cache_proposer.compression.packed_codes import PackedCodes
 CodecFactory = Callable[[A], LatticeCodec[A]]
 """Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
 
+STAGE_ROOM = 64
+"""Dense stage slots a layer that holds its residents coded keeps between forwards: room for a decode step or a
+speculative block read twice; a larger stage (a prefill chunk's) is dropped at its commit."""
+
 PACK_EVERY = 256
 """Committed entries a layer keeps as unpacked lattice coordinates (int16, on the backend) before packing them."""
 
@@ -206,6 +210,9 @@ class PackedLayerStore(Generic[A]):
                 keys, values = self._work.gather(sources + plan.stage_offset)
                 self._work.load(slots, keys, values)
         self._drop_staged()
+        if self._held is not None and self._room > STAGE_ROOM:  # a prefill chunk's stage is not kept for decoding
+            self._work.release()
+            self._room = 0
         if slots.size:
             if self._held is not None:
                 self._held.put(slots, coding)

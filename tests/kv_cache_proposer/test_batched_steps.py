@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kv_cache_proposer.cache import LayerStoreFactory
+from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepRequest, StepResult
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import NoDraftSession
@@ -40,13 +42,14 @@ SPECS: list[tuple[KVStrategy, int, SamplingParams]] = [
 ]
 
 
-def _sequences(verifier, proposer: str) -> list[SequenceState]:
+def _sequences(verifier, proposer: str, packed: LayerStoreFactory | None = None) -> list[SequenceState]:
+    """One sequence per spec; with `packed`, the sessions that do not restore hold their K/V packed."""
     out = []
     for index, (strategy, length, _) in enumerate(SPECS):
         draft = NgramProposer(max_n=3).open(strategy) if proposer == "ngram" else NoDraftSession()
-        out.append(
-            SequenceState(cache=verifier.new_cache(strategy), tokens=_prompt(index, length), draft_session=draft)
-        )
+        store = packed if packed is not None and not isinstance(strategy, DlmRestoreStrategy) else None
+        cache = verifier.new_cache(strategy, layer_store=store)
+        out.append(SequenceState(cache=cache, tokens=_prompt(index, length), draft_session=draft))
     return out
 
 
@@ -97,6 +100,16 @@ def test_batched_steps_give_every_session_its_tokens_alone(verifiers, proposer):
     decoder = Decoder(verifier, prefill_chunk_tokens=16)
     expected = [_alone(decoder, seq, SPECS[i][2]) for i, seq in enumerate(_sequences(verifier, proposer))]
     together, sizes = _together(decoder, _sequences(verifier, proposer))
+    assert together == expected
+    assert max(sizes) == len(SPECS)
+
+
+def test_batched_steps_over_packed_sessions_give_every_session_its_tokens_alone(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    packed = compressor_layer_store(backend, KVCompressor("kakeya_d4", 38))
+    decoder = Decoder(verifier, prefill_chunk_tokens=16)
+    expected = [_alone(decoder, seq, SPECS[i][2]) for i, seq in enumerate(_sequences(verifier, "none", packed))]
+    together, sizes = _together(decoder, _sequences(verifier, "none", packed))
     assert together == expected
     assert max(sizes) == len(SPECS)
 

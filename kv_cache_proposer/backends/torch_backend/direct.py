@@ -19,6 +19,7 @@ from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import repeat_kv, use_gqa_in_sdpa
 from transformers.modeling_utils import slice_logits_to_keep
 
+from kv_cache_proposer.backends.batching import RowKeys
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.layer_steps import (
     CompiledSteps,
@@ -35,8 +36,11 @@ _flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # 
 
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
-Stage = Callable[[int, torch.Tensor, torch.Tensor], tuple[KeyPart[torch.Tensor], ...]]
-"""Stages a layer's K/V and returns what its attention reads, in parts (`SessionCache.stage_layer_parts`)."""
+Staged = tuple[KeyPart[torch.Tensor], ...] | list[RowKeys[torch.Tensor]]
+"""What a layer's attention reads, in parts (`SessionCache.stage_layer_parts`), or per row of a packed batched
+forward (`BatchLayout.stage_layer_rows`)."""
+Stage = Callable[[int, torch.Tensor, torch.Tensor], Staged]
+"""Stages a layer's K/V and returns what its attention reads."""
 
 # The mask of a block that reads every earlier key, then its own keys causally (`DirectForward.splits`).
 OVER_HISTORY: Final = "over history"
@@ -195,13 +199,14 @@ def _own_keys(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[Key
     return ((keys, values),)
 
 
-def _attend_parts(
-    q: torch.Tensor, parts: tuple[KeyPart[torch.Tensor], ...], mask: torch.Tensor | str | None, layer: _Layer
-) -> torch.Tensor:
+def _attend_parts(q: torch.Tensor, staged: Staged, mask: torch.Tensor | str | None, layer: _Layer) -> torch.Tensor:
     """Attention over a layer's keys in parts: dense parts joined and read by SDPA (`_attend`), as one tensor;
-    where a part is held compactly, part by part (`attend_parts`), with the mask as booleans over every key."""
+    where a part is held compactly, part by part (`attend_parts`), with the mask as booleans over every key (a
+    packed batched forward's rows each over their own keys and part of the mask)."""
+    rows = staged if isinstance(staged, list) else [RowKeys(0, int(q.shape[2]), 0, staged)]
+    parts = [part for row in rows for part in row.parts]
     if all(isinstance(part, tuple) for part in parts):
-        dense: list[Any] = list(parts)
+        dense: list[Any] = parts
         if len(dense) == 1:
             return _attend(q, dense[0][0], dense[0][1], mask, layer)
         keys, values = torch.cat([k for k, _ in dense], dim=2), torch.cat([v for _, v in dense], dim=2)
@@ -209,7 +214,14 @@ def _attend_parts(
     if isinstance(mask, str) or (mask is None and q.shape[2] > 1):
         raise ValueError("attention over held keys needs the block's mask")
     allowed = None if mask is None else (mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0)
-    return attend_parts(q, parts, allowed, scale=layer.scaling)
+    outputs = []
+    for row in rows:
+        count = sum(part[0].shape[2] if isinstance(part, tuple) else part.length for part in row.parts)
+        keys_of_row = slice(row.key_start, row.key_start + count)
+        columns = None if allowed is None else allowed[row.query_start : row.query_end, keys_of_row]
+        row_q = q[:, :, row.query_start : row.query_end]
+        outputs.append(attend_parts(row_q, row.parts, columns, scale=layer.scaling))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer) -> torch.Tensor:

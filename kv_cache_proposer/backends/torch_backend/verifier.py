@@ -218,7 +218,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         """Logits [1, rows, V] and the chosen layers' features [1, T, L*H] of one model call, staging into
         `stager`: directly over the weights, or through transformers' modules."""
         if self._direct is not None:
-            stage = stager.stage_layer_parts if not isinstance(stager, BatchLayout) else _one_part(stager)
+            stage = stager.stage_layer_parts if not isinstance(stager, BatchLayout) else _by_row(stager)
             logits, outputs = self._direct(input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
             return logits, torch.cat([outputs[i] for i in feature_layers], dim=-1) if feature_layers else None
         with layer_outputs(self.model, feature_layers) as captured:
@@ -302,8 +302,11 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         return torch.where(mask, zero, torch.finfo(self.dtype).min)
 
 
-def _one_part(layout: BatchLayout[torch.Tensor]) -> Stage:
-    """A batched forward's staging, as one dense part per layer."""
+def _by_row(layout: BatchLayout[torch.Tensor]) -> Stage:
+    """A batched forward's staging: a packed layout's rows each in parts (attention reads a row's held keys over
+    its own queries), a padded layout's keys as one dense part."""
+    if layout.packed:
+        return layout.stage_layer_rows
 
     def stage(layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[KeyPart[torch.Tensor], ...]:
         return (layout.stage_layer(layer_idx, keys, values),)
