@@ -139,9 +139,12 @@ def _single_threaded() -> None:
 
 
 HELD_CHUNK = 4096
-"""Held keys that attention converts to float32 at once: the bound of its transient buffers, and large enough that
-per-chunk work costs little (a decode step over 8k held keys of the default model: 4,096 ran fastest of 1,024 to
-8,192)."""
+"""Held keys that attention converts to float32 at once, at most: large enough that per-chunk work costs little (a
+decode step over 8k held keys of the default model: 4,096 ran fastest of 1,024 to 8,192)."""
+
+HELD_SCORES = 1 << 21
+"""Scores (query rows × keys) of one chunk, at most: a block of many queries (a prefill chunk) reads fewer keys per
+chunk, so a chunk's float32 scores stay within 8 MB whatever the block."""
 
 
 def _held_attention(
@@ -179,16 +182,16 @@ def _held_attention(
     while start < count:
         end = min(count, start + chunk)
         keys = doubled[:batch, :, start:end].float()
-        scores = torch.matmul(rotated, keys.transpose(-1, -2)) * factors[:batch, :, :, start:end]
+        scores = torch.matmul(rotated, keys.transpose(-1, -2)).mul_(factors[:batch, :, :, start:end])
         if rows is not None:
-            scores = scores.masked_fill(~rows[:, start:end], float("-inf"))
+            scores = scores.masked_fill_(~rows[:, start:end], float("-inf"))
         new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
         safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
-        weights = torch.exp(scores - safe)
+        weights = scores.sub_(safe).exp_()  # in place: a chunk's scores are its largest buffer
         correction = torch.exp(top - safe)
         sums = sums * correction + weights.sum(dim=-1, keepdim=True)
         values = doubled[batch:, :, start:end].float()
-        held = held * correction + torch.matmul(weights * factors[batch:, :, :, start:end], values)
+        held = held * correction + torch.matmul(weights.mul_(factors[batch:, :, :, start:end]), values)
         top = new_top
         start = end
     out = torch.matmul(held, hadamard)
@@ -255,6 +258,23 @@ class TorchHeldKeys:
         if tail is None:
             empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
             tail = (empty, empty)
+        threads = torch.get_num_threads()
+        if q.device.type == "cpu" and threads > 1:
+            # One thread: some thirty small ops, each a parallel region whose workers are woken from sleep between
+            # a forward's other ops. On the 2-core machine a decode step of the bundled model over 2k / 8k held
+            # keys took half the time on one thread; the default model's took about 5 % more (its larger ops keep
+            # the workers awake).
+            torch.set_num_threads(1)
+            try:
+                return self._attend(q, allowed, scale, tail)
+            finally:
+                torch.set_num_threads(threads)
+        return self._attend(q, allowed, scale, tail)
+
+    def _attend(
+        self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]
+    ) -> Partial:
+        doubled = self.coding.doubled
         return _compiled_attention()(
             q,
             doubled,
@@ -266,7 +286,7 @@ class TorchHeldKeys:
             self._hadamard,
             scale,
             self._q_range,
-            HELD_CHUNK,
+            max(1, min(HELD_CHUNK, HELD_SCORES // (int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2])))),
         )
 
 
