@@ -369,7 +369,7 @@ class Runtime:
         last_access: float,
         compressor: KVCompressor,
     ) -> Session:
-        layer_store = compressor_layer_store(self.config.backend, compressor)
+        layer_store = compressor_layer_store(self.config.backend, compressor, held=self.verifier.reads_held_keys)
         seq = SequenceState(
             cache=self.verifier.new_cache(strategy, layer_store=layer_store, restoration=self.restoration),
             tokens=list(tokens),

@@ -125,6 +125,12 @@ class Verifier(CausalLM[A], Protocol[A]):
         ...
 
     @property
+    def reads_held_keys(self) -> bool:
+        """Whether this model's attention reads keys held compactly (`HeldKeys`) part by part; otherwise a packed
+        session keeps its residents decoded while it generates (`compressor_layer_store(held=...)`)."""
+        ...
+
+    @property
     def num_layers(self) -> int: ...
 
     @property

@@ -96,6 +96,10 @@ class BackendModel(ABC, Generic[A]):
         return self.model_spec.hidden_size
 
     @property
+    def reads_held_keys(self) -> bool:
+        return False
+
+    @property
     def description(self) -> str:
         """Human-readable summary: backend, model type, device, dtype."""
         s = self.model_spec

@@ -72,8 +72,12 @@ def _mlx_codec(compressor: KVCompressor, like: Any) -> LatticeCodec[Any]:
     return MlxLatticeCodec(compressor.spec(int(like.shape[-1])))
 
 
-def compressor_layer_store(backend: str, compressor: KVCompressor) -> LayerStoreFactory[Any] | None:
-    """The layer-store factory that makes `compressor` hold a session's K/V on `backend` (None: dense)."""
+def compressor_layer_store(
+    backend: str, compressor: KVCompressor, *, held: bool = True
+) -> LayerStoreFactory[Any] | None:
+    """The layer-store factory that makes `compressor` hold a session's K/V on `backend` (None: dense). `held`: a
+    generating session keeps its residents as lattice coordinates where the backend's codec can be read so (the
+    verifier's `reads_held_keys` says whether its attention does); otherwise decoded."""
     if compressor.lattice is None:
         return None
     if backend == "torch":
@@ -84,6 +88,6 @@ def compressor_layer_store(backend: str, compressor: KVCompressor) -> LayerStore
         raise ValueError(f"no KakeyaLattice codec for backend {backend!r}")
 
     def factory(ops: ArrayOps[Any]) -> LayerStore[Any]:
-        return PackedLayerStore(ops, codec_for)
+        return PackedLayerStore(ops, codec_for, held=held)
 
     return factory

@@ -68,9 +68,12 @@ class PackedLayerStore(Generic[A]):
 
     lossy = True
 
-    def __init__(self, ops: ArrayOps[A], codec_for: CodecFactory[A]) -> None:
+    def __init__(self, ops: ArrayOps[A], codec_for: CodecFactory[A], *, held: bool = True) -> None:
+        """`held`: hold the residents of a generating session coded where the codec can be read so (the
+        verifier's attention reads `HeldKeys`); otherwise decoded in a working copy."""
         self._ops = ops
         self._codec_for = codec_for
+        self._held_allowed = held
         self._layout: PackedLayout[A] | None = None
         self._packed: PackedCodes | None = None  # the resident entries, once the layer knows its shapes
         self._codings: CodingLedger[A] = CodingLedger(ops)  # codings not packed: staged, and committed since a pack
@@ -375,7 +378,7 @@ class PackedLayerStore(Generic[A]):
 
     def _held_form(self) -> bool:
         """Whether a generating session holds its resident entries coded (the backend's attention reads them so)."""
-        return self._layout is not None and self._layout.codec.reads_held
+        return self._held_allowed and self._layout is not None and self._layout.codec.reads_held
 
     def _staging(self) -> bool:
         """Whether the stage holds anything since the last commit."""

@@ -138,6 +138,10 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             extra={"compile_s": round(seconds, 2)},
         )
 
+    @property
+    def reads_held_keys(self) -> bool:
+        return self._direct is not None  # the direct forward reads held parts; transformers' modules read dense K/V
+
     @torch.inference_mode()
     def forward(
         self,

@@ -310,3 +310,24 @@ def test_one_token_steps_code_every_layers_new_kv_in_one_pass_taken_at_the_commi
     verifier.commit(direct, 10)
     for (ck, cv, _), (dk, dv, _) in zip(_resident(cache), _resident(direct), strict=True):
         assert np.array_equal(ck[:, :, 9], dk[:, :, 9]) and np.array_equal(cv[:, :, 9], dv[:, :, 9])
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_generating_session_holds_its_residents_coded_when_asked_and_the_codec_can(verifiers, backend, arch):
+    verifier = verifiers[arch]
+    compressor = KVCompressor("kakeya_d4", 38)
+    working = {}
+    for held in (True, False):
+        cache = verifier.new_cache(FullStrategy(), layer_store=compressor_layer_store(backend, compressor, held=held))
+        _generate(verifier, cache, _tokens(12, 40), 6)
+        working[held] = cache.footprint().working_bytes
+        assert _resident(cache), "every layer reads back its residents"
+        cache.park()
+        assert cache.footprint().working_bytes == 0
+    # The torch direct forward (qwen3) reads held coordinates, so the daemon asks for them there
+    # (`held=verifier.reads_held_keys`); transformers' modules (gemma3) and MLX read dense K/V.
+    assert verifier.reads_held_keys is (backend == "torch" and arch == "qwen3")
+    if backend == "torch":
+        assert working[True] < working[False]  # int8 coordinates, fp16 scales: a quarter of the decoded copy
+    else:
+        assert working[True] == working[False]  # MLX's codec is never read held: decoded either way
