@@ -143,6 +143,14 @@ class LayerStore(Protocol[A]):
         ...
 
 
+def joined_parts(ops: ArrayOps[A], parts: Sequence[KeyPart[A]]) -> tuple[A, A]:
+    """Keys and values read in parts as one dense pair (a held part decoded; no copy for a single dense part)."""
+    dense = [part if isinstance(part, tuple) else part.dense() for part in parts]
+    if len(dense) == 1:
+        return dense[0]
+    return ops.concat([k for k, _ in dense]), ops.concat([v for _, v in dense])
+
+
 LayerStoreFactory = Callable[[ArrayOps[A]], LayerStore[A]]
 """Builds the store of one layer over a backend's array operations."""
 

@@ -21,6 +21,7 @@ from kv_cache_proposer.cache.layer_store import (
     LayerStore,
     LayerStoreFactory,
     finish_stages,
+    joined_parts,
     start_stages,
 )
 from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, KeyPart, ModelCall
@@ -202,7 +203,7 @@ class KVSessionCache(Generic[A]):
         self._locate_call()
 
     def stage_layer(self, layer_idx: int, keys: A, values: A) -> tuple[A, A]:
-        return self._joined(self.stage_layer_parts(layer_idx, keys, values))
+        return joined_parts(self._ops, self.stage_layer_parts(layer_idx, keys, values))
 
     def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
         count = self._query_end - self._query_start
@@ -221,13 +222,6 @@ class KVSessionCache(Generic[A]):
         if self._prefix is None:
             return tuple(parts)
         return (self._prefix.layer(layer_idx), *parts)
-
-    def _joined(self, parts: Sequence[KeyPart[A]]) -> tuple[A, A]:
-        """The parts' keys and values as one dense pair (no copy for a single dense part)."""
-        dense = [part if isinstance(part, tuple) else part.dense() for part in parts]
-        if len(dense) == 1:
-            return dense[0]
-        return self._ops.concat([k for k, _ in dense]), self._ops.concat([v for _, v in dense])
 
     # -- commit ------------------------------------------------------------------------------------------------
     def commit(self, count: int) -> None:

@@ -2,10 +2,9 @@
 
 Resident entries live on the host in a `PackedCodes` (codes, fp16 norms and scales, escapes), addressed by the
 session cache's slots. The stage is dense, as for every store. While a session generates, its resident entries
-are held unpacked on the backend so that nothing packed is decoded per step: as lattice coordinates
-(`HeldResidents`, about a quarter of the dense bytes), which attention reads chunk by chunk without decoding
-(`read_parts`), where the backend's attention can (`LatticeCodec.reads_held`); otherwise decoded, in a dense working
-copy beside the stage. `park` packs what is left and drops them. The store is lossy (see `layer_store`): a query
+are held unpacked on the backend with the stage (`working_residents`), so nothing packed is decoded per step: as
+lattice coordinates that attention reads without decoding where it can (`HeldWorking`), otherwise decoded
+(`DecodedWorking`). `park` packs what is left and drops them. The store is lossy (see `layer_store`): a query
 reads its own K/V as computed and every other position decoded. A one-token forward's entry is coded late, with
 every layer's in one codec pass (`deferred_coding`); a longer forward codes its block at once, stages what the codes
 decode to and appends the block as computed after the stage. Codings not yet packed are kept in a `CodingLedger`. See
@@ -21,20 +20,16 @@ from typing import Any, Generic
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore, LayerStore, StoreFootprint
+from kv_cache_proposer.cache.layer_store import CommitPlan, LayerStore, StoreFootprint, joined_parts
 from kv_cache_proposer.cache.protocol import KeyPart
 from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, LatticeCoding
 from kv_cache_proposer.compression.coding_ledger import CodingLedger, select
 from kv_cache_proposer.compression.deferred_coding import BegunCoding, PendingEntry, finish_codings, start_codings
-from kv_cache_proposer.compression.held_residents import HeldResidents
 from kv_cache_proposer.compression.packed_codes import PackedCodes
+from kv_cache_proposer.compression.working_residents import DecodedWorking, HeldWorking, WorkingResidents
 
 CodecFactory = Callable[[A], LatticeCodec[A]]
 """Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
-
-STAGE_ROOM = 64
-"""Dense stage slots a layer that holds its residents coded keeps between forwards: room for a decode step or a
-speculative block read twice; a larger stage (a prefill chunk's) is dropped at its commit."""
 
 PACK_EVERY = 256
 """Committed entries a layer keeps as unpacked lattice coordinates (int16, on the backend) before packing them."""
@@ -77,17 +72,11 @@ class PackedLayerStore(Generic[A]):
         self._layout: PackedLayout[A] | None = None
         self._packed: PackedCodes | None = None  # the resident entries, once the layer knows its shapes
         self._codings: CodingLedger[A] = CodingLedger(ops)  # codings not packed: staged, and committed since a pack
-        # The stage, plus the decoded residents while working unless they are held coded (`_held`); the stage's
-        # slot s is the buffer's `s - _base` (0, or the stage's first slot when the residents are held coded).
-        self._work: DenseLayerStore[A] = DenseLayerStore(ops)
-        self._held: HeldResidents[A] | None = None  # resident entries as coordinates, while working
-        self._base = 0
-        self._working = False
+        self._work: WorkingResidents[A] | None = None  # the residents unpacked and the stage, while generating
         self._capacity = 0
         self._pending: PendingEntry[A] | None = None  # a one-token forward's entry, not coded yet
         self._begun: BegunCoding[A] | None = None  # the codec pass begun for it
         self._own = 0  # entries appended after the stage as computed: the last forward's queries (n > 1)
-        self._room = 0  # slots of the dense buffer
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -112,16 +101,15 @@ class PackedLayerStore(Generic[A]):
 
     @property
     def nbytes(self) -> int:
-        return self.packed_nbytes + self._codings.nbytes + self._work.nbytes + self._held_nbytes()
+        return self.packed_nbytes + self._codings.nbytes + self._working_nbytes()
 
     def working_nbytes(self, slots: int) -> int:
-        """The dense buffer (the stage and, while generating, the decoded resident entries), the held coordinates
-        and the packed arrays' room beyond `slots`."""
+        """The unpacked residents and the stage, while generating, and the packed arrays' room beyond `slots`."""
         room = 0 if self._packed is None else self._packed.room_nbytes(slots)
-        return self._work.nbytes + self._held_nbytes() + room
+        return self._working_nbytes() + room
 
-    def _held_nbytes(self) -> int:
-        return 0 if self._held is None else self._held.nbytes
+    def _working_nbytes(self) -> int:
+        return 0 if self._work is None else self._work.nbytes
 
     def footprint(self) -> StoreFootprint:
         if self._layout is None:
@@ -135,39 +123,32 @@ class PackedLayerStore(Generic[A]):
     def arrays(self) -> list[A]:
         # The codings of earlier commits were settled after those commits: listing them again would make every
         # step's settle grow with the entries not yet packed.
-        held = [] if self._held is None else self._held.arrays()
-        return self._work.arrays() + held + self._codings.staged_arrays() + self._codings.committed
+        working = [] if self._work is None else self._work.arrays()
+        return working + self._codings.staged_arrays() + self._codings.committed
 
     # -- the session cache's calls -------------------------------------------------------------------------------
     def reserve(self, capacity: int) -> None:
         self._capacity = max(self._capacity, capacity)
-        if self._held is not None:
-            self._held.reserve(capacity)
-        elif not self._held_form():
-            self._reserve_room(capacity)
+        if self._work is not None:
+            self._work.reserve(capacity)
 
     def stage(self, slot: int, keys: A, values: A) -> None:
         layout = self._start(keys)
-        self._ensure_working(keys, values)
-        if self._held is not None and not self._staging():
-            self._base = slot  # a fresh stage starts at the stage's first slot
+        work = self._working(keys, values)
         if self._pending is not None and self._pending.slot >= slot:
             self._pending = self._begun = None  # this forward writes there again
         self._code_pending()  # an earlier forward's entry is read decoded from now on
         self._codings.forget_from(slot)
         count = self._ops.length(keys)
-        at = slot - self._base
         if count == 1:
-            self._reserve_room(at + 1)
-            self._work.stage(at, keys, values)
+            work.stage(slot, keys, values)
             self._pending = PendingEntry(slot, keys, values)
             self._own = 0
             return
         decoded_keys, decoded_values, coding = layout.codec.code_blocks([(keys, values)], layout.model_dtype)[0]
         self._codings.stage(slot, coding)
-        self._reserve_room(at + 2 * count)
-        self._work.stage(at, decoded_keys, decoded_values)
-        self._work.stage(at + count, keys, values)  # each query's own K/V, as computed
+        work.stage(slot, decoded_keys, decoded_values)
+        work.stage(slot + count, keys, values)  # each query's own K/V, as computed
         self._own = count
 
     @classmethod
@@ -181,22 +162,17 @@ class PackedLayerStore(Generic[A]):
         finish_codings([store for store in stores if isinstance(store, PackedLayerStore)])
 
     def read(self, stage_offset: int, end: int) -> tuple[A, A]:
-        if self._held is None:
-            return self._work.read(stage_offset, end + self._own)
-        parts = [part if isinstance(part, tuple) else part.dense() for part in self.read_parts(stage_offset, end)]
-        if len(parts) == 1:
-            return parts[0]
-        return self._ops.concat([k for k, _ in parts]), self._ops.concat([v for _, v in parts])
+        return joined_parts(self._ops, self.read_parts(stage_offset, end))
 
     def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
-        if self._held is None:
-            return [self.read(stage_offset, end)]
-        staged = self._work.read(0, end + self._own - stage_offset)
-        return [self._held.keys(stage_offset), staged] if stage_offset else [staged]
+        if self._work is None:
+            raise ValueError("the layer has no stage: no forward staged K/V since it parked")
+        return self._work.read_parts(stage_offset, end + self._own)
 
     def commit(self, plan: CommitPlan) -> None:
         self._codings.committed = []
-        if not self._working or plan.count == 0:
+        work = self._work
+        if work is None or plan.count == 0:
             self._drop_staged()
             return
         self._code_pending()
@@ -209,16 +185,9 @@ class PackedLayerStore(Generic[A]):
         else:
             slots, sources = plan.slots, plan.sources
             coding = select(coding, lambda array: self._ops.take(array, sources))
-            if slots.size and self._held is None:  # the accepted entries move from the stage to their ring slots
-                keys, values = self._work.gather(sources + plan.stage_offset)
-                self._work.load(slots, keys, values)
+        work.commit(plan, slots, coding)
         self._drop_staged()
-        if self._held is not None and self._room > STAGE_ROOM:  # a prefill chunk's stage is not kept for decoding
-            self._work.release()
-            self._room = 0
         if slots.size:
-            if self._held is not None:
-                self._held.put(slots, coding)
             self._codings.commit(slots, coding)
         if self._codings.unpacked_count >= PACK_EVERY:
             self.pack()
@@ -227,10 +196,7 @@ class PackedLayerStore(Generic[A]):
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
         if self._layout is None:
             raise ValueError("the layer holds no K/V")
-        if self._held is not None:
-            layout = self._layout
-            return layout.codec.held_keys(self._held.take(slots), layout.model_dtype).dense()
-        if self._working:
+        if self._work is not None:
             return self._work.gather(slots)
         return self._decode(0, slots), self._decode(1, slots)
 
@@ -241,12 +207,8 @@ class PackedLayerStore(Generic[A]):
         parts = [_by_slot(coding, layout.rows, slots.size) for coding in codings]
         doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
         self._packed_of().write(slots, doubled, norms, qmax)
-        if self._held is not None:
-            self._held.put_host(slots, codings[0], codings[1], layout.batch)
-        elif self._working:
-            shape = layout.shape(slots.size)
-            decoded = [layout.codec.decode(coding, shape, layout.model_dtype) for coding in codings]
-            self._work.load(slots, decoded[0], decoded[1])
+        if self._work is not None:
+            self._work.load(slots, codings[0], codings[1])
 
     def load_from(self, source: LayerStore[A], source_slots: np.ndarray, slots: np.ndarray) -> None:
         """Copy the packed codes of another packed layer (a forked session): decoding and encoding again would
@@ -261,34 +223,24 @@ class PackedLayerStore(Generic[A]):
             self._codings.entry_bytes = source.layout.entry_coding_bytes
         self.pack()
         self._packed_of().copy_from(source.packed, source_slots, slots)
-        if self._held is not None and slots.size:
-            packed = self._packed_of()
-            self._held.put_host(slots, packed.read(0, slots), packed.read(1, slots), self._layout_of().batch)
-        elif self._working and slots.size:
-            self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
+        if self._work is not None and slots.size:
+            self._work.load(slots, self._packed_of().read(0, slots), self._packed_of().read(1, slots))
 
     def park(self, slots: int) -> None:
-        """Pack what is left, drop the decoded working copy and trim the packed arrays to the slots in use."""
+        """Pack what is left, drop the unpacked residents and the stage and trim the packed arrays to the slots in
+        use."""
         self.pack()
         self._drop_staged()
-        self._work.release()
-        self._held = None
-        self._base = 0
-        self._room = 0 if self._held_form() else self._capacity
-        self._work.reserve(self._room)
-        self._working = False
+        self._work = None
         if self._packed is not None:
             self._packed.trim()
 
     def release(self) -> None:
-        self._work.release()
-        self._held = None
-        self._base = 0
-        self._working = False
+        self._work = None
         self._codings.clear()
         if self._packed is not None:
             self._packed = PackedCodes(self._packed.spec, self._packed.rows)
-        self._capacity = self._room = self._own = 0
+        self._capacity = self._own = 0
         self._pending = self._begun = None
         self.held = 0
 
@@ -342,7 +294,8 @@ class PackedLayerStore(Generic[A]):
         assert entry is not None
         self._pending = None
         keys, values, coding = block
-        self._work.stage(entry.slot - self._base, keys, values)
+        assert self._work is not None  # a pending entry was staged in it
+        self._work.stage(entry.slot, keys, values)
         self._codings.stage(entry.slot, coding)
 
     # -- internals -------------------------------------------------------------------------------------------------
@@ -359,12 +312,6 @@ class PackedLayerStore(Generic[A]):
         self._codings.entry_bytes = self._layout.entry_coding_bytes
         return self._layout
 
-    def _reserve_room(self, slots: int) -> None:
-        """Room for `slots` in the dense buffer, grown by half at least (a block's own entries need room too)."""
-        if slots > self._room:
-            self._room = max(slots, self._room + self._room // 2)
-            self._work.reserve(self._room)
-
     def _code_pending(self) -> None:
         """Code a one-token forward's entry now (taking the pass begun for it, if any)."""
         if self._pending is None:
@@ -376,41 +323,35 @@ class PackedLayerStore(Generic[A]):
             entry = self._pending
             self.take_coding(layout.codec.code_blocks([(entry.keys, entry.values)], layout.model_dtype)[0])
 
-    def _held_form(self) -> bool:
-        """Whether a generating session holds its resident entries coded (the backend's attention reads them so)."""
-        return self._held_allowed and self._layout is not None and self._layout.codec.reads_held
-
-    def _staging(self) -> bool:
-        """Whether the stage holds anything since the last commit."""
-        return self._pending is not None or self._own > 0 or self._codings.staged_arrays() != []
-
-    def _ensure_working(self, keys: A, values: A) -> None:
-        """Unpack the resident entries, once per generation: as held coordinates, or decoded into the dense working
-        copy (`keys`, `values`: the forward's, which show the backend's arrays)."""
-        if self._working:
-            return
-        self._working = True
+    def _working(self, keys: A, values: A) -> WorkingResidents[A]:
+        """The unpacked residents and the stage, made once per generation (`keys`, `values`: the forward's, which
+        show the backend's arrays): held as coordinates where the codec can be read so and the store may
+        (`held`), otherwise decoded."""
+        if self._work is not None:
+            return self._work
         layout = self._layout_of()
-        slots = np.flatnonzero(self._packed_of().occupied())
-        if self._held_form():
+        work: WorkingResidents[A]
+        if self._held_allowed and layout.codec.reads_held:
             one = np.zeros(1, dtype=np.int64)
             first = [(self._ops.take(keys, one), self._ops.take(values, one))]
             sample = layout.codec.code_blocks(first, layout.model_dtype)[0][2]  # shows the codings' arrays
-            self._held = HeldResidents(self._ops, layout.codec, sample, layout.model_dtype)
-            self._held.reserve(self._capacity)
-            if slots.size:
-                packed = self._packed_of()
-                self._held.put_host(slots, packed.read(0, slots), packed.read(1, slots), layout.batch)
-            self._work.release()
-            self._room = 0
-            return
+            work = HeldWorking(self._ops, layout.codec, sample, layout.model_dtype, layout.batch)
+        else:
+            shape = (layout.batch, layout.heads, layout.codec.spec.head_dim)
+            work = DecodedWorking(self._ops, layout.codec, layout.model_dtype, shape)
+        work.reserve(self._capacity)
+        slots = np.flatnonzero(self._packed_of().occupied())
         if slots.size:
-            self._work.load(slots, self._decode(0, slots), self._decode(1, slots))
+            work.load(slots, self._packed_of().read(0, slots), self._packed_of().read(1, slots))
+        self._work = work
+        return work
 
     def _drop_staged(self) -> None:
         self._codings.drop_staged()
         self._pending = self._begun = None
         self._own = 0
+        if self._work is not None:
+            self._work.drop_stage()
 
     def _layout_of(self) -> PackedLayout[A]:
         if self._layout is None:
