@@ -28,6 +28,7 @@ from tests.support.postgres import (  # noqa: F401 - postgres is a fixture
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
 SESSIONS = 30
+CPU_DECODE_BURST = 4  # the tokens of one decode step on a CPU daemon at the default --decode-burst-tokens
 TURNS_BEFORE = 2
 TURNS_AFTER = 2
 MAX_TOKENS = 4
@@ -120,9 +121,11 @@ def test_sessions_stay_on_one_daemon_and_survive_the_sigkill_of_a_daemon(
             info = session.info(history_tail_tokens=len(known) + 410)  # the first call after the kill: retried
             history = list(info.history_tail)
             if session is streaming:
-                # every token received is in the history, and at most the one step in flight beyond them
+                # every token received is in the history, and at most the tokens of the step in flight beyond them
+                # (docs/scale-out.md): a CPU daemon's plain decode step is a burst of up to 4 tokens, journaled
+                # before any of them is streamed
                 assert history[: len(known) + len(received)] == known + received
-                assert len(history) - len(known) - len(received) <= 1
+                assert len(history) - len(known) - len(received) <= CPU_DECODE_BURST
                 known[:] = history
             assert history == known, session.id
         resumed_s = time.monotonic() - started
