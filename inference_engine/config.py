@@ -79,7 +79,10 @@ class ServerConfig:
         "auto",
         "torch: how a forward runs the model: auto runs Llama, Mistral, Qwen2 and Qwen3 checkpoints (SDPA attention) "
         "directly over their weights, the same operations as transformers' modules with less Python per layer, and "
-        "any other model through transformers' modules; library always runs transformers' modules",
+        "any other model through transformers' modules; on a CPU its attention and float32 products sum in one "
+        "order whatever a block's shape, so a token's values are bit for bit the same however its history was "
+        "delivered and whichever sessions share its forward; fast runs the direct forward with the fastest kernel "
+        "for each shape instead (docs/operator-guide.md#exact-histories); library always runs transformers' modules",
         choices=TORCH_FORWARDS,
     )
     compile: str = _opt(

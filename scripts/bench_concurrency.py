@@ -1,27 +1,34 @@
 """Concurrent sessions through the SDK: aggregate throughput and inter-token latency against the number of sessions,
-with batched decoding and with --max-batch-size 1, side by side in one run.
+with batched decoding, with --max-batch-size 1, and each session alone, side by side in one run.
 
 Two `kakeya-runtime serve` daemons run side by side on loopback ports (`--max-concurrent` = the largest session
-count; `--max-batch-size` = `--batch-size` for the batched mode, 1 for the other). For each session count N, N
-sessions, each with its own random prompt of `--prompt-tokens`, generate `--max-tokens` greedy tokens at once
-through the asyncio Python SDK; `--rounds` rounds per mode, the modes' rounds interleaved so both meet the same load
-on a shared machine, and the median round (by throughput) is reported. Recorded per configuration: wall time from
-the first request to the last token, aggregate tokens/s (all sessions' tokens over that wall time), p50/p99 of the
-gaps between consecutive tokens of a session (all sessions' gaps together), and the 1-minute load average before
-and after. Every session's tokens in the batched mode are compared with the same session's in the unbatched mode
-(greedy: they must be equal). `--proposer` sets both daemons' speculative proposer (dflash: the model's own drafter
-unless `--draft-model` names one); the batched daemon then also drafts the sessions of a step together where the
-proposer can (dflash: one drafter forward per step).
+count; `--max-batch-size` = `--batch-size` for the batched mode, 1 for the other; every other flag the daemon's
+default). Each session has its own prompt: `--prompt-tokens` random tokens, or, with `--history-tokens MIN MAX`,
+a history of held-out standard-library source whose length is spread from MIN to MAX over the sessions (shuffled
+by `--seed`, so any first N are mixed). Every daemon prefills each session once (one generated token); a round then
+forks the sessions it needs (the forks' caches are copies, so no round pays a prefill) and times their generation.
 
-The summary gives, per mode, throughput at N over throughput at 1 session ("scaling"), and batched over unbatched
-throughput at each N.
+For each session count N, the N sessions generate `--max-tokens` greedy tokens (no EOS stops them) through the
+asyncio Python SDK: at once in the batched and unbatched modes, and one after another on the batched daemon in
+the alone mode (its throughput is all sessions' tokens over the sum of their walls: what one session at a time
+gives). `--rounds` rounds per mode, the modes' rounds interleaved so all meet the same load on a shared machine;
+the median round (by throughput) is reported. Recorded per configuration: wall time from the first request to the
+last token, aggregate tokens/s, p50/p99 of the gaps between consecutive tokens of a session (all sessions' gaps
+together), and the 1-minute load average before and after. Every session's tokens in the batched mode are
+compared with the same session's in the other two modes (greedy: they must be equal). `--proposer` sets both
+daemons' speculative proposer (dflash: the model's own drafter unless `--draft-model` names one); the batched
+daemon then also drafts the sessions of a step together where the proposer can (dflash: one drafter forward per
+step).
+
+The summary gives, per mode, throughput at N over throughput at the first session count ("scaling"), and batched
+throughput over unbatched and over alone at each N.
 
 Bounded: N x `--max-tokens` tokens per configuration, and `--time-limit-s` per configuration; loopback only.
 
 Usage:
     python scripts/bench_concurrency.py [--model NAME|DIR|GGUF] [--sessions 1 2 4 8 16] [--max-tokens 64]
-        [--prompt-tokens 32] [--batch-size 16] [--rounds 3] [--threads 0] [--backend torch]
-        [--proposer none] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
+        [--prompt-tokens 32 | --history-tokens MIN MAX] [--batch-size 16] [--rounds 3] [--threads 0]
+        [--backend torch] [--proposer none] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import kakeya
 from lib.daemon import Daemon
+from lib.decode_arms import history_tokens
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
 from inference_engine.config import model_drafter
 
-MODES = ("batched", "unbatched")
+MODES = ("batched", "unbatched", "alone")
+DAEMONS = ("batched", "unbatched")  # the alone mode runs on the batched daemon
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,6 +63,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-tokens", type=int, default=64, help="greedy tokens each session generates (default: 64)")
     p.add_argument("--prompt-tokens", type=int, default=32, help="random prompt of each session (default: 32)")
+    p.add_argument(
+        "--history-tokens",
+        type=int,
+        nargs=2,
+        metavar=("MIN", "MAX"),
+        default=None,
+        help="instead of random prompts: held-out source histories of MIN to MAX tokens, spread over the sessions",
+    )
     p.add_argument("--batch-size", type=int, default=16, help="--max-batch-size of the batched mode (default: 16)")
     p.add_argument(
         "--rounds", type=int, default=3, help="rounds per mode and session count; the median is kept (default: 3)"
@@ -78,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random prompts (default: 0)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON and PNG go")
     args = p.parse_args(argv)
+    if args.history_tokens is not None and not 1 <= args.history_tokens[0] <= args.history_tokens[1]:
+        p.error("--history-tokens MIN MAX needs 1 <= MIN <= MAX")
     if args.proposer == "dflash" and args.draft_model is None and model_drafter(args.model) is None:
         p.error(f"--proposer dflash: {args.model_name} ships no DFlash drafter (dflash/); name one with --draft-model")
     return args
@@ -94,27 +113,48 @@ def _load() -> float:
     return os.getloadavg()[0]
 
 
-async def _round(client: kakeya.AsyncClient, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """All sessions generate at once; returns their tokens, token arrival gaps and the wall time."""
-    sessions = [await client.create_session(initial_tokens=p) for p in prompts]
+async def _prefilled(client: kakeya.AsyncClient, prompts: list[list[int]]) -> list[Any]:
+    """One session per prompt, each prefilled by generating one token (no EOS stops a session's generation)."""
+    sessions = []
+    for prompt in prompts:
+        session = await client.create_session(initial_tokens=prompt, eos_token_ids=[])
+        async for _ in session.generate(1):
+            pass
+        sessions.append(session)
+    return sessions
+
+
+async def _timed(session: Any, max_tokens: int, gaps: list[float]) -> list[int]:
+    tokens: list[int] = []
+    last: float | None = None
+    async for token in session.generate(max_tokens):
+        now = time.perf_counter()
+        if last is not None:
+            gaps.append(now - last)
+        last = now
+        tokens.append(token)
+    return tokens
+
+
+async def _round(held: list[Any], max_tokens: int, *, together: bool) -> dict[str, Any]:
+    """Forks of the held sessions generate, at once (`together`) or one after another; returns their tokens,
+    token arrival gaps and the wall time (alone: the sum of each generation's)."""
+    forks = [await session.fork() for session in held]
     gaps: list[float] = []
-
-    async def run(session: Any) -> list[int]:
-        tokens: list[int] = []
-        last: float | None = None
-        async for token in session.generate(max_tokens):
-            now = time.perf_counter()
-            if last is not None:
-                gaps.append(now - last)
-            last = now
-            tokens.append(token)
-        return tokens
-
-    started = time.perf_counter()
-    tokens = await asyncio.gather(*(run(s) for s in sessions))
-    wall_s = time.perf_counter() - started
-    for session in sessions:
-        await session.close()
+    try:
+        if together:
+            started = time.perf_counter()
+            tokens = list(await asyncio.gather(*(_timed(f, max_tokens, gaps) for f in forks)))
+            wall_s = time.perf_counter() - started
+        else:
+            tokens, wall_s = [], 0.0
+            for fork in forks:
+                started = time.perf_counter()
+                tokens.append(await _timed(fork, max_tokens, gaps))
+                wall_s += time.perf_counter() - started
+    finally:
+        for fork in forks:
+            await fork.close()
     return {"tokens": tokens, "gaps_s": gaps, "wall_s": wall_s}
 
 
@@ -141,22 +181,25 @@ def _configuration(count: int, rounds: list[dict[str, Any]], loads: list[tuple[f
 async def _drive(
     addresses: dict[str, str], args: argparse.Namespace, prompts: list[list[int]]
 ) -> dict[str, list[dict[str, Any]]]:
-    """Every session count, each mode's rounds interleaved (batched, unbatched, batched, ...) so that both modes
-    meet the same load on a shared machine."""
+    """Every session count, each mode's rounds interleaved (batched, unbatched, alone, batched, ...) so that all
+    modes meet the same load on a shared machine."""
     out: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
-    clients = {mode: kakeya.AsyncClient(address, timeout_s=args.time_limit_s) for mode, address in addresses.items()}
+    clients = {name: kakeya.AsyncClient(address, timeout_s=args.time_limit_s) for name, address in addresses.items()}
     try:
-        for client in clients.values():
+        held: dict[str, list[Any]] = {}
+        for name, client in clients.items():
             await client.wait_until_ready(60)
-            await _round(client, prompts[:2], 8)  # warm-up: first forwards allocate and compile
+            held[name] = await _prefilled(client, prompts)
+            await _round(held[name][:2], 8, together=True)  # warm-up: first forwards allocate and compile
         for count in args.sessions:
             rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
             loads: dict[str, list[tuple[float, float]]] = {mode: [] for mode in MODES}
             for _ in range(args.rounds):
                 for mode in MODES:
+                    daemon = "batched" if mode == "alone" else mode
                     before = _load()
                     result = await asyncio.wait_for(
-                        _round(clients[mode], prompts[:count], args.max_tokens), args.time_limit_s
+                        _round(held[daemon][:count], args.max_tokens, together=mode != "alone"), args.time_limit_s
                     )
                     rounds[mode].append(result)
                     loads[mode].append((before, _load()))
@@ -172,6 +215,23 @@ async def _drive(
         for client in clients.values():
             await client.close()
     return out
+
+
+def session_prompts(args: argparse.Namespace) -> list[list[int]]:
+    """Each session's prompt: random tokens, or held-out histories of lengths spread over `--history-tokens`."""
+    count = max(max(args.sessions), 2)
+    rng = random.Random(args.seed)
+    if args.history_tokens is None:
+        from transformers import AutoConfig
+
+        vocab = int(AutoConfig.from_pretrained(args.model, local_files_only=True).vocab_size)
+        return [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(count)]
+    low, high = args.history_tokens
+    lengths = [round(low + (high - low) * i / max(1, count - 1)) for i in range(count)]
+    rng.shuffle(lengths)
+    text = history_tokens(args.model, sum(lengths))
+    starts = [sum(lengths[:i]) for i in range(count)]
+    return [text[start : start + length] for start, length in zip(starts, lengths, strict=True)]
 
 
 def start_daemon(args: argparse.Namespace, mode: str) -> Daemon:
@@ -206,7 +266,7 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for (mode, rows), color in zip(runs.items(), ("tab:blue", "tab:orange"), strict=False):
+    for (mode, rows), color in zip(runs.items(), ("tab:blue", "tab:orange", "tab:green"), strict=False):
         counts = [r["sessions"] for r in rows]
         left.plot(counts, [r["aggregate_tokens_per_s"] for r in rows], marker="o", color=color, label=mode)
         p50 = [1000 * r["inter_token_p50_s"] for r in rows]
@@ -228,14 +288,10 @@ def _plot(runs: dict[str, list[dict[str, Any]]], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    from transformers import AutoConfig
-
-    vocab = int(AutoConfig.from_pretrained(args.model, local_files_only=True).vocab_size)
-    rng = random.Random(args.seed)
-    prompts = [[rng.randrange(vocab) for _ in range(args.prompt_tokens)] for _ in range(max(max(args.sessions), 2))]
-    daemons = {mode: start_daemon(args, mode) for mode in MODES}
+    prompts = session_prompts(args)
+    daemons = {name: start_daemon(args, name) for name in DAEMONS}
     try:
-        addresses = {mode: daemon.wait_listening() for mode, daemon in daemons.items()}
+        addresses = {name: daemon.wait_listening() for name, daemon in daemons.items()}
         runs = asyncio.run(_drive(addresses, args, prompts))
     finally:
         for daemon in daemons.values():
@@ -248,19 +304,27 @@ def main(argv: list[str] | None = None) -> Path:
         base = runs[mode][0]["aggregate_tokens_per_s"]
         return {str(r["sessions"]): r["aggregate_tokens_per_s"] / base for r in runs[mode]}
 
-    mismatches = sum(
-        a != b
-        for batched, unbatched in zip(runs["batched"], runs["unbatched"], strict=True)
-        for a, b in zip(batched["session_tokens"], unbatched["session_tokens"], strict=True)
-    )
+    def mismatches(other: str) -> int:
+        return sum(
+            a != b
+            for batched, rows in zip(runs["batched"], runs[other], strict=True)
+            for a, b in zip(batched["session_tokens"], rows["session_tokens"], strict=True)
+        )
+
+    def over(other: str) -> dict[str, float]:
+        return {
+            str(b["sessions"]): b["aggregate_tokens_per_s"] / o["aggregate_tokens_per_s"]
+            for b, o in zip(runs["batched"], runs[other], strict=True)
+        }
+
     summary: dict[str, Any] = {
         mode: {"configurations": table(mode), "scaling_vs_first": scaling(mode)} for mode in MODES
     }
-    summary["batched_over_unbatched"] = {
-        str(b["sessions"]): b["aggregate_tokens_per_s"] / u["aggregate_tokens_per_s"]
-        for b, u in zip(runs["batched"], runs["unbatched"], strict=True)
-    }
-    summary["session_token_mismatches"] = mismatches
+    summary["batched_over_unbatched"] = over("unbatched")
+    summary["batched_over_alone"] = over("alone")
+    summary["session_token_mismatches"] = mismatches("unbatched")
+    summary["session_token_mismatches_vs_alone"] = mismatches("alone")
+    summary["history_lengths"] = [len(p) for p in prompts]
     summary["first_session_count"] = args.sessions[0]
     path = write_results(
         "bench_concurrency",

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not sl
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_path):
+def test_the_concurrency_benchmark_compares_batched_with_unbatched_and_alone_decoding(tmp_path):
     command = [
         sys.executable,
         "scripts/bench_concurrency.py",
@@ -25,8 +25,9 @@ def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_
         "3",
         "--max-tokens",
         "6",
-        "--prompt-tokens",
-        "8",
+        "--history-tokens",
+        "30",
+        "90",
         "--rounds",
         "1",
         "--batch-size",
@@ -41,15 +42,17 @@ def test_the_concurrency_benchmark_compares_batched_with_unbatched_decoding(tmp_
     body = json.loads(path.read_text())
     summary = body["summary"]
     assert summary["session_token_mismatches"] == 0, "greedy tokens must not depend on batching"
-    for mode in ("batched", "unbatched"):
+    assert summary["session_token_mismatches_vs_alone"] == 0
+    assert sorted(summary["history_lengths"]) == [30, 60, 90]
+    for mode in ("batched", "unbatched", "alone"):
         configurations = summary[mode]["configurations"]
         assert [c["sessions"] for c in configurations] == [1, 3]
         assert [c["tokens"] for c in configurations] == [6, 18]
         assert all(c["aggregate_tokens_per_s"] > 0 for c in configurations)
         assert all(c["inter_token_p99_s"] >= c["inter_token_p50_s"] > 0 for c in configurations)
         assert set(summary[mode]["scaling_vs_first"]) == {"1", "3"}
-    assert set(summary["batched_over_unbatched"]) == {"1", "3"}
-    assert set(body["samples"]) == {"batched", "unbatched"}
+    assert set(summary["batched_over_unbatched"]) == set(summary["batched_over_alone"]) == {"1", "3"}
+    assert set(body["samples"]) == {"batched", "unbatched", "alone"}
 
 
 def test_the_concurrency_benchmark_runs_the_dflash_proposer_in_both_modes(tmp_path):

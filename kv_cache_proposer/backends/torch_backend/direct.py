@@ -1,9 +1,11 @@
 """The llama family's forward, run directly over the model's own weights: transformers' operations in transformers'
 order on the same tensors, without the Python around them (a decoder layer is its K/V staging and attention
-between spans of compute, `layer_steps`). The values are transformers' bit for bit except where a block over a long
-history attends in two parts (`_attend_over_history`). Any other architecture, attention implementation or module
-layout runs through transformers' modules (`unsupported` says why). docs/architecture.md ("The decode step")
-describes both paths and where their values differ.
+between spans of compute, `layer_steps`). On a CPU, attention and float32 products run in a fixed order whatever the
+shape of the block (`_attend_exact`, `weights.linear`), so that a token's values do not depend on how its history
+was delivered or which sessions share its forward; their values then differ from transformers' by float rounding.
+Any other architecture, attention implementation or module layout runs through transformers' modules
+(`unsupported` says why). docs/architecture.md ("The decode step") describes both paths and where their values
+differ.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import (
     Output,
     ScriptedSteps,
 )
-from kv_cache_proposer.backends.torch_backend.weights import DENSE, PackedLinear, linear
+from kv_cache_proposer.backends.torch_backend.weights import DENSE, DENSE_EXACT, PackedLinear, exact_dense, linear
 from kv_cache_proposer.cache.protocol import KeyPart
 
 _flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
@@ -42,13 +44,26 @@ forward (`BatchLayout.stage_layer_rows`)."""
 Stage = Callable[[int, torch.Tensor, torch.Tensor], Staged]
 """Stages a layer's K/V and returns what its attention reads."""
 
-# The mask of a block that reads every earlier key, then its own keys causally (`DirectForward.splits`).
+# The mask of a block that reads every earlier key, then its own keys causally, left for attention to build
+# (`DirectForward.implies_mask`).
 OVER_HISTORY: Final = "over history"
-Masks = torch.Tensor | Mapping[str, torch.Tensor] | Literal["over history"] | None
+Mask = torch.Tensor | Literal["over history"] | None
+"""One block's mask: booleans (or additive) `[1, 1, n, K]`, `OVER_HISTORY`, or None (causal over itself alone)."""
+Masks = Mask | Mapping[str, torch.Tensor] | list["Masks"]
+"""A model call's masks: one for every layer, one per layer type, or (a packed batched forward) a row's own
+masks per row, each what that row's block is given alone, so that attention reads each row exactly as it would
+read that block alone."""
 
-# Queries times earlier keys from which the split attention beats one masked call on a CPU: below it the second
-# kernel call and the merge cost more than the mask saves (measured on the bundled model, one thread and two).
-SPLIT_MIN_PAIRS: Final = 131_072
+Memo = dict[tuple[Any, ...], torch.Tensor]
+"""The padded masks of one forward's attention, built once for all its layers (`_attend_exact`); a forward
+without one attends with the fastest kernel for each shape."""
+
+# On a CPU, PyTorch's flash attention reads keys in blocks of 512 under one running softmax, and scores each block
+# of query rows with a matrix product whose sums for a row are the same for any count of rows from 4 up. A row's
+# values are then independent of the block's shape when every key block is whole (keys padded to a multiple of
+# 512 and masked) and the rows of every product number 4 or more (rows padded to a multiple of 4): `_attend_exact`.
+KEY_BLOCK: Final = 512
+ROW_MULTIPLE: Final = 4
 
 # The most queries of a block that runs the compiled spans: decode steps and speculative blocks, of one sequence or
 # a batch of them. A longer block (a prefill chunk) runs the scripted spans: its time is the matrix products'.
@@ -86,7 +101,9 @@ class DirectForward:
     """The forward of a supported model (`unsupported(model)` is None) over its parameters, read at construction:
     the model's weights are shared, not copied."""
 
-    def __init__(self, model: PreTrainedModel, layer_types: Sequence[str]) -> None:
+    def __init__(self, model: PreTrainedModel, layer_types: Sequence[str], *, invariant: bool = True) -> None:
+        """`invariant`: on a CPU, attention and float32 products in a fixed order whatever a block's shape (the
+        module docstring); else the fastest kernels for each shape."""
         reason = unsupported(model)
         if reason is not None:
             raise ValueError(f"the direct forward cannot serve this model: {reason}")
@@ -94,17 +111,19 @@ class DirectForward:
         self._embed = decoder.embed_tokens
         self._rotary = decoder.rotary_emb
         self._norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
-        head = model.get_output_embeddings()
-        self._head = _linear_of(head)
-        self._layers = [_read_layer(layer, kind) for layer, kind in zip(decoder.layers, layer_types, strict=True)]
         self._on_cpu = decoder.norm.weight.device.type == "cpu"
+        self._exact = invariant and self._on_cpu
+        self._head = _linear_of(model.get_output_embeddings(), self._exact)
+        self._layers = [
+            _read_layer(layer, kind, self._exact) for layer, kind in zip(decoder.layers, layer_types, strict=True)
+        ]
         self._scripted = ScriptedSteps()
         self._compiled: CompiledSteps | None = None
 
-    def splits(self, queries: int, earlier_keys: int) -> bool:
-        """Whether a block of `queries` over `earlier_keys` keys of an unbounded cache, all full attention, is
-        better handed `OVER_HISTORY` than its mask (module docstring)."""
-        return self._on_cpu and queries > 1 and queries * earlier_keys >= SPLIT_MIN_PAIRS
+    def implies_mask(self, queries: int) -> bool:
+        """Whether a block of `queries` over earlier keys of an unbounded cache, all full attention, may be handed
+        `OVER_HISTORY` instead of its mask: where attention builds its padded mask itself."""
+        return self._exact and queries > 1
 
     @property
     def compiled(self) -> bool:
@@ -139,7 +158,7 @@ class DirectForward:
         features of `feature_layers` [B, n, H] (what `features.layer_outputs` records), for a block whose layers
         stage their K/V through `stage(layer, k, v) -> (keys, values)`. `masks` is what transformers' attention
         would be given: a boolean mask [B, 1, n, K], one per layer type, or None for a causal block that reads
-        only itself or a single query; or `OVER_HISTORY` where `splits` says so."""
+        only itself or a single query; or `OVER_HISTORY` where `implies_mask` says so."""
         out = self._run(self._steps(input_ids), input_ids, position_ids, masks, stage, logits_to_keep, feature_layers)
         assert out is not None
         return out
@@ -175,12 +194,12 @@ class DirectForward:
         layers = self._layers
         last = len(layers) - 1
         q, k, v = steps.first(hidden, layers[0].inputs, layers[0].head_dim, cos, sin)
+        memo: Memo | None = {} if self._exact else None  # the padded masks of this forward's attention
         for index, layer in enumerate(layers):
             parts = stage(index, k, v)
             if index == last_layer:
                 return None
-            mask = masks[layer.kind] if isinstance(masks, Mapping) else masks
-            attended = _attend_parts(q, parts, mask, layer)
+            attended = _attend_staged(q, parts, masks, layer, memo)
             if index == last:  # under the final norm
                 hidden = steps.last(hidden, attended, layer.output, layer.head_dim, self._norm)
             else:
@@ -199,7 +218,31 @@ def _own_keys(layer: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[Key
     return ((keys, values),)
 
 
-def _attend_parts(q: torch.Tensor, staged: Staged, mask: torch.Tensor | str | None, layer: _Layer) -> torch.Tensor:
+def _layer_mask(masks: Masks, layer: _Layer) -> Mask:
+    if isinstance(masks, list):
+        raise ValueError("per-row masks belong to a packed batched forward's rows")
+    return masks[layer.kind] if isinstance(masks, Mapping) else masks
+
+
+def _attend_staged(q: torch.Tensor, staged: Staged, masks: Masks, layer: _Layer, memo: Memo | None) -> torch.Tensor:
+    """A layer's attention over what its staging returned. With per-row masks (a packed batched forward), each
+    row's queries attend over that row's keys alone, under the row's own mask, through the same calls as a forward
+    of that row's block alone: a row's values do not depend on the rows beside it, and no query scores another
+    row's keys."""
+    if not isinstance(masks, list):
+        return _attend_parts(q, staged, _layer_mask(masks, layer), layer, memo)
+    if not isinstance(staged, list) or len(staged) != len(masks):
+        raise ValueError("per-row masks need the staging of a packed batched forward, one row each")
+    batch, heads, _, dim = q.shape
+    outputs = []
+    for row, row_masks in zip(staged, masks, strict=True):
+        row_q = q[:, :, row.query_start : row.query_end]
+        attended = _attend_parts(row_q, row.parts, _layer_mask(row_masks, layer), layer, memo)
+        outputs.append(attended.reshape(batch, heads, row.query_end - row.query_start, dim))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, memo: Memo | None) -> torch.Tensor:
     """Attention over a layer's keys in parts: dense parts joined and read by SDPA (`_attend`), as one tensor;
     where a part is held compactly, part by part (`attend_parts`), with the mask as booleans over every key (a
     packed batched forward's rows each over their own keys and part of the mask)."""
@@ -208,9 +251,9 @@ def _attend_parts(q: torch.Tensor, staged: Staged, mask: torch.Tensor | str | No
     if all(isinstance(part, tuple) for part in parts):
         dense: list[Any] = parts
         if len(dense) == 1:
-            return _attend(q, dense[0][0], dense[0][1], mask, layer)
+            return _attend(q, dense[0][0], dense[0][1], mask, layer, memo)
         keys, values = torch.cat([k for k, _ in dense], dim=2), torch.cat([v for _, v in dense], dim=2)
-        return _attend(q, keys, values, mask, layer)
+        return _attend(q, keys, values, mask, layer, memo)
     if isinstance(mask, str) or (mask is None and q.shape[2] > 1):
         raise ValueError("attention over held keys needs the block's mask")
     allowed = None if mask is None else (mask[0, 0] if mask.dtype == torch.bool else mask[0, 0] == 0)
@@ -224,38 +267,77 @@ def _attend_parts(q: torch.Tensor, staged: Staged, mask: torch.Tensor | str | No
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def _attend_over_history(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, layer: _Layer) -> torch.Tensor:
-    """Attention of a block of n queries [B, heads, n, D] over K keys whose first K - n every query reads and whose
-    last n are the block's own, read causally: the two parts' outputs weighted by their share of the softmax's sum
-    (from each part's log-sum-exp)."""
+def _attend_exact(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask, layer: _Layer, memo: Memo
+) -> torch.Tensor:
+    """Attention on a CPU whose values for a query do not depend on the block around it (`KEY_BLOCK`): each K/V
+    head's query heads are rows of one query block (a grouped K/V head is never repeated), padded to a multiple of
+    `ROW_MULTIPLE`; keys are read up to a multiple of `KEY_BLOCK` (from the cache's own room where it has some),
+    the ones beyond the block's masked out."""
     batch, heads, n, dim = q.shape
-    earlier = keys.shape[2] - n
-    if earlier <= 0:
-        raise ValueError("a block attended over its history needs keys before its own")
-    # each K/V head's query heads one after another, as rows of one query block (no mask tells them apart)
-    grouped = q.reshape(batch, heads // layer.groups, layer.groups * n, dim)
-    past, past_lse = _flash_cpu(grouped, keys[:, :, :earlier], values[:, :, :earlier], scale=layer.scaling)
-    own_keys, own_values = keys[:, :, earlier:], values[:, :, earlier:]
-    if layer.groups > 1:
-        own_keys, own_values = repeat_kv(own_keys, layer.groups), repeat_kv(own_values, layer.groups)
-    own, own_lse = _flash_cpu(q, own_keys, own_values, is_causal=True, scale=layer.scaling)
-    past_lse, own_lse = past_lse.reshape(batch, heads, n, 1), own_lse.reshape(batch, heads, n, 1)
-    top = torch.maximum(past_lse, own_lse)
-    past_weight, own_weight = torch.exp(past_lse - top), torch.exp(own_lse - top)
-    merged = past.reshape(batch, heads, n, dim).float() * past_weight + own.float() * own_weight
-    return (merged / (past_weight + own_weight)).to(q.dtype)
+    kv_heads = heads // layer.groups
+    rows = layer.groups * n
+    padded_rows = max(ROW_MULTIPLE, rows + (-rows) % ROW_MULTIPLE)
+    count = int(keys.shape[2])
+    length = count + (-count) % KEY_BLOCK
+    grouped = q.reshape(batch, kv_heads, rows, dim)
+    if padded_rows != rows:
+        grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padded_rows - rows, dim)], dim=2)
+    key = (mask if isinstance(mask, str) or mask is None else id(mask), n, count, layer.groups, q.dtype)
+    additive = memo.get(key)
+    if additive is None:
+        additive = memo[key] = _padded_mask(_allowed(mask, n, count), layer.groups, padded_rows, length, q.dtype)
+    out, _ = _flash_cpu(
+        grouped, _with_room(keys, length), _with_room(values, length), attn_mask=additive, scale=layer.scaling
+    )
+    return out[:, :, :rows].reshape(batch, heads, n, dim)
+
+
+def _allowed(mask: Mask, n: int, count: int) -> torch.Tensor:
+    """Which of `count` keys each of `n` queries reads, `[n, count]` booleans."""
+    if isinstance(mask, torch.Tensor):
+        plane = mask[0, 0]
+        return plane if plane.dtype == torch.bool else plane == 0
+    # OVER_HISTORY, or None (a block over itself alone, or one query): every earlier key, its own causally
+    return torch.ones((n, count), dtype=torch.bool).tril_(count - n)
+
+
+def _padded_mask(allowed: torch.Tensor, groups: int, rows: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask `[1, 1, rows, length]` of grouped query rows (`allowed` repeated per query head of a K/V
+    head) over keys padded to `length`; a padded row reads the first key, so that no softmax is empty."""
+    n, count = allowed.shape
+    additive = torch.full((rows, length), float("-inf"), dtype=dtype)
+    additive[: groups * n, :count].masked_fill_(allowed.repeat(groups, 1), 0.0)
+    additive[groups * n :, 0] = 0.0
+    return additive[None, None]
+
+
+def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
+    """`x` `[1, H, K, D]` read up to `length` keys: the view extended into the buffer it is a view of where that
+    buffer has the room (a cache's buffers are allocated zeroed, and every slot holds finite values), else padded
+    with zeros. What lies beyond `K` is masked out, so only its finiteness matters."""
+    batch, heads, count, dim = x.shape
+    if length == count:
+        return x
+    stride = x.stride()
+    end = x.storage_offset() + (heads - 1) * stride[1] + length * stride[2]
+    fits = batch == 1 and stride[3] == 1 and stride[2] == dim and stride[1] >= length * dim
+    if fits and end <= x.untyped_storage().nbytes() // x.element_size():
+        return x.as_strided((batch, heads, length, dim), stride)
+    return torch.cat([x, x.new_zeros(batch, heads, length - count, dim)], dim=2)
 
 
 def _attend(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | str | None, layer: _Layer
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask, layer: _Layer, memo: Memo | None
 ) -> torch.Tensor:
-    """SDPA over one layer's keys, with transformers' choice of how grouped K/V heads meet the query heads, except
-    that a masked block of several queries on a CPU reads the grouped heads in place: PyTorch's CPU flash kernel
-    takes a mask and grouped heads together, with the same arithmetic as over repeated heads, and repeating the
-    K/V of a long history costs a copy of it per layer (transformers repeats them wherever a mask is given, since
-    CUDA's kernels fall back to the math kernel there)."""
+    """SDPA over one layer's keys: `_attend_exact` where the forward keeps a `memo` of its masks; else with
+    transformers' choice of how grouped K/V heads meet the query heads, except that a masked block of several
+    queries on a CPU reads the grouped heads in place (PyTorch's CPU flash kernel takes a mask and grouped heads
+    together, and repeating the K/V of a long history costs a copy of it per layer)."""
+    if memo is not None:
+        return _attend_exact(q, keys, values, mask, layer, memo)
     if isinstance(mask, str):
-        return _attend_over_history(q, keys, values, layer)
+        raise ValueError("a block over its history is handed its mask without shape-invariant attention")
     n = q.shape[2]
     gqa = False
     if layer.groups > 1:
@@ -275,13 +357,18 @@ def _attend(
     )
 
 
-def _linear_of(module: Any) -> Linear:
+def _linear_of(module: Any, exact: bool) -> Linear:
+    """A linear layer's weights as `linear` takes them; `exact`: a float32 weight reordered for a product whose
+    rows do not depend on each other (`DENSE_EXACT`; a copy of the weight, held beside the model's)."""
     if isinstance(module, PackedLinear):
         return (module.weight, module.bias, module.qparams, module.kind, module.group)
+    reordered = exact_dense(module.weight) if exact else None
+    if reordered is not None:
+        return (reordered, module.bias, None, DENSE_EXACT, 0)
     return (module.weight, module.bias, None, DENSE, 0)
 
 
-def _read_layer(layer: Any, kind: str) -> _Layer:
+def _read_layer(layer: Any, kind: str, exact: bool) -> _Layer:
     attn, mlp = layer.self_attn, layer.mlp
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     head_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
@@ -289,19 +376,19 @@ def _read_layer(layer: Any, kind: str) -> _Layer:
     inputs = (
         norm_in.weight,
         float(norm_in.variance_epsilon),
-        _linear_of(attn.q_proj),
-        _linear_of(attn.k_proj),
-        _linear_of(attn.v_proj),
+        _linear_of(attn.q_proj, exact),
+        _linear_of(attn.k_proj, exact),
+        _linear_of(attn.v_proj, exact),
         None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight,
         head_eps,
     )
     output = (
-        _linear_of(attn.o_proj),
+        _linear_of(attn.o_proj, exact),
         norm_post.weight,
         float(norm_post.variance_epsilon),
-        _linear_of(mlp.gate_proj),
-        _linear_of(mlp.up_proj),
-        _linear_of(mlp.down_proj),
+        _linear_of(mlp.gate_proj, exact),
+        _linear_of(mlp.up_proj, exact),
+        _linear_of(mlp.down_proj, exact),
     )
     return _Layer(inputs, output, kind, int(attn.num_key_value_groups), int(attn.head_dim), float(attn.scaling))

@@ -44,13 +44,16 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         weights: str = "float32",
     ) -> None:
         """`forward`: auto runs the model's forward directly over its weights where the architecture allows
-        (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; the same values, less Python) and through
-        transformers' modules otherwise; library always runs transformers' modules. `compile`: on compiles the
-        direct forward's decode steps and speculative blocks with torch.compile here (`layer_steps.py`; their
-        values then differ from transformers' by float rounding), and runs them scripted, with a warning logged,
-        where that fails; off, and auto (on every device: compiled steps measured no faster on a CPU, and are
-        not yet measured on a GPU), run them scripted. `weights`: how `model`'s linear layers are held
-        (`load`)."""
+        (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; transformers' values within float
+        rounding, less Python) and through transformers' modules otherwise, with a CPU's shape-invariant
+        attention and products: a token's values do not depend on the blocks that delivered its history or on
+        the rows beside it in a batched forward; fast runs the direct forward without them (faster, and the last
+        bits of a token's values then depend on those); library always runs transformers' modules. `compile`: on
+        compiles the direct forward's decode steps and speculative blocks with torch.compile here
+        (`layer_steps.py`; their values then differ from transformers' by float rounding), and runs them
+        scripted, with a warning logged, where that fails; off, and auto (on every device: compiled steps
+        measured no faster on a CPU, and are not yet measured on a GPU), run them scripted. `weights`: how
+        `model`'s linear layers are held (`load`)."""
         if forward not in TORCH_FORWARDS:
             raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(TORCH_FORWARDS)}")
         if compile not in COMPILE_MODES:
@@ -81,9 +84,10 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         self._per_type_masks = len(set(self._layer_types)) > 1
         self._all_full_attention = set(self._layer_types) == {"full_attention"}
         self._additive_mask = model.config._attn_implementation == "eager"
-        reason = unsupported(model) if forward == "auto" else "asked for"
-        self._direct = DirectForward(model, self._layer_types) if reason is None else None
-        self.forward_path = "direct" if reason is None else f"transformers modules ({reason})"
+        reason = unsupported(model) if forward != "library" else "asked for"
+        self._direct = DirectForward(model, self._layer_types, invariant=forward == "auto") if reason is None else None
+        direct = "direct" if forward == "auto" else "direct, fast kernels"
+        self.forward_path = direct if reason is None else f"transformers modules ({reason})"
         self.compile_s: float | None = None  # seconds compiling took, where the steps run compiled
         if compile == "on":
             self._compile_steps()
@@ -198,17 +202,19 @@ class TorchVerifier(BackendModel[torch.Tensor]):
 
     def _call_inputs(self, cache: SessionCache[torch.Tensor]) -> tuple[torch.Tensor, Masks]:
         """The position ids `[1, n]` and masks of the model call in flight."""
-        query_positions = cache.call.query_positions  # [n]
-        position_ids = torch.tensor(query_positions[None, :], device=self.device)  # [1, n]
+        position_ids = torch.tensor(cache.call.query_positions[None, :], device=self.device)  # [1, n]
+        return position_ids, self._call_masks(cache)
+
+    def _call_masks(self, cache: SessionCache[torch.Tensor]) -> Masks:
+        """The masks of the model call in flight over `cache` alone."""
+        n = len(cache.call.query_positions)
         masks: Masks = self._attention_masks(cache)
-        if masks is None and self._direct is not None and len(query_positions) > 1 and cache.call.keys_before_queries:
+        if masks is None and self._direct is not None and n > 1 and cache.call.keys_before_queries:
             # transformers builds this block's causal mask itself; the direct forward is handed it, or told that
-            # the block reads every earlier key and itself causally where it attends to that in two parts
-            if self._direct.splits(len(query_positions), cache.call.keys_before_queries):
-                masks = OVER_HISTORY
-            else:
-                masks = self._attention_masks(cache, always=True)
-        return position_ids, masks
+            # the block reads every earlier key and itself causally where its attention builds that mask itself
+            implied = self._direct.implies_mask(n)
+            masks = OVER_HISTORY if implied else self._attention_masks(cache, always=True)
+        return masks
 
     def _run(
         self,
@@ -240,16 +246,21 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def forward_batch(
         self, blocks: Sequence[BatchBlock[torch.Tensor]], feature_layers: Sequence[int]
     ) -> list[VerifyOutput[torch.Tensor]]:
-        # Packed: the blocks run as one sequence with per-token positions and a block-diagonal mask, so rows of
-        # different lengths (a prefill chunk beside decode steps) cost no padding.
+        # Packed: the blocks run as one sequence with per-token positions, so rows of different lengths (a prefill
+        # chunk beside decode steps) cost no padding. The direct forward attends each row over its own keys under
+        # the mask its block gets alone; transformers' modules read every row's keys under a block-diagonal mask.
         layout = BatchLayout(blocks, self.array_ops, packed=True)
         input_ids = torch.tensor(layout.token_matrix(), dtype=torch.long, device=self.device)  # [1, T]
         position_ids = torch.from_numpy(layout.position_matrix()).to(self.device)  # [1, T]
-        masks = {"full_attention": self._format_batch_mask(layout.mask())}
-        if "sliding_attention" in self._layer_types:
-            masks["sliding_attention"] = self._format_batch_mask(layout.mask(window=self._sliding_window or 0))
+        chosen: Masks
+        if self._direct is not None:
+            chosen = [self._call_masks(block.cache) for block in blocks]
+        else:
+            masks = {"full_attention": self._format_batch_mask(layout.mask())}
+            if "sliding_attention" in self._layer_types:
+                masks["sliding_attention"] = self._format_batch_mask(layout.mask(window=self._sliding_window or 0))
+            chosen = masks if self._per_type_masks else masks[self._layer_types[0]]
         wanted = torch.tensor(layout.logits_indices(), dtype=torch.long, device=self.device)
-        chosen = masks if self._per_type_masks else masks[self._layer_types[0]]
         logits, captured = self._run(input_ids, position_ids, chosen, layout, wanted, feature_layers)
         logits = logits[0].float()  # [sum of logits rows, V]
         features = None if captured is None else captured[0]  # [T, L*H]

@@ -24,8 +24,31 @@ from kv_cache_proposer.errors import ModelLoadError
 
 # The `kind` of a linear for `linear`: how its weight is held.
 DENSE, BF16, INT8, INT4 = 0, 1, 2, 3
+# A float32 weight reordered for oneDNN's CPU product (`exact_dense`), whose sums for a row are the same whatever
+# the count of rows beside it: PyTorch's default float32 product on a CPU sums rows of a product of fewer than 4
+# rows (and, with several threads, of some counts above) in another order, so that a token's values would depend
+# on how many tokens share its forward (a decode step alone, a batched step, a prefill chunk).
+DENSE_EXACT = 4
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
+
+
+def exact_dense(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered for `DENSE_EXACT`, or None where that product does not serve it (not float32, not on a
+    CPU, or PyTorch built without oneDNN)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+# Written as TorchScript source: the operator's scalar list is typed with TorchScript's own `number`.
+_exact_product = torch.jit.CompilationUnit(
+    """
+def product(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    no_scalars = torch.jit.annotate(List[Optional[number]], [])
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")
+"""
+).product
 
 
 def linear(
@@ -40,6 +63,8 @@ def linear(
     # literal kinds: TorchScript compiles this function and reads no module constants
     if kind == 0:  # DENSE
         return F.linear(x, weight, bias)
+    if kind == 4:  # DENSE_EXACT
+        return _exact_product(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
     if kind == 1:  # BF16
         y = F.linear(rows, weight)
