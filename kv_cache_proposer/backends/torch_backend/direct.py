@@ -286,30 +286,32 @@ def _attend_exact(
     key = (mask if isinstance(mask, str) or mask is None else id(mask), n, count, layer.groups, q.dtype)
     additive = memo.get(key)
     if additive is None:
-        additive = memo[key] = _padded_mask(_allowed(mask, n, count), layer.groups, padded_rows, length, q.dtype)
+        additive = memo[key] = _padded_mask(mask, n, count, layer.groups, padded_rows, length, q.dtype)
     out, _ = _flash_cpu(
         grouped, _with_room(keys, length), _with_room(values, length), attn_mask=additive, scale=layer.scaling
     )
     return out[:, :, :rows].reshape(batch, heads, n, dim)
 
 
-def _allowed(mask: Mask, n: int, count: int) -> torch.Tensor:
-    """Which of `count` keys each of `n` queries reads, `[n, count]` booleans."""
+def _padded_mask(
+    mask: Mask, n: int, count: int, groups: int, rows: int, length: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The additive mask `[1, 1, rows, length]` of `n` queries' grouped rows (each query's keys repeated per query
+    head of a K/V head) over `count` keys padded to `length`. A padded row reads the first key, so that no softmax
+    is empty."""
+    columns = torch.arange(length)
     if isinstance(mask, torch.Tensor):
         plane = mask[0, 0]
-        return plane if plane.dtype == torch.bool else plane == 0
+        allowed = plane if plane.dtype == torch.bool else plane == 0  # [n, count]
+        additive = torch.full((rows, length), float("-inf"), dtype=dtype)
+        additive[: groups * n, :count].masked_fill_(allowed.repeat(groups, 1), 0.0)
+        additive[groups * n :, 0] = 0.0
+        return additive[None, None]
     # OVER_HISTORY, or None (a block over itself alone, or one query): every earlier key, its own causally
-    return torch.ones((n, count), dtype=torch.bool).tril_(count - n)
-
-
-def _padded_mask(allowed: torch.Tensor, groups: int, rows: int, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive mask `[1, 1, rows, length]` of grouped query rows (`allowed` repeated per query head of a K/V
-    head) over keys padded to `length`; a padded row reads the first key, so that no softmax is empty."""
-    n, count = allowed.shape
-    additive = torch.full((rows, length), float("-inf"), dtype=dtype)
-    additive[: groups * n, :count].masked_fill_(allowed.repeat(groups, 1), 0.0)
-    additive[groups * n :, 0] = 0.0
-    return additive[None, None]
+    last = torch.zeros(rows, dtype=torch.long)  # the last key each row reads
+    last[: groups * n] = (torch.arange(n) + (count - n)).repeat(groups)
+    zero, hidden = torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype)
+    return torch.where(columns[None, :] <= last[:, None], zero, hidden)[None, None]
 
 
 def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
