@@ -2,9 +2,10 @@
 
 A batched forward lays the rows' queries out along the model call in one of two ways:
 
-- packed: one sequence holding the rows' blocks one after another (batch 1). Attention reads every row's keys
-  side by side and a block-diagonal mask keeps each row to its own. No padding; needs per-token positions (torch's
-  `position_ids`).
+- packed: one sequence holding the rows' blocks one after another (batch 1). Attention reads each row's keys
+  over that row's queries (`stage_layer_rows`: torch's direct forward), or every row's keys side by side under a
+  block-diagonal mask that keeps each row to its own (`stage_layer`: transformers' modules). No padding; needs
+  per-token positions (torch's `position_ids`).
 - padded: one batch row per block, left-padded to the longest block. Each row's keys are left-padded to the
   longest key set. Needs only a per-row RoPE offset (mlx-lm's `cache.offset` may be one per row). Padded queries
   read their row's last key so that no softmax row is empty; their outputs are never used.
