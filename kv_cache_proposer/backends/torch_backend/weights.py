@@ -13,6 +13,8 @@ not, which is also why GGUF files keep the head at 8 bits.
 
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Final
 
 import torch
@@ -21,6 +23,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from kv_cache_proposer.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
 
 # The `kind` of a linear for `linear`: how its weight is held.
 DENSE, BF16, INT8, INT4 = 0, 1, 2, 3
@@ -33,22 +37,40 @@ INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
 
 
-def exact_dense(weight: torch.Tensor) -> torch.Tensor | None:
-    """`weight` reordered for `DENSE_EXACT`, or None where that product does not serve it (not float32, not on a
-    CPU, or PyTorch built without oneDNN)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
 # Written as TorchScript source: the operator's scalar list is typed with TorchScript's own `number`.
-_exact_product = torch.jit.CompilationUnit(
-    """
+_EXACT_SOURCE = """
 def product(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
     no_scalars = torch.jit.annotate(List[Optional[number]], [])
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", no_scalars, "")
 """
-).product
+try:
+    _exact_product = torch.jit.CompilationUnit(_EXACT_SOURCE).product
+    _EXACT_PRODUCT = True
+except RuntimeError:  # a PyTorch without oneDNN's linear operator: `exact_dense` declines, this is never called
+    _exact_product = torch.jit.CompilationUnit(
+        "def product(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:\n"
+        "    return torch.nn.functional.linear(x, weight, bias)\n"
+    ).product
+    _EXACT_PRODUCT = False
+
+
+def exact_dense(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` reordered for `DENSE_EXACT`, or None where that product does not serve it (not float32, not on a
+    CPU, or PyTorch built without oneDNN)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if not _EXACT_PRODUCT or not torch.backends.mkldnn.is_available():
+        _warn_inexact()
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+@functools.cache
+def _warn_inexact() -> None:
+    log.warning(
+        "this PyTorch has no oneDNN linear operator: float32 products run PyTorch's default kernel, and a token's "
+        "values can differ in their last bits with the number of tokens in its forward"
+    )
 
 
 def linear(

@@ -241,3 +241,18 @@ def test_the_torch_forward_option_belongs_to_the_torch_backend():
     assert ServerConfig(torch_forward="fast").torch_forward == "fast"
     with pytest.raises(ConfigError, match="torch_forward"):
         ServerConfig(torch_forward="quick")
+
+
+def test_without_onednn_s_product_float32_runs_the_default_product_and_says_so(model_dirs, monkeypatch, caplog):
+    from kv_cache_proposer.backends.torch_backend import weights
+
+    monkeypatch.setattr(weights, "_EXACT_PRODUCT", False)
+    weights._warn_inexact.cache_clear()
+    with caplog.at_level("WARNING", logger=weights.__name__):
+        verifier = TorchVerifier.load(model_dirs["qwen3"], device="cpu", dtype="float32")
+    assert "no oneDNN linear operator" in caplog.text
+    direct = verifier._direct
+    assert direct is not None and direct._layers[0].inputs[2][3] == weights.DENSE
+    cache = verifier.new_cache(FullStrategy())
+    assert verifier.verify(cache, random_tokens(3, 9), 1).logits.isfinite().all()
+    weights._warn_inexact.cache_clear()
