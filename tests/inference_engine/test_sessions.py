@@ -106,8 +106,8 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     one = a.kv_bytes
     store.kv_budget_bytes = 3 * one
     assert store.enforce_budget(protect=grower)
-    verifier.verify(grower.seq.cache, [t % 100 for t in range(600)], 1)
-    verifier.commit(grower.seq.cache, 600)  # the protected session grows past one session's worth
+    verifier.verify(grower.seq.cache, [t % 100 for t in range(300)], 1)
+    verifier.commit(grower.seq.cache, 300)  # the protected session grows past one session's worth
     store.kv_budget_bytes = grower.kv_bytes + one  # room for one of the two idle holders
     assert store.enforce_budget(protect=grower)
     assert a not in store.sessions() and empty in store.sessions() and b in store.sessions()
