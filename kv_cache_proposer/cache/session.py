@@ -29,10 +29,6 @@ from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
 _GROWTH_TOKENS = 256
-# An unbounded cache of more slots than this ends its room on a multiple of it: a CPU's attention reads keys in
-# whole blocks of 512, past the keys into the room, masked out (the torch direct forward's `_attend_exact`), and
-# pads them by a copy only without room.
-_ROOM_BLOCK = 512
 
 
 class KVSessionCache(Generic[A]):
@@ -190,8 +186,6 @@ class KVSessionCache(Generic[A]):
             if self._strategy.bounded_slots is None:
                 # Unbounded caches grow geometrically so appends stay amortised O(1).
                 needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
-                if needed > _ROOM_BLOCK:  # a smaller cache is padded by a copy of under one block
-                    needed += -needed % _ROOM_BLOCK
             self._grow(needed)
         if kept + block_len > self._steps.size:  # a commit indexes every staged position, extended ones too
             self._steps = np.arange(max(kept + block_len, 2 * self._steps.size), dtype=np.int64)
