@@ -183,7 +183,9 @@ def test_a_wrong_or_missing_api_key_is_401_and_the_right_one_works(serve_shim):
         assert httpx.get(server.http_url + path).status_code == 401
     assert httpx.get(server.http_url + "/healthz").status_code == 200  # health stays open, as on gRPC
     reply = client(server, api_key="s3cret").chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2)
-    assert reply.usage is not None and reply.usage.completion_tokens == 2
+    # the random test model's first greedy token can be its EOS; the key is accepted either way
+    assert reply.usage is not None and 1 <= reply.usage.completion_tokens <= 2
+    assert reply.choices[0].finish_reason in ("length", "stop")
     wait_until_no_session(server, api_key="s3cret")
 
 
