@@ -11,12 +11,12 @@ import torch
 
 from kv_cache_proposer.backends import load_verifier
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec, coding_matches
-from kv_cache_proposer.compression import KVCompressor, LatticeSpec
+from kv_cache_proposer.compression import KVCompressor, LatticeSpec, lattice
 from kv_cache_proposer.compression.lattice import block_indices, block_points, pack_codes, unpack_codes
 from kv_cache_proposer.strategies import FullStrategy
 
 BUNDLED = Path(__file__).resolve().parents[3] / "inference_engine" / "models" / "kakeya-tiny"
-LATTICES = [("d4", 38), ("d4", 10), ("d4", 1), ("e8", 38), ("e8", 10), ("e8", 116)]
+LATTICES = [("d4", 38), ("d4", 10), ("d4", 1), ("d4", 200), ("e8", 38), ("e8", 10), ("e8", 116)]
 
 
 def _vectors(seed: int, n: int = 2000, dim: int = 64) -> torch.Tensor:
@@ -53,6 +53,23 @@ def test_block_indices_and_packing_round_trip_every_lattice_point_and_flag_only_
         assert not (
             (integral and (coords // 2).sum() % 2 == 0) or (kind == "e8" and half and coords.sum() // 2 % 2 == 0)
         )
+
+
+@pytest.mark.parametrize("q_range", [1, 38, lattice.D4_NARROW_Q])
+def test_narrow_d4_indices_and_points_are_the_general_ones_off_the_lattice_too(monkeypatch, q_range):
+    spec = LatticeSpec("d4", 64, q_range)
+    rng = np.random.default_rng(q_range)
+    # Lattice points, odd sums, half-integers and coordinates beyond the range, at every block.
+    doubled = rng.integers(-2 * q_range - 3, 2 * q_range + 4, size=(3000, 64)).astype(np.int16)
+    doubled[::3] &= ~1
+    narrow = block_indices(spec, doubled)
+    indices = rng.integers(0, ((2 * q_range + 1) ** 4 + 1) // 2, size=(3000, spec.blocks))
+    points = block_points(spec, indices)
+    monkeypatch.setattr(lattice, "D4_NARROW_Q", 0)
+    general = block_indices(spec, doubled)
+    assert np.array_equal(narrow[0], general[0]) and np.array_equal(narrow[1], general[1])
+    assert 0 < narrow[1].mean() < 1  # some blocks escape, some do not
+    assert np.array_equal(points, block_points(spec, indices))
 
 
 def test_the_bit_budget_is_the_spec_formula():
