@@ -13,7 +13,7 @@ from contextlib import asynccontextmanager
 from inference_engine.admission import Admission
 from inference_engine.durability import SessionJournal
 from inference_engine.engine import EngineLoop
-from inference_engine.errors import ServiceError
+from inference_engine.errors import ServiceError, ShuttingDown
 from inference_engine.generation import Generation, StepOutput
 from inference_engine.journal import JournalError
 from inference_engine.metrics import Metrics
@@ -88,12 +88,22 @@ class GenerationStreams:
                     break
             session.generating = False
             session.cancel = None
-            # Between generations the session holds only its resident storage (packed bytes if compressed);
-            # dropping the working copy is only reference release, so it needs no turn on the engine thread.
-            seq.cache.park()
-            self.store.touch(session)
-            self.store.charge(session)
-            self.store.refresh_gauges()
+            try:
+                await self._park(session)
+            finally:
+                self.store.touch(session)
+                self.store.charge(session)
+                self.store.refresh_gauges()
+
+    async def _park(self, session: Session) -> None:
+        """Between generations the session holds only its resident storage. A compressed session that attended
+        its history as lattice coordinates packs them again (tenths of a second at 8k tokens), so this runs on the
+        engine thread between two steps, not on the event loop; the session keeps its turn meanwhile, so nothing
+        else reads or evicts it."""
+        try:
+            await self.engine.call(session.seq.cache.park)
+        except ShuttingDown:
+            session.seq.cache.park()  # the engine takes no more calls, and is done with this session's cache
 
     async def take(self, session: Session, generation: Generation, output: StepOutput) -> None:
         """Check one step's output before its tokens reach the client: a failed step fails the session, and the

@@ -57,6 +57,13 @@ class HeldResidents(Generic[A]):
         coding = StagedCoding(*(self._ops.from_host(array, like) for array, like in parts))
         self.put(slots, coding)
 
+    def occupied(self) -> np.ndarray:
+        """The slots holding an entry: a written entry's scale is never 0 (see `PackedCodes.occupied`)."""
+        if self._arrays is None:
+            return np.zeros(0, dtype=np.int64)
+        qmax = self._ops.to_host(self._ops.head(self._arrays.qmax, self._capacity))  # [2·B, H, slots, 1]
+        return np.flatnonzero(qmax[0, 0, :, 0] > 0)
+
     def take(self, slots: np.ndarray) -> StagedCoding[A]:
         return StagedCoding(*(self._ops.take(array, slots) for array in self._held().arrays()))
 

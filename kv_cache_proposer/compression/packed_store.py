@@ -4,7 +4,10 @@ Resident entries live on the host in a `PackedCodes` (codes, fp16 norms and scal
 session cache's slots. The stage is dense, as for every store. While a session generates, its resident entries
 are held unpacked on the backend with the stage (`working_residents`), so nothing packed is decoded per step: as
 lattice coordinates that attention reads without decoding where it can (`HeldWorking`), otherwise decoded
-(`DecodedWorking`). `park` packs what is left and drops them. The store is lossy (see `layer_store`): a query
+(`DecodedWorking`). Held coordinates stand for the packed codes until the session parks: the codes are dropped when
+the generation begins and packed again from the coordinates at `park`, so a generating layer holds one form of its
+history, not two. A decoded copy is lossy to pack again from, so beside it the codes stay. `park` packs what is
+left and drops the working form. The store is lossy (see `layer_store`): a query
 reads its own K/V as computed and every other position decoded. A one-token forward's entry is coded late, with
 every layer's in one codec pass (`deferred_coding`); a longer forward codes its block at once, stages what the codes
 decode to and appends the block as computed after the stage. Codings not yet packed are kept in a `CodingLedger`. See
@@ -22,7 +25,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import CommitPlan, LayerStore, StoreFootprint, joined_parts
 from kv_cache_proposer.cache.protocol import KeyPart
-from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, LatticeCoding
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.coding_ledger import CodingLedger, select
 from kv_cache_proposer.compression.deferred_coding import BegunCoding, PendingEntry, finish_codings, start_codings
 from kv_cache_proposer.compression.packed_codes import PackedCodes
@@ -77,6 +80,7 @@ class PackedLayerStore(Generic[A]):
         self._pending: PendingEntry[A] | None = None  # a one-token forward's entry, not coded yet
         self._begun: BegunCoding[A] | None = None  # the codec pass begun for it
         self._own = 0  # entries appended after the stage as computed: the last forward's queries (n > 1)
+        self._unpacked_escapes = 0  # escaped blocks the packed codes held when they were dropped for held ones
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -111,11 +115,21 @@ class PackedLayerStore(Generic[A]):
     def _working_nbytes(self) -> int:
         return 0 if self._work is None else self._work.nbytes
 
+    @property
+    def codes_dropped(self) -> bool:
+        """Whether the residents are held only as coordinates (a generating session's `HeldWorking`): the packed
+        codes are made again from them at `park` (or by `pack`)."""
+        return isinstance(self._work, HeldWorking) and self._work.stands_for_codes
+
     def footprint(self) -> StoreFootprint:
         if self._layout is None:
             return StoreFootprint(0, 0, 0)
         layout = self._layout
         dense = 2 * self.held * layout.rows * layout.codec.spec.head_dim * layout.itemsize
+        if self.codes_dropped:
+            # The coordinates are the compressed form held now; escapes are the ones counted at the last pack.
+            assert isinstance(self._work, HeldWorking)
+            return StoreFootprint(self._work.residents_nbytes, dense, self._unpacked_escapes)
         # Codings of entries committed since the last pack count as compressed bytes too (at most `PACK_EVERY`).
         compressed = self.packed_nbytes + self._codings.nbytes
         return StoreFootprint(compressed, dense, self._packed_of().escaped_blocks)
@@ -187,7 +201,7 @@ class PackedLayerStore(Generic[A]):
             coding = select(coding, lambda array: self._ops.take(array, sources))
         work.commit(plan, slots, coding)
         self._drop_staged()
-        if slots.size:
+        if slots.size and not self.codes_dropped:  # held coordinates are packed at park, with every other resident
             self._codings.commit(slots, coding)
         if self._codings.unpacked_count >= PACK_EVERY:
             self.pack()
@@ -202,8 +216,12 @@ class PackedLayerStore(Generic[A]):
 
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         layout = self._start(keys)
-        self.pack()  # earlier commits to these slots must not overwrite the loaded entries later
         codings = [layout.codec.encode(array) for array in (keys, values)]
+        if self.codes_dropped:
+            assert self._work is not None
+            self._work.load(slots, codings[0], codings[1])
+            return
+        self.pack()  # earlier commits to these slots must not overwrite the loaded entries later
         parts = [_by_slot(coding, layout.rows, slots.size) for coding in codings]
         doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
         self._packed_of().write(slots, doubled, norms, qmax)
@@ -221,6 +239,11 @@ class PackedLayerStore(Generic[A]):
             self._layout = source.layout
             self._packed = PackedCodes(source.packed.spec, source.packed.rows)
             self._codings.entry_bytes = source.layout.entry_coding_bytes
+        if self.codes_dropped:
+            assert self._work is not None
+            if slots.size:
+                self._work.load(slots, source.packed.read(0, source_slots), source.packed.read(1, source_slots))
+            return
         self.pack()
         self._packed_of().copy_from(source.packed, source_slots, slots)
         if self._work is not None and slots.size:
@@ -237,6 +260,7 @@ class PackedLayerStore(Generic[A]):
 
     def release(self) -> None:
         self._work = None
+        self._unpacked_escapes = 0
         self._codings.clear()
         if self._packed is not None:
             self._packed = PackedCodes(self._packed.spec, self._packed.rows)
@@ -245,11 +269,20 @@ class PackedLayerStore(Generic[A]):
         self.held = 0
 
     def pack(self) -> None:
-        """Bit-pack every committed entry still held as lattice coordinates, in one pass."""
-        taken = self._codings.take_unpacked()
-        if taken is None:
+        """Bit-pack every committed entry still held as lattice coordinates, in one pass: the entries committed
+        since the last pack, or, while the codes are dropped, every resident (the codes are then held again)."""
+        if self.codes_dropped:
+            assert isinstance(self._work, HeldWorking)
+            slots = self._work.resident_slots()
+            self._write_packed(slots, self._work.take(slots))
+            self._work.stands_for_codes = False
             return
-        slots, coding = taken
+        taken = self._codings.take_unpacked()
+        if taken is not None:
+            self._write_packed(*taken)
+
+    def _write_packed(self, slots: np.ndarray, coding: StagedCoding[A]) -> None:
+        """Pack `coding` (laid out as `StagedCoding`) into `slots`; a slot named twice keeps its later entry."""
         layout = self._layout_of()
         doubled, norms, qmax = layout.codec.to_host(coding)  # [2B, H, m, D], [2B, H, m] x2
         # A ring slot written twice since the last pack keeps its latest entry.
@@ -340,10 +373,16 @@ class PackedLayerStore(Generic[A]):
             shape = (layout.batch, layout.heads, layout.codec.spec.head_dim)
             work = DecodedWorking(self._ops, layout.codec, layout.model_dtype, shape)
         work.reserve(self._capacity)
-        slots = np.flatnonzero(self._packed_of().occupied())
+        self.pack()
+        packed = self._packed_of()
+        slots = np.flatnonzero(packed.occupied())
         if slots.size:
-            work.load(slots, self._packed_of().read(0, slots), self._packed_of().read(1, slots))
+            work.load(slots, packed.read(0, slots), packed.read(1, slots))
         self._work = work
+        if isinstance(work, HeldWorking):  # the coordinates stand for the codes until park packs them again
+            self._unpacked_escapes = packed.escaped_blocks
+            self._packed = PackedCodes(packed.spec, packed.rows)
+            work.stands_for_codes = True
         return work
 
     def _drop_staged(self) -> None:

@@ -80,10 +80,23 @@ class HeldWorking(Generic[A]):
         self._stage: DenseLayerStore[A] = DenseLayerStore(ops)
         self._room = 0
         self._base: int | None = None  # the first slot of the stage in flight (None: no stage)
+        self.stands_for_codes = False  # the packed codes were dropped: these residents are all the layer holds
 
     @property
     def nbytes(self) -> int:
         return self._residents.nbytes + self._stage.nbytes
+
+    @property
+    def residents_nbytes(self) -> int:
+        return self._residents.nbytes
+
+    def resident_slots(self) -> np.ndarray:
+        """The slots that hold a resident entry."""
+        return self._residents.occupied()
+
+    def take(self, slots: np.ndarray) -> StagedCoding[A]:
+        """The coding of resident `slots`."""
+        return self._residents.take(slots)
 
     def arrays(self) -> list[A]:
         return self._residents.arrays() + self._stage.arrays()

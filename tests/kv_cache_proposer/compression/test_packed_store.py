@@ -223,6 +223,62 @@ def test_a_fork_copies_the_packed_codes_and_continues_with_the_tokens_of_its_par
     assert _layer_bytes(fork) == _layer_bytes(parent)
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_generating_session_holds_one_form_of_its_history_and_packs_the_same_codes_at_park(
+    verifiers, backend, strategy
+):
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    reference = _cache(verifier, backend, strategy, compressor)
+    cache = _cache(verifier, backend, strategy, compressor)
+    prompt = _tokens(13, 40)
+    _generate(verifier, reference, prompt, 9)
+    reference.park()
+    _generate(verifier, cache, prompt[:20], 1)
+    cache.park()  # packed codes, and a second generation that begins from them
+    seq = SequenceState(cache=cache, tokens=list(prompt), committed=cache.next_position)
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    budget = GenerationBudget(max_new_tokens=9)
+    count = 0
+    while count < 9:
+        count += len(decoder.step(seq, SamplingParams(), budget, count).tokens)
+    layers = cache._layers
+    held = backend == "torch"  # the torch direct forward reads coordinates; MLX keeps a decoded copy and the codes
+    assert all(layer.codes_dropped is held for layer in layers)
+    generating, footprint = cache.nbytes - cache._positions.nbytes, cache.footprint()
+    if held:
+        assert all(layer.packed_nbytes == 0 for layer in layers)
+        assert generating == footprint.working_bytes  # all it holds is what park frees
+        assert footprint.compressed_bytes == sum(layer._work.residents_nbytes for layer in layers)
+    else:
+        assert generating > footprint.working_bytes  # the codes stay beside the decoded copy
+    read_while_generating = _resident(cache)
+    cache.park()
+    assert not any(layer.codes_dropped for layer in layers) and cache.arrays() == []
+    for (wk, wv, wp), (pk, pv, pp) in zip(read_while_generating, _resident(cache), strict=True):
+        assert np.array_equal(wp, pp) and np.array_equal(wk, pk) and np.array_equal(wv, pv)
+    # The codes packed again from the coordinates are the ones packed as the entries were committed.
+    for mine, theirs in zip(layers, reference._layers, strict=True):
+        assert np.array_equal(mine.packed.codes, theirs.packed.codes)
+        assert np.array_equal(mine.packed.qmax, theirs.packed.qmax)
+        assert np.array_equal(mine.packed.norms, theirs.packed.norms)
+        assert np.array_equal(mine.packed.escape_keys, theirs.packed.escape_keys)
+    assert cache.footprint().compressed_bytes == reference.footprint().compressed_bytes
+
+
+def test_a_fork_of_a_generating_session_copies_the_codes_its_parent_parks(verifiers, backend):
+    verifier = verifiers["qwen3"]
+    parent = _cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
+    _generate(verifier, parent, _tokens(14, 30), 6)
+    fork = parent.clone(parent.next_position)  # packs the parent's coordinates first
+    fork.park()
+    parent.park()
+    for mine, theirs in zip(fork._layers, parent._layers, strict=True):
+        assert np.array_equal(mine.packed.codes, theirs.packed.codes)
+        assert np.array_equal(mine.packed.qmax, theirs.packed.qmax)
+    assert fork.footprint().compressed_bytes == parent.footprint().compressed_bytes > 0
+
+
 def _layer_bytes(cache: Any) -> int:
     return sum(layer.nbytes for layer in cache._layers)
 
