@@ -7,6 +7,7 @@ Everything here runs on the event loop; tensor work runs on the engine loop's th
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
@@ -39,6 +40,7 @@ from inference_engine.errors import (
 from inference_engine.forking import fork_sequence
 from inference_engine.grammars import ModelGrammars
 from inference_engine.journal import Journal, JournalAppended, SessionRecord
+from inference_engine.memory import release_free_memory
 from inference_engine.metrics import Metrics
 from inference_engine.model_dir_info import ModelDirInfo
 from inference_engine.restoration import restoration_setup
@@ -199,6 +201,7 @@ class Runtime:
                             )
                         if output.done is not None:
                             outcome = output.done.stop_reason.value
+                            session.finishing = True  # the client may describe the session once it reads Done
                             yield DoneEvent(output.done)
                             return
         finally:
@@ -265,6 +268,8 @@ class Runtime:
         async with session.lock:
             session.release()
         self.store.refresh_gauges()
+        with contextlib.suppress(ShuttingDown):
+            await self.engine.call(release_free_memory)
         if self.journal is not None:
             await self.journal.flush()  # the close is durable once acknowledged
         log.info("session closed", extra={"session_id": session_id, "history_length": len(session.seq.tokens)})
@@ -276,7 +281,8 @@ class Runtime:
         A client that cancels a stream and then asks for the session's state sends both on one connection, but the
         cancel can reach the generation's task after the question: without this wait, the answer could still say
         `generating` for a generation the client has already cancelled. A running generation delays the answer by
-        at most `window_s`; a cancelled one ends after its current step.
+        at most `window_s`; a cancelled one ends after its current step. A generation that sent its Done delays it
+        until its session has parked, so the answer never shows the storage of a generation the client saw end.
         """
         await self.streams.settle_cancellations(session_id, window_s=window_s, timeout_s=self.config.queue_deadline_s)
 

@@ -35,6 +35,7 @@ class Session:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     queued: int = 0
     generating: bool = False
+    finishing: bool = False  # its generation sent Done and has not parked the session yet
     cancel: asyncio.Event | None = None
     closed: bool = False
     invariant_violations: dict[str, int] = field(default_factory=lambda: {"inv1": 0, "inv2": 0})

@@ -16,6 +16,7 @@ from inference_engine.engine import EngineLoop
 from inference_engine.errors import ServiceError, ShuttingDown
 from inference_engine.generation import Generation, StepOutput
 from inference_engine.journal import JournalError
+from inference_engine.memory import release_free_memory
 from inference_engine.metrics import Metrics
 from inference_engine.sessions import Session, SessionStore
 from kv_cache_proposer.controls import DecodeControls
@@ -94,16 +95,23 @@ class GenerationStreams:
                 self.store.touch(session)
                 self.store.charge(session)
                 self.store.refresh_gauges()
+                session.finishing = False
 
     async def _park(self, session: Session) -> None:
-        """Between generations the session holds only its resident storage. A compressed session that attended
-        its history as lattice coordinates packs them again (tenths of a second at 8k tokens), so this runs on the
-        engine thread between two steps, not on the event loop; the session keeps its turn meanwhile, so nothing
-        else reads or evicts it."""
+        """Between generations the session holds only its resident storage, and the memory it freed goes back to
+        the system (`release_free_memory`). A compressed session that attended its history as lattice coordinates
+        packs them again (tenths of a second at 8k tokens), so this runs on the engine thread between two steps,
+        not on the event loop; the session keeps its turn meanwhile, so nothing else reads or evicts it."""
+        park = session.seq.cache.park
+
+        def parked() -> None:
+            park()
+            release_free_memory()
+
         try:
-            await self.engine.call(session.seq.cache.park)
+            await self.engine.call(parked)
         except ShuttingDown:
-            session.seq.cache.park()  # the engine takes no more calls, and is done with this session's cache
+            park()  # the engine takes no more calls, and is done with this session's cache
 
     async def take(self, session: Session, generation: Generation, output: StepOutput) -> None:
         """Check one step's output before its tokens reach the client: a failed step fails the session, and the
@@ -131,11 +139,16 @@ class GenerationStreams:
     async def settle_cancellations(self, session_id: str, *, window_s: float, timeout_s: float) -> None:
         """Let a cancellation sent just before this call end the session's generation (see
         `Runtime.settle_cancellations`): a running generation delays the caller by at most `window_s`, a cancelled
-        one by the rest of its current step (at most `timeout_s`)."""
+        one by the rest of its current step (at most `timeout_s`). A generation that already sent its Done delays
+        the caller until the session has parked (at most `timeout_s`), so what a client reads right after a
+        generation is the parked session."""
         try:
             session = self.store.get(session_id, touch=False)
         except ServiceError:
             return  # the caller's own lookup reports the error
+        deadline = time.monotonic() + timeout_s
+        while session.finishing and time.monotonic() < deadline:
+            await asyncio.sleep(0.002)
         deadline = time.monotonic() + window_s
         while session.generating and time.monotonic() < deadline:
             if session.cancel is not None and session.cancel.is_set():

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import time
 
 import grpc
 import kakeya
@@ -11,6 +12,7 @@ import pytest
 
 from inference_engine.config import ConfigError, load_config
 from inference_engine.generated import runtime_pb2 as pb
+from kv_cache_proposer.compression import PackedLayerStore
 from tests.support.server import create, generate, info
 
 PROMPT = list(range(5, 45))
@@ -46,6 +48,26 @@ def test_a_compressed_session_reports_packed_bytes_in_session_info_and_metrics(s
     ratio = packed_info.kv_dense_equivalent_bytes / packed_info.kv_compressed_bytes
     assert _value(text, "kakeya_kv_compression_ratio") == pytest.approx(ratio)
     assert _value(text, "kakeya_kv_escaped_blocks") == packed_info.kv_escaped_blocks
+
+
+def test_session_info_asked_the_moment_a_generation_ends_reports_the_parked_session(serve, monkeypatch):
+    server = serve("qwen3")
+    slow = 0.3  # a park as slow as a long history's (it packs the held coordinates again), so a reply can race it
+    park = PackedLayerStore.park
+
+    def slow_park(self, slots):
+        time.sleep(slow / 4)  # four layers
+        park(self, slots)
+
+    monkeypatch.setattr(PackedLayerStore, "park", slow_park)
+    with kakeya.Client(server.address) as client:
+        session = client.create_session(initial_tokens=PROMPT, kv_compressor="kakeya_d4")
+        for _ in range(2):  # the second generation begins from the packed codes the first park wrote
+            assert len(list(session.generate(max_tokens=5))) == 5  # the SDK returns at GenerateDone
+            described = session.info()
+            assert not described.generating
+            assert described.kv_compressed_bytes < described.kv_live_bytes < described.kv_compressed_bytes + 4096
+            assert described.kv_peak_bytes > described.kv_live_bytes
 
 
 def test_the_server_default_compressor_applies_to_new_sessions_and_the_sdk_can_override_it(serve):
