@@ -13,7 +13,10 @@ so each RSS is its own.
 Reported per arm and history: the most bytes the generating session held (`peak_session_bytes`: the larger of the
 sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation), what it holds parked after
 (`parked_session_bytes`), the daemon's RSS above its RSS before the fork (`peak_rss_growth_bytes`), the median
-decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s.
+decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s. Also the medians of
+the time to first token (`ttft_s`: a fork's first generation unpacks what its arm holds parked) and of the wait for
+the park after the generation (`park_wait_s`: an empty AppendTokens sent the moment the generation ended returns
+when the session's turn is free, as a client's next turn would start).
 
 Writes `results/bench_memory_<stamp>.json` and a PNG plot next to it.
 
@@ -97,6 +100,9 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                     before = rss_bytes(pid)
                     with Sampler(fork, pid) as sampler:
                         result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
+                        done_at = time.perf_counter()
+                        fork.append([])  # waits for the session's turn: the park after the generation
+                        park_wait = time.perf_counter() - done_at
                     described = fork.info()  # parked now; its kv_peak_bytes counts every step's
                 samples.append(
                     {
@@ -111,6 +117,7 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                         "peak_rss_bytes": sampler.peak_rss,
                         "peak_rss_growth_bytes": max(0, sampler.peak_rss - before),
                         "byte_samples": sampler.samples,
+                        "park_wait_s": park_wait,
                         **result,
                     }
                 )
@@ -139,6 +146,8 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
                 "peak_rss_bytes": max(s["peak_rss_bytes"] for s in runs),
                 "peak_rss_growth_bytes": max(s["peak_rss_growth_bytes"] for s in runs),
                 "decode_tokens_per_s": round(statistics.median(s["decode_tokens_per_s"] for s in runs), 2),
+                "ttft_s": round(statistics.median(s["ttft_s"] for s in runs), 3),
+                "park_wait_s": round(statistics.median(s["park_wait_s"] for s in runs), 3),
                 "tokens_equal_full": all(s["tokens"] == f["tokens"] for s, f in zip(runs, full, strict=True)),
             }
             full_peak = max(s["peak_session_bytes"] for s in full)
