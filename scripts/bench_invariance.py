@@ -76,16 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-LOGPROBS = False  # `--logprobs`: compared generations return each token's log-probability (set by `main`)
-
-
 def greedy(session: kakeya.Session, count: int) -> list[int]:
     return [int(token) for token in session.generate(count)]
 
 
-def compared(session: kakeya.Session, count: int) -> list[Any]:
-    """A generation to compare: its tokens, with `--logprobs` each paired with its log-probability."""
-    if not LOGPROBS:
+def compared(session: kakeya.Session, count: int, logprobs: bool) -> list[Any]:
+    """A generation to compare: its tokens, with `logprobs` (`--logprobs`) each paired with its log-probability."""
+    if not logprobs:
         return greedy(session, count)
     stream = session.generate(count, controls=kakeya.GenerationControls(logprobs=True))
     tokens = [int(token) for token in stream]
@@ -105,7 +102,7 @@ def compare(got: list[Any], expected: list[Any]) -> dict[str, Any]:
 
 
 def delivered_in_turns(
-    client: kakeya.Client, history: list[int], head: int, size: int, new: int, count: int
+    client: kakeya.Client, history: list[int], head: int, size: int, new: int, count: int, logprobs: bool
 ) -> dict[str, Any]:
     """`history[:head]` at creation, the rest in turns of `size`, `new` tokens generated after each; then a fresh
     session given the resulting history: both generate `count` tokens."""
@@ -117,7 +114,7 @@ def delivered_in_turns(
     full = list(session.info(history_tail_tokens=65536).history_tail)
     fresh = client.create_session(initial_tokens=full, eos_token_ids=[])
     try:
-        return compare(compared(session, count), compared(fresh, count))
+        return compare(compared(session, count, logprobs), compared(fresh, count, logprobs))
     finally:
         session.close()
         fresh.close()
@@ -130,17 +127,17 @@ def run_shapes(client: kakeya.Client, histories: list[list[int]], args: argparse
     for index, history in enumerate(histories):
         reference = client.create_session(initial_tokens=history, eos_token_ids=[])
         fork = reference.fork()
-        expected = compared(reference, args.new_tokens)
+        expected = compared(reference, args.new_tokens, args.logprobs)
         references.append(expected)
-        results.setdefault("fork", []).append(compare(compared(fork, args.new_tokens), expected))
+        results.setdefault("fork", []).append(compare(compared(fork, args.new_tokens, args.logprobs), expected))
         reference.close()
         fork.close()
         for size in args.turn_tokens:
-            outcome = delivered_in_turns(client, history, 1, size, args.turn_new_tokens, args.new_tokens)
+            outcome = delivered_in_turns(client, history, 1, size, args.turn_new_tokens, args.new_tokens, args.logprobs)
             results.setdefault(f"turns of {size}", []).append(outcome)
         if args.token_tail:
             head = len(history) - args.token_tail
-            outcome = delivered_in_turns(client, history, head, 1, 1, args.new_tokens)
+            outcome = delivered_in_turns(client, history, head, 1, 1, args.new_tokens, args.logprobs)
             results.setdefault("token by token", []).append(outcome)
         print(f"  history {index + 1}/{len(histories)}", file=sys.stderr, flush=True)
     for others in args.batch_others:
@@ -148,14 +145,16 @@ def run_shapes(client: kakeya.Client, histories: list[list[int]], args: argparse
             group = [history] + [histories[(index + 1 + k) % len(histories)][: 200 + 97 * k] for k in range(others)]
             sessions = [client.create_session(initial_tokens=h, eos_token_ids=[]) for h in group]
             with ThreadPoolExecutor(len(sessions)) as pool:
-                outputs = list(pool.map(lambda s: compared(s, args.new_tokens), sessions))
+                outputs = list(pool.map(lambda s: compared(s, args.new_tokens, args.logprobs), sessions))
             for session in sessions:
                 session.close()
             results.setdefault(f"among {others}", []).append(compare(outputs[0], references[index]))
     return {"results": results, "references": references}
 
 
-def journal_shape(flags: list[str], histories: list[list[int]], references: list[Any], count: int) -> list[Any]:
+def journal_shape(
+    flags: list[str], histories: list[list[int]], references: list[Any], count: int, logprobs: bool
+) -> list[Any]:
     """Sessions created on a journaled daemon, which stops and starts again; each restored session generates."""
     with tempfile.TemporaryDirectory(prefix="kakeya-invariance-") as state_dir:
         journaled = [*flags, "--state-dir", state_dir]
@@ -172,7 +171,7 @@ def journal_shape(flags: list[str], histories: list[list[int]], references: list
             outcomes = []
             for session_id, expected in zip(ids, references, strict=True):
                 session = kakeya.Session(client, session_id, routing_key="")
-                outcomes.append(compare(compared(session, count), expected))
+                outcomes.append(compare(compared(session, count, logprobs), expected))
                 session.close()
             client.close()
         finally:
@@ -199,9 +198,7 @@ def _plot(summary: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    global LOGPROBS
     args = parse_args(argv)
-    LOGPROBS = args.logprobs
     text = history_tokens(args.model, args.histories * args.history_tokens)
     histories = [text[i * args.history_tokens : (i + 1) * args.history_tokens] for i in range(args.histories)]
     flags = ["--model", str(args.model), "--max-concurrent", str(max(args.batch_others, default=0) + 1)]
@@ -215,7 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
     finally:
         daemon.stop()
     results = shapes["results"]
-    results["journal"] = journal_shape(flags, histories, shapes["references"], args.new_tokens)
+    results["journal"] = journal_shape(flags, histories, shapes["references"], args.new_tokens, args.logprobs)
     summary = {
         "histories": args.histories,
         "mismatches": {shape: sum(not r["match"] for r in rows) for shape, rows in results.items()},

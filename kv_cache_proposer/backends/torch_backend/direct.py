@@ -299,7 +299,6 @@ def _padded_mask(
     """The additive mask `[1, 1, rows, length]` of `n` queries' grouped rows (each query's keys repeated per query
     head of a K/V head) over `count` keys padded to `length`. A padded row reads the first key, so that no softmax
     is empty."""
-    columns = torch.arange(length)
     if isinstance(mask, torch.Tensor):
         plane = mask[0, 0]
         allowed = plane if plane.dtype == torch.bool else plane == 0  # [n, count]
@@ -311,7 +310,7 @@ def _padded_mask(
     last = torch.zeros(rows, dtype=torch.long)  # the last key each row reads
     last[: groups * n] = (torch.arange(n) + (count - n)).repeat(groups)
     zero, hidden = torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype)
-    return torch.where(columns[None, :] <= last[:, None], zero, hidden)[None, None]
+    return torch.where(torch.arange(length)[None, :] <= last[:, None], zero, hidden)[None, None]
 
 
 def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
