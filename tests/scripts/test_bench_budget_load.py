@@ -22,7 +22,7 @@ def _bench():
     return bench
 
 
-@pytest.mark.parametrize(("budget", "evicts"), [(1 << 30, False), (1_200_000, True)])
+@pytest.mark.parametrize(("budget", "evicts"), [(1 << 30, False), (800_000, True)])
 def test_a_smoke_run_reports_errors_consistency_and_the_budget(tmp_path, budget, evicts):
     bench = _bench()
     argv = ["--sessions", "6", "--concurrency", "2", "--history", "300", "--new-tokens", "4"]
@@ -34,6 +34,8 @@ def test_a_smoke_run_reports_errors_consistency_and_the_budget(tmp_path, budget,
     summary, states = data["summary"], data["samples"]["states"]
     assert summary["errors"] == 0 and summary["inconsistent"] == []
     assert summary["consistent"] + summary["evicted"] == 6 and set(states) <= {"consistent", "evicted"}
-    assert (summary["evicted"] > 0) is evicts  # 1.2 MB: two generating and a few parked, not six
+    # 0.8 MB: two generating sessions (about 0.6 MB at their peak) and a few parked, not six (at 1.2 MB all six
+    # fit, since a generating compressed session holds its history in one form).
+    assert (summary["evicted"] > 0) is evicts
     assert summary["samples"] > 0 and summary["max_held_bytes"] > 0
     assert all(len(s["tokens"]) == 4 for s in data["samples"]["sessions"])
