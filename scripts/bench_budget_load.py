@@ -64,9 +64,14 @@ class Sampler(PeriodicSampler):
         super().__init__(SAMPLE_S)
         self._url, self._pid = metrics_url, pid
         self.samples: list[tuple[float, int, int]] = []  # (seconds since start, held bytes, RSS)
+        self.missed = 0  # fetches of /metrics that failed
 
     def sample(self) -> None:
-        text = urllib.request.urlopen(self._url, timeout=5).read().decode()
+        try:
+            text = urllib.request.urlopen(self._url, timeout=5).read().decode()
+        except OSError:  # the metrics server not answering yet, or a timeout: a sample missed, sampling goes on
+            self.missed += 1
+            return
         match = _LIVE.search(text)
         held = int(float(match.group(1))) if match else 0
         self.samples.append((time.monotonic() - self.started, held, rss_bytes(self._pid)))
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         states = [check(address, o) if o["error"] is None else "failed" for o in outcomes]
     finally:
         daemon.stop()
-    summary = summarise(outcomes, states, sampler.samples, args.budget_bytes)
+    summary = summarise(outcomes, states, sampler.samples, args.budget_bytes) | {"missed_samples": sampler.missed}
     config = {**vars(args), "model": str(args.model), "out": str(args.out), "daemon_flags": flags}
     for outcome in outcomes:
         outcome.pop("history", None)
