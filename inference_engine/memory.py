@@ -4,8 +4,8 @@ Tensors and numpy arrays are allocated by the C library's `malloc`. glibc keeps 
 allocations, per thread arena, and places large blocks in the heap once the program has freed a few (its mmap
 threshold grows up to 32 MiB), so a generation's working storage, freed when its session parks, can stay in the
 process's resident set long after: the KV budget then bounds what sessions hold but not the memory the daemon
-keeps. `malloc_trim(0)` returns every arena's free pages to the system. The daemon calls it after a session parks,
-closes or is evicted, on the engine thread between two steps. Where the C library has no `malloc_trim` (macOS,
+keeps. `malloc_trim(0)` returns every arena's free pages to the system. The daemon calls it after a session parks
+or closes, on the engine thread between two steps. Where the C library has no `malloc_trim` (macOS,
 musl) nothing is done.
 """
 

@@ -5,12 +5,15 @@ on the model's end-of-sequence ids."""
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from inference_engine.model_source import model_name
 from kv_cache_proposer.restoration import find_plan
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +26,16 @@ class ModelDirInfo:
     trained_context_tokens: int = 0
     chat_template: str | None = None
     restore_plan: Path | None = None  # the restoration plan manifest the directory ships, if any
+
+    def eos_within(self, vocab_size: int) -> tuple[int, ...]:
+        """The end-of-sequence ids inside a vocabulary of `vocab_size`; any outside it are ignored, with a warning."""
+        inside = tuple(t for t in self.eos_token_ids if 0 <= t < vocab_size)
+        if inside != self.eos_token_ids:
+            log.warning(
+                "end-of-sequence ids outside the vocabulary are ignored",
+                extra={"eos_token_ids": list(self.eos_token_ids), "vocab_size": vocab_size},
+            )
+        return inside
 
     @classmethod
     def read(cls, model_dir: Path) -> ModelDirInfo:

@@ -77,7 +77,7 @@ class Runtime:
         self.proposer = proposer or NoProposer()
         self.checks = RequestChecks(config, verifier.vocab_size)
         self.model_dir_info = model_dir_info or ModelDirInfo.read(config.model_dir)
-        self.default_eos_token_ids = self._model_eos(self.model_dir_info)
+        self.default_eos_token_ids = self.model_dir_info.eos_within(verifier.vocab_size)
         metrics.build_info.labels(
             version=__version__,
             backend=config.backend,
@@ -391,15 +391,6 @@ class Runtime:
         )
         self.store.add(session)
         return session
-
-    def _model_eos(self, info: ModelDirInfo) -> tuple[int, ...]:
-        inside = tuple(t for t in info.eos_token_ids if 0 <= t < self.verifier.vocab_size)
-        if inside != info.eos_token_ids:
-            log.warning(
-                "end-of-sequence ids outside the vocabulary are ignored",
-                extra={"eos_token_ids": list(info.eos_token_ids), "vocab_size": self.verifier.vocab_size},
-            )
-        return inside
 
     def _check_accepting(self) -> None:
         if not self._accepting:

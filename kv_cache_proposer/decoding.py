@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kv_cache_proposer.controls import DecodeControls, match_stop_sequence, pick_controlled
+from kv_cache_proposer.controls import DecodeControls, pick_controlled
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftPolicy, NoDraftSession
 from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest, commit_all, propose_all
@@ -24,6 +24,7 @@ from kv_cache_proposer.sequence import (
     StepRequest,
     StepResult,
     StopCause,
+    first_stop,
 )
 from kv_cache_proposer.strategies import DlmRestoreStrategy
 from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
@@ -308,7 +309,7 @@ class Decoder:
         if dead_end_row is not None and dead_end_row < len(emitted):
             emitted, stop = emitted[:dead_end_row], StopCause.GRAMMAR_DEAD_END
         stop_sequences = controls.stop_sequences if controls is not None else ()
-        cut, stop_found, stop_index = _first_stop(emitted, seq.tokens, generated, budget, stop_sequences)
+        cut, stop_found, stop_index = first_stop(emitted, seq.tokens, generated, budget, stop_sequences)
         stop = stop_found or stop
         if cut >= room:
             if cut > room:
@@ -376,30 +377,6 @@ class Decoder:
         if generated >= budget.max_new_tokens:
             return StopCause.MAX_TOKENS
         return StopCause.HISTORY_LIMIT
-
-
-def _first_stop(
-    emitted: Sequence[int],
-    history: Sequence[int],
-    generated: int,
-    budget: GenerationBudget,
-    stop_sequences: Sequence[Sequence[int]],
-) -> tuple[int, StopCause | None, int | None]:
-    """How many of `emitted` to keep, and why they end the generation: the first stop token, or the first token
-    that completes a stop sequence within this generation's output (the last `generated` history tokens, then
-    `emitted`), whichever comes first."""
-    longest = max((len(s) for s in stop_sequences), default=0)
-    # The end of the output so far: a stop sequence may begin in an earlier step.
-    output = list(history[len(history) - min(generated, longest) :]) if longest > 1 and generated else []
-    for i, token in enumerate(emitted):
-        if token in budget.stop_token_ids:
-            return i + 1, StopCause.EOS, None
-        if stop_sequences:
-            output.append(token)
-            index = match_stop_sequence(output, stop_sequences)
-            if index is not None:
-                return i + 1, StopCause.STOP_SEQUENCE, index
-    return len(emitted), None, None
 
 
 def _accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:

@@ -7,12 +7,13 @@ ones are processed by the next step.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from kv_cache_proposer.cache import SessionCache
-from kv_cache_proposer.controls import DecodeControls, TokenLogprob
+from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_sequence
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
 from kv_cache_proposer.proposers.cost_model import DraftCostModel, DraftDecision
 from kv_cache_proposer.sampling import SamplingParams
@@ -78,6 +79,30 @@ class GenerationBudget:
     max_new_tokens: int
     stop_token_ids: frozenset[int] = frozenset()
     max_history_tokens: int | None = None
+
+
+def first_stop(
+    emitted: Sequence[int],
+    history: Sequence[int],
+    generated: int,
+    budget: GenerationBudget,
+    stop_sequences: Sequence[Sequence[int]],
+) -> tuple[int, StopCause | None, int | None]:
+    """How many of `emitted` to keep, and why they end the generation: the first stop token, or the first token
+    that completes a stop sequence within this generation's output (the last `generated` history tokens, then
+    `emitted`), whichever comes first."""
+    longest = max((len(s) for s in stop_sequences), default=0)
+    # The end of the output so far: a stop sequence may begin in an earlier step.
+    output = list(history[len(history) - min(generated, longest) :]) if longest > 1 and generated else []
+    for i, token in enumerate(emitted):
+        if token in budget.stop_token_ids:
+            return i + 1, StopCause.EOS, None
+        if stop_sequences:
+            output.append(token)
+            index = match_stop_sequence(output, stop_sequences)
+            if index is not None:
+                return i + 1, StopCause.STOP_SEQUENCE, index
+    return len(emitted), None, None
 
 
 @dataclass(slots=True)

@@ -84,6 +84,34 @@ class PackedCodes:
             points = np.concatenate([points, blocks[flat, block]])
         self.escape_keys, self.escape_points = keys, points
 
+    def write_vectors(self, slots: np.ndarray, keys: LatticeCoding, values: LatticeCoding) -> None:
+        """Write the codings of K and V of `[B, H, len(slots)]` vectors (row-major, as a codec encodes them)."""
+        count = slots.size
+        parts = [
+            (
+                coding.doubled.reshape(self.rows, count, -1).transpose(1, 0, 2),  # [m, B·H, D]
+                coding.norms.reshape(self.rows, count).T,  # [m, B·H]
+                coding.qmax.reshape(self.rows, count).T,
+            )
+            for coding in (keys, values)
+        ]
+        doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
+        self.write(slots, doubled, norms, qmax)
+
+    def write_staged(self, slots: np.ndarray, doubled: np.ndarray, norms: np.ndarray, qmax: np.ndarray) -> None:
+        """Write codings laid out as a `StagedCoding` on the host (`LatticeCodec.to_host`: doubled `[2·B, H, m, D]`,
+        norms and qmax `[2·B, H, m]`) into `slots`; a slot named twice (a ring slot written twice since the last
+        pack) keeps its later entry."""
+        last_first, first_from_end = np.unique(slots[::-1], return_index=True)
+        keep = slots.size - 1 - first_from_end
+        rows, dim = self.rows, doubled.shape[-1]
+        self.write(
+            last_first,
+            doubled.reshape(2, rows, -1, dim)[:, :, keep].transpose(0, 2, 1, 3),  # [2, m, B·H, D]
+            norms.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),  # [2, m, B·H]
+            qmax.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),
+        )
+
     def copy_from(self, source: PackedCodes, source_slots: np.ndarray, slots: np.ndarray) -> None:
         """Hold the entries `source_slots` of `source` (same lattice and rows) as those of `slots`, code for code."""
         if not slots.size:

@@ -25,7 +25,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import CommitPlan, LayerStore, StoreFootprint, joined_parts
 from kv_cache_proposer.cache.protocol import KeyPart
-from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, LatticeCoding, StagedCoding
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec
 from kv_cache_proposer.compression.coding_ledger import CodingLedger, select
 from kv_cache_proposer.compression.deferred_coding import BegunCoding, PendingEntry, finish_codings, start_codings
 from kv_cache_proposer.compression.packed_codes import PackedCodes
@@ -119,17 +119,21 @@ class PackedLayerStore(Generic[A]):
     def codes_dropped(self) -> bool:
         """Whether the residents are held only as coordinates (a generating session's `HeldWorking`): the packed
         codes are made again from them at `park` (or by `pack`)."""
-        return isinstance(self._work, HeldWorking) and self._work.stands_for_codes
+        return self._standing_in() is not None
+
+    def _standing_in(self) -> HeldWorking[A] | None:
+        """The held coordinates that stand for the dropped codes, while they do."""
+        work = self._work
+        return work if isinstance(work, HeldWorking) and work.stands_for_codes else None
 
     def footprint(self) -> StoreFootprint:
         if self._layout is None:
             return StoreFootprint(0, 0, 0)
         layout = self._layout
         dense = 2 * self.held * layout.rows * layout.codec.spec.head_dim * layout.itemsize
-        if self.codes_dropped:
+        if (held := self._standing_in()) is not None:
             # The coordinates are the compressed form held now; escapes are the ones counted at the last pack.
-            assert isinstance(self._work, HeldWorking)
-            return StoreFootprint(self._work.residents_nbytes, dense, self._unpacked_escapes)
+            return StoreFootprint(held.residents_nbytes, dense, self._unpacked_escapes)
         # Codings of entries committed since the last pack count as compressed bytes too (at most `PACK_EVERY`).
         compressed = self.packed_nbytes + self._codings.nbytes
         return StoreFootprint(compressed, dense, self._packed_of().escaped_blocks)
@@ -217,14 +221,11 @@ class PackedLayerStore(Generic[A]):
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
         layout = self._start(keys)
         codings = [layout.codec.encode(array) for array in (keys, values)]
-        if self.codes_dropped:
-            assert self._work is not None
-            self._work.load(slots, codings[0], codings[1])
+        if (held := self._standing_in()) is not None:
+            held.load(slots, codings[0], codings[1])
             return
         self.pack()  # earlier commits to these slots must not overwrite the loaded entries later
-        parts = [_by_slot(coding, layout.rows, slots.size) for coding in codings]
-        doubled, norms, qmax = (np.stack(part) for part in zip(*parts, strict=True))
-        self._packed_of().write(slots, doubled, norms, qmax)
+        self._packed_of().write_vectors(slots, codings[0], codings[1])
         if self._work is not None:
             self._work.load(slots, codings[0], codings[1])
 
@@ -239,10 +240,9 @@ class PackedLayerStore(Generic[A]):
             self._layout = source.layout
             self._packed = PackedCodes(source.packed.spec, source.packed.rows)
             self._codings.entry_bytes = source.layout.entry_coding_bytes
-        if self.codes_dropped:
-            assert self._work is not None
+        if (held := self._standing_in()) is not None:
             if slots.size:
-                self._work.load(slots, source.packed.read(0, source_slots), source.packed.read(1, source_slots))
+                held.load(slots, source.packed.read(0, source_slots), source.packed.read(1, source_slots))
             return
         self.pack()
         self._packed_of().copy_from(source.packed, source_slots, slots)
@@ -271,30 +271,16 @@ class PackedLayerStore(Generic[A]):
     def pack(self) -> None:
         """Bit-pack every committed entry still held as lattice coordinates, in one pass: the entries committed
         since the last pack, or, while the codes are dropped, every resident (the codes are then held again)."""
-        if self.codes_dropped:
-            assert isinstance(self._work, HeldWorking)
-            slots = self._work.resident_slots()
-            self._write_packed(slots, self._work.take(slots))
-            self._work.stands_for_codes = False
+        codec = self._layout_of().codec
+        if (held := self._standing_in()) is not None:
+            slots = held.resident_slots()
+            self._packed_of().write_staged(slots, *codec.to_host(held.take(slots)))
+            held.stands_for_codes = False
             return
         taken = self._codings.take_unpacked()
         if taken is not None:
-            self._write_packed(*taken)
-
-    def _write_packed(self, slots: np.ndarray, coding: StagedCoding[A]) -> None:
-        """Pack `coding` (laid out as `StagedCoding`) into `slots`; a slot named twice keeps its later entry."""
-        layout = self._layout_of()
-        doubled, norms, qmax = layout.codec.to_host(coding)  # [2B, H, m, D], [2B, H, m] x2
-        # A ring slot written twice since the last pack keeps its latest entry.
-        last_first, first_from_end = np.unique(slots[::-1], return_index=True)
-        keep = slots.size - 1 - first_from_end
-        rows, dim = layout.rows, doubled.shape[-1]
-        self._packed_of().write(
-            last_first,
-            doubled.reshape(2, rows, -1, dim)[:, :, keep].transpose(0, 2, 1, 3),  # [2, m, B·H, D]
-            norms.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),  # [2, m, B·H]
-            qmax.reshape(2, rows, -1)[:, :, keep].transpose(0, 2, 1),
-        )
+            slots, coding = taken
+            self._packed_of().write_staged(slots, *codec.to_host(coding))
 
     # -- the deferred coding of a one-token forward's entry (`deferred_coding.DeferredCoder`) ------------------------
     @property
@@ -407,9 +393,3 @@ class PackedLayerStore(Generic[A]):
         layout = self._layout_of()
         coding = self._packed_of().read(tensor, slots)
         return layout.codec.decode(coding, layout.shape(slots.size), layout.model_dtype)
-
-
-def _by_slot(coding: LatticeCoding, rows: int, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A coding of `[B, H, m]` vectors reordered slot-major: `[m, B·H, D]`, `[m, B·H]`, `[m, B·H]`."""
-    doubled = coding.doubled.reshape(rows, count, -1).transpose(1, 0, 2)
-    return doubled, coding.norms.reshape(rows, count).T, coding.qmax.reshape(rows, count).T
