@@ -5,10 +5,12 @@ and its end, once the engine is done with it and every token it added to the his
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any
 
 from inference_engine.admission import Admission
 from inference_engine.durability import SessionJournal
@@ -78,24 +80,30 @@ class GenerationStreams:
             self.engine.begin(generation)
             yield generation
         finally:
-            # A step under way when the consumer left completes: its tokens are history, so they are journaled.
-            for output in await self._stop(generation):
-                try:
-                    await self.take(session, generation, output)
-                except ServiceError:
-                    break  # the session failed and was freed; the generation already ends with its own error
-                except Exception:  # the generation already ends with its own error; this step's is the same session's
-                    log.debug("a step of an ended generation failed", exc_info=True)
-                    break
-            session.generating = False
-            session.cancel = None
+            # Runs to its end even when the client's call is cancelled meanwhile (as a client that read Done and
+            # let go of the call does): a session left marked generating, or not parked, would stay so.
+            await run_to_end(self._wind_up(session, generation))
+
+    async def _wind_up(self, session: Session, generation: Generation) -> None:
+        """The end of a generation: once the engine is done with it, a step under way when the consumer left
+        completes, its tokens journaled as history; then the session parks."""
+        for output in await self._stop(generation):
             try:
-                await self._park(session)
-            finally:
-                self.store.touch(session)
-                self.store.charge(session)
-                self.store.refresh_gauges()
-                session.finishing = False
+                await self.take(session, generation, output)
+            except ServiceError:
+                break  # the session failed and was freed; the generation already ends with its own error
+            except Exception:  # the generation already ends with its own error; this step's is the same session's
+                log.debug("a step of an ended generation failed", exc_info=True)
+                break
+        session.generating = False
+        session.cancel = None
+        try:
+            await self._park(session)
+        finally:
+            self.store.touch(session)
+            self.store.charge(session)
+            self.store.refresh_gauges()
+            session.finishing = False
 
     async def _park(self, session: Session) -> None:
         """Between generations the session holds only its resident storage, and the memory it freed goes back to
@@ -165,3 +173,18 @@ class GenerationStreams:
         if not generation.has_ended:
             generation.abandon()
         return await generation.ended()
+
+
+async def run_to_end(work: Coroutine[Any, Any, None]) -> None:
+    """Await `work`; when the caller is cancelled meanwhile, `work` still runs to its end before the cancellation
+    is raised (what it raises then is logged, not lost)."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([task])
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("cleanup after a cancelled call failed", exc_info=task.exception())
+        raise

@@ -6,9 +6,11 @@ import threading
 import time
 
 import grpc
+import kakeya
 import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
+from inference_engine.generation import Generation
 from tests.support.backends import BACKENDS
 from tests.support.server import create, generate, info
 
@@ -154,3 +156,25 @@ def test_closing_a_generating_session_cancels_the_generation(serve):
     assert closed.final_history_length == 3 + done.generated_token_count
     assert "closed" in _not_found_reason(server.stub, sid)
     assert server.runtime.store.kv_live_bytes() == 0
+
+
+def test_a_client_that_lets_go_of_the_call_at_done_leaves_its_session_parked_and_idle(serve, monkeypatch):
+    """The SDK returns at GenerateDone and drops the call, which cancels it on the server while the generation is
+    still winding up (here: the engine is slow to let go of it); the wind-up still runs to its end."""
+    server = serve("qwen3", queue_deadline_s=20.0)
+    end = Generation.end
+
+    def slow_end(self):
+        time.sleep(0.3)
+        end(self)
+
+    monkeypatch.setattr(Generation, "end", slow_end)
+    with kakeya.Client(server.address) as client:
+        session = client.create_session(initial_tokens=[1, 2, 3], kv_compressor="kakeya_d4")
+        for _ in range(2):
+            assert len(list(session.generate(max_tokens=4))) == 4
+            started = time.monotonic()
+            described = session.info()
+            assert time.monotonic() - started < 5.0  # not the queue deadline: nothing is left finishing
+            assert not described.generating
+            assert described.kv_compressed_bytes < described.kv_live_bytes < described.kv_compressed_bytes + 4096
