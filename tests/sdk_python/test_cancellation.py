@@ -33,7 +33,12 @@ def test_breaking_out_of_generate_cancels_the_generation_on_the_server(server, c
     assert not info.generating and 3 + 3 <= info.history_length < 3 + 5000
     tail = session.info(history_tail_tokens=info.history_length - 3).history_tail
     assert list(tail[:3]) == received, "the received tokens are the first ones the history gained"
-    assert 'kakeya_generate_requests_total{outcome="cancelled"} 1.0' in server.metrics_text()
+    # The request is counted when its call ends on the server, just after the session went idle.
+    deadline = time.monotonic() + 10
+    cancelled = 'kakeya_generate_requests_total{outcome="cancelled"} 1.0'
+    while cancelled not in server.metrics_text() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cancelled in server.metrics_text()
     assert len(list(session.generate(4))) == 4, "the session is free for the next generation"
 
 
