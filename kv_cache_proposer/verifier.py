@@ -12,7 +12,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A
 from kv_cache_proposer.cache.layer_store import LayerStoreFactory
 from kv_cache_proposer.cache.protocol import SessionCache
-from kv_cache_proposer.restoration.cache import RestorationSetup
+from kv_cache_proposer.restoration.setup import RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy
 

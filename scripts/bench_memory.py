@@ -48,6 +48,7 @@ ARMS: dict[str, list[str]] = {
     "dlm_restore": ["--kv-strategy", "dlm_restore", "--restore-plan", "recompute"],
     "kakeya_d4": ["--kv-compressor", "kakeya_d4"],
 }
+ARMS["dlm_restore+kakeya_d4"] = ARMS["dlm_restore"] + ARMS["kakeya_d4"]  # restored K/V coded as the residents are
 EXACT_ARMS = ("full", "dlm_restore")  # arms whose tokens must equal full's
 SAMPLE_S = 0.02
 

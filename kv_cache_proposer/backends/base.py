@@ -11,7 +11,8 @@ import numpy as np
 
 from kv_cache_proposer.cache import KVSessionCache, LayerStoreFactory, SessionCache
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.restoration.cache import RestorationSetup, RestoringSessionCache
+from kv_cache_proposer.restoration.cache import RestoringSessionCache
+from kv_cache_proposer.restoration.setup import RestorationSetup
 from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 

@@ -22,8 +22,8 @@ class AttentionPrefix(Protocol[A_co]):
         """Global positions of the prefix keys `[P]`, the same for every layer."""
         ...
 
-    def layer(self, layer_idx: int) -> tuple[A_co, A_co]:
-        """Keys and values `[B, H, P, D]` of one layer."""
+    def layer(self, layer_idx: int) -> KeyPart[A_co]:
+        """Keys and values `[B, H, P, D]` of one layer: dense, or held compactly."""
         ...
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import CommitPlan, LayerStore, StoreFootprint, joined_parts
 from kv_cache_proposer.cache.protocol import KeyPart
-from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec
+from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, StagedCoding
 from kv_cache_proposer.compression.coding_ledger import CodingLedger, select
 from kv_cache_proposer.compression.deferred_coding import BegunCoding, PendingEntry, finish_codings, start_codings
 from kv_cache_proposer.compression.packed_codes import PackedCodes
@@ -291,6 +291,15 @@ class PackedLayerStore(Generic[A]):
         layout, entry = self._layout_of(), self._pending
         assert entry is not None
         return (layout.codec.spec, layout.model_dtype, tuple(entry.keys.shape))  # type: ignore[attr-defined]
+
+    @property
+    def reads_held(self) -> bool:
+        """Whether a generating session holds the layer's residents as coordinates that attention reads."""
+        return self._held_allowed and self._layout is not None and self._layout.codec.reads_held
+
+    def held_coding(self, slots: np.ndarray) -> StagedCoding[A] | None:
+        """The coding of resident `slots` as the coordinates a generating session holds (None: not held so)."""
+        return self._work.take(slots) if isinstance(self._work, HeldWorking) else None
 
     def codec(self) -> tuple[LatticeCodec[A], Any]:
         layout = self._layout_of()

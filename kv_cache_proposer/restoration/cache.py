@@ -9,15 +9,14 @@ it ahead of the resident slots at the positions' true global positions:
   commit with the positions that leave the window; `park()` drops it.
 - rebuild `step`: the prefix is rebuilt from the state before every forward and dropped after its commit.
 
-Positions leaving the window are captured at commit, before their slots are overwritten.
+Positions leaving the window are captured at commit, before their slots are overwritten. A session whose resident
+layers are held as lattice coordinates while it generates holds its restored K/V so too (`new_prefix`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -25,50 +24,23 @@ from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
 from kv_cache_proposer.cache.protocol import CacheFootprint, KeyPart
 from kv_cache_proposer.cache.session import KVSessionCache
+from kv_cache_proposer.compression.packed_store import PackedLayerStore
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.drafter_context import ContextStore
 from kv_cache_proposer.restoration.plan import LayerSource, RestorationPlan
 from kv_cache_proposer.restoration.projection import rows_kv
 from kv_cache_proposer.restoration.rebuild import (
+    Entries,
     LayerForward,
+    PrefixCache,
     RestoredPrefix,
     forward_kv,
-    gather_all,
-    prefix_kv,
+    new_prefix,
+    prefix_cache,
     project,
 )
+from kv_cache_proposer.restoration.setup import REBUILD_RUN, RestorationSetup
 from kv_cache_proposer.strategies import DlmRestoreStrategy
-
-RebuildMode = Literal["generation", "step"]
-REBUILD_MODES: tuple[RebuildMode, ...] = ("generation", "step")
-
-
-@dataclass(frozen=True, slots=True)
-class RestorationSetup:
-    """How `dlm_restore` sessions restore evicted K/V: the plan (None: `recompute` for every layer, the exact
-    reference) and when restored K/V are rebuilt."""
-
-    plan: RestorationPlan | None = None
-    rebuild: RebuildMode = "generation"
-    # What holds the K/V of kept layers when the session has no compressor of its own (None: dense, in the
-    # model's dtype): the plan's `kept_compressor`, built for the serving backend.
-    kept_store: LayerStoreFactory[Any] | None = None
-    # The most prefix tokens one `recompute` forward reads: the rebuild runs over the prefix in chunks of this size
-    # (0: the model's own prefill chunk, `prefill_chunk_tokens`).
-    chunk_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.rebuild not in REBUILD_MODES:
-            raise ValueError(f"rebuild must be one of {', '.join(REBUILD_MODES)}, got {self.rebuild!r}")
-        if self.chunk_tokens < 0:
-            raise ValueError(f"chunk_tokens must be >= 0, got {self.chunk_tokens}")
-
-    def plan_for(self, num_layers: int) -> RestorationPlan:
-        """The plan for a model of `num_layers` layers; raises `ValueError` when the plan does not fit it."""
-        if self.plan is None:
-            return RestorationPlan.uniform(num_layers, "recompute")
-        self.plan.check_model(num_layers)
-        return self.plan
 
 
 class RestoringSessionCache(KVSessionCache[A]):
@@ -212,7 +184,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             if leaving.size:
                 self._reserve_kept(store.held + leaving.size)
                 slots = np.arange(store.held, store.held + leaving.size, dtype=np.int64)
-                store.load(slots, *captured[layer])
+                store.load(slots, *_dense(captured[layer]))
                 store.held += int(leaving.size)
         if self._setup.rebuild == "step":
             self._drop_restored()
@@ -227,18 +199,29 @@ class RestoringSessionCache(KVSessionCache[A]):
         end = self._restoring.evicted_positions(before + count).size + self._restoring.sink
         return np.arange(start, end, dtype=np.int64)
 
-    def _capture(self, leaving: np.ndarray, before: int) -> dict[int, tuple[A, A]]:
-        """K/V of the positions leaving residency, read before the commit overwrites their slots."""
+    def _capture(self, leaving: np.ndarray, before: int) -> dict[int, Entries[A]]:
+        """K/V of the positions leaving residency, read before the commit overwrites their slots: resident ones
+        read alone (a packed layer decodes only them), or as their coordinates where a coded prefix takes them."""
         offset = self.stage_offset
         resident = leaving < before
         slots = np.where(resident, self._restoring.slots_of(leaving), offset + leaving - before)
         wanted = set(self._kept)
         if self._setup.rebuild == "generation":  # recompute layers extend the restored K/V with these
             wanted |= {i for i, source in enumerate(self._plan.layers) if source.kind == "recompute"}
-        captured = {}
+        coded = self._restored is not None and self._restored.coded
+        captured: dict[int, Entries[A]] = {}
         for layer in wanted:
-            keys, values = self._layers[layer].read(offset, offset + self._staged)
-            captured[layer] = (self._ops.take(keys, slots), self._ops.take(values, slots))
+            store = self._layers[layer]
+            coding = None
+            if coded and layer not in self._kept and resident.all() and isinstance(store, PackedLayerStore):
+                coding = store.held_coding(slots)
+            if coding is not None:
+                captured[layer] = coding
+            elif resident.all():
+                captured[layer] = store.gather(slots)
+            else:
+                keys, values = store.read(offset, offset + self._staged)
+                captured[layer] = (self._ops.take(keys, slots), self._ops.take(values, slots))
         return captured
 
     def _reserve_kept(self, needed: int) -> None:
@@ -248,12 +231,12 @@ class RestoringSessionCache(KVSessionCache[A]):
         for store in self._kept.values():
             store.reserve(self._kept_capacity)
 
-    def _extend_restored(self, captured: dict[int, tuple[A, A]], added: int) -> None:
+    def _extend_restored(self, captured: dict[int, Entries[A]], added: int) -> None:
         """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""
         if self._restored is None:
             if self.evicted_count:  # the prefix of earlier evictions was dropped: rebuilt at the next forward
                 return
-            self._restored = RestoredPrefix(self._ops, self.num_layers, self._restoring.sink)
+            self._restored = new_prefix(self._ops, self._layers, self._restoring.sink)
         kept_new = {layer: self._kept_tail(layer, added) for layer in self._kept}
         first = self._restoring.sink + self._restored.count
         token_layers = [i for i, source in enumerate(self._plan.layers) if source.kind == "tokens"]
@@ -263,20 +246,17 @@ class RestoringSessionCache(KVSessionCache[A]):
             rebuilt = forward_kv(
                 self._forward_layers, self._ops, self.num_layers, tokens, start=first, last_layer=max(token_layers)
             )
-        per_layer = []
-        for layer, source in enumerate(self._plan.layers):
-            if source.kind == "kept":
-                per_layer.append(kept_new[layer])
-            elif source.from_drafter:
-                per_layer.append(self._from_contexts(source, first, first + added))
-            elif source.kind == "projected" and source.from_layer is not None:
-                per_layer.append(project(self._ops, source, *kept_new[source.from_layer]))
-            elif source.kind == "tokens":
-                per_layer.append(rebuilt[layer])
-            else:
-                # recompute: the verifier's own K/V of these positions, computed over the restored history (exact
-                # when every layer is recomputed), spare a forward over the whole prefix at every commit
-                per_layer.append(captured[layer])
+
+        def forwarded(layer: int) -> Entries[A]:
+            # recompute: the verifier's own K/V of these positions, computed over the restored history (exact when
+            # every layer is recomputed), spare a forward over the whole prefix at every commit
+            return rebuilt[layer] if self._plan.layers[layer].kind == "tokens" else captured[layer]
+
+        end = first + added
+        per_layer = [
+            self._layer_kv(layer, source, first, end, kept_new.__getitem__, forwarded)
+            for layer, source in enumerate(self._plan.layers)
+        ]
         self._restored.extend(per_layer)
         self._note_peak()
 
@@ -286,45 +266,88 @@ class RestoringSessionCache(KVSessionCache[A]):
         return store.gather(np.arange(store.held - count, store.held, dtype=np.int64))
 
     def _rebuild(self, evicted: int) -> RestoredPrefix[A]:
-        """Restored K/V of every evicted position, from the plan's state alone."""
+        """Restored K/V of every evicted position, from the plan's state alone, one layer at a time: a layer
+        forwarded over the prefix lets go of its scratch K/V once restored. A coded prefix takes a `recompute`
+        layer's coordinates from the prefix forward (whose K/V are held coded, as the session's own are) and codes
+        the rest `REBUILD_RUN` positions at a time, so no more than a run is dense at once."""
         sink = self._restoring.sink
         end = sink + evicted
-        forward: dict[int, tuple[A, A]] = {}
+        restored = new_prefix(self._ops, self._layers, sink)
+        restored.reserve(evicted)
         layers = self._plan.forward_layers
-        if layers:
-            if self._plan.needs_prefix_forward:
-                forward = prefix_kv(
-                    self._forward_layers,
-                    self._ops,
-                    self._tokens[:end].tolist(),
-                    np.arange(sink, end, dtype=np.int64),
-                    last_layer=max(layers),
-                    chunk_tokens=self._chunk_tokens,
-                )
-            else:
-                forward = forward_kv(
-                    self._forward_layers,
-                    self._ops,
-                    self.num_layers,
-                    self._tokens[sink:end].tolist(),
-                    start=sink,
-                    last_layer=max(layers),
-                )
-        kept = {layer: gather_all(store, evicted) for layer, store in self._kept.items()}
-        per_layer = []
-        for layer, source in enumerate(self._plan.layers):
-            if source.kind == "kept":
-                per_layer.append(kept[layer])
-            elif source.from_drafter:
-                per_layer.append(self._from_contexts(source, sink, end))
-            elif source.kind == "projected" and source.from_layer is not None:
-                per_layer.append(project(self._ops, source, *kept[source.from_layer]))
-            else:
-                per_layer.append(forward[layer])
-        restored: RestoredPrefix[A] = RestoredPrefix(self._ops, self.num_layers, sink)
-        restored.extend(per_layer)
+        scratch: PrefixCache[A] | None = None
+        forward: dict[int, tuple[A, A]] = {}
+        if layers and self._plan.needs_prefix_forward:
+            scratch = prefix_cache(
+                self._forward_layers,
+                self._ops,
+                self._tokens[:end].tolist(),
+                last_layer=max(layers),
+                chunk_tokens=self._chunk_tokens,
+                layer_store=self._session_store if restored.coded else None,
+            )
+        elif layers:
+            tokens = self._tokens[sink:end].tolist()
+            forward = forward_kv(
+                self._forward_layers, self._ops, self.num_layers, tokens, start=sink, last_layer=max(layers)
+            )
+        run = REBUILD_RUN if restored.coded else max(1, evicted)
+        try:
+            for layer, source in enumerate(self._plan.layers):
+                for start in range(sink, end, run):
+                    stop = min(end, start + run)
+                    restored.put(layer, start - sink, self._rebuilt(layer, source, start, stop, scratch, forward))
+                if scratch is not None and layer < scratch.num_layers:
+                    scratch.release_layer(layer)
+                forward.pop(layer, None)
+        finally:
+            if scratch is not None:
+                scratch.release()
+        restored.cover(evicted)
         self._ops.settle(restored.arrays())
         return restored
+
+    def _rebuilt(
+        self,
+        layer: int,
+        source: LayerSource,
+        start: int,
+        stop: int,
+        scratch: PrefixCache[A] | None,
+        forward: dict[int, tuple[A, A]],
+    ) -> Entries[A]:
+        """One layer's restored K/V (or their coding) of the evicted positions `[start, stop)`, from the plan's
+        state and the rebuild's forward (`scratch` over the prefix, or `forward` over the evicted tokens)."""
+        indices = np.arange(start - self._restoring.sink, stop - self._restoring.sink, dtype=np.int64)
+
+        def forwarded(i: int) -> Entries[A]:
+            if scratch is not None:
+                return scratch.entries(i, np.arange(start, stop, dtype=np.int64))
+            keys, values = forward[i]
+            if indices.size == self._ops.length(keys):
+                return keys, values
+            return self._ops.take(keys, indices), self._ops.take(values, indices)
+
+        return self._layer_kv(layer, source, start, stop, lambda i: self._kept[i].gather(indices), forwarded)
+
+    def _layer_kv(
+        self,
+        layer: int,
+        source: LayerSource,
+        start: int,
+        stop: int,
+        kept: Callable[[int], tuple[A, A]],
+        forwarded: Callable[[int], Entries[A]],
+    ) -> Entries[A]:
+        """One layer's restored K/V (or their coding) of the evicted positions `[start, stop)`, as its source gives
+        them: `kept(i)` reads kept layer i's, `forwarded(i)` what a forward gave layer i (`tokens`, `recompute`)."""
+        if source.kind == "kept":
+            return kept(layer)
+        if source.from_drafter:
+            return self._from_contexts(source, start, stop)
+        if source.kind == "projected" and source.from_layer is not None:
+            return project(self._ops, source, *kept(source.from_layer))
+        return forwarded(layer)
 
     def _from_contexts(self, source: LayerSource, start: int, end: int) -> tuple[A, A]:
         """A `projected<-drafter` layer's K/V of positions `[start, end)`, by f_θ from their context rows."""
@@ -391,3 +414,10 @@ class RestoringSessionCache(KVSessionCache[A]):
             twin._kv_like = self._kv_like
         twin._check_restoration()
         return twin
+
+
+def _dense(entries: Entries[A]) -> tuple[A, A]:
+    """Captured K/V a kept layer stores (never taken as coordinates)."""
+    if not isinstance(entries, tuple):
+        raise InvariantViolation("inv1", "a kept layer was handed coordinates instead of K/V")
+    return entries

@@ -5,15 +5,18 @@ What a rebuild produces is transient: the `RestoredPrefix` the session cache put
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Generic, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol
 
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore
+from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
 from kv_cache_proposer.cache.protocol import KeyPart, SessionCache
 from kv_cache_proposer.cache.session import KVSessionCache
+from kv_cache_proposer.compression.codec import LatticeCodec, StagedCoding
+from kv_cache_proposer.compression.held_residents import HeldResidents
+from kv_cache_proposer.compression.packed_store import PackedLayerStore
 from kv_cache_proposer.restoration.plan import LayerSource
 from kv_cache_proposer.restoration.projection import kv_rows, rows_kv
 from kv_cache_proposer.strategies import FullStrategy
@@ -21,16 +24,121 @@ from kv_cache_proposer.strategies import FullStrategy
 _GROWTH = 256
 
 
+Entries = tuple[A, A] | StagedCoding[A]
+"""Restored K/V of some positions: dense keys and values `[B, H, m, D]`, or their lattice coding."""
+
+
+class PrefixLayer(Protocol[A]):
+    """One layer's restored K/V, addressed by restored index."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def arrays(self) -> list[A]: ...
+
+    def reserve(self, capacity: int) -> None: ...
+
+    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
+        """Hold `entries` (of `len(slots)` positions) at `slots`."""
+        ...
+
+    def part(self, count: int) -> KeyPart[A]:
+        """The first `count` entries, as attention reads them."""
+        ...
+
+
+class DensePrefixLayer(Generic[A]):
+    """Restored K/V in the model's dtype."""
+
+    def __init__(self, ops: ArrayOps[A]) -> None:
+        self._store: DenseLayerStore[A] = DenseLayerStore(ops)
+
+    @property
+    def nbytes(self) -> int:
+        return self._store.nbytes
+
+    def arrays(self) -> list[A]:
+        return self._store.arrays()
+
+    def reserve(self, capacity: int) -> None:
+        self._store.reserve(capacity)
+
+    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
+        if isinstance(entries, StagedCoding):
+            raise TypeError("dense restored K/V take K/V, not codings")
+        self._store.load(slots, *entries)
+
+    def part(self, count: int) -> KeyPart[A]:
+        return self._store.read(0, count)
+
+
+class HeldPrefixLayer(Generic[A]):
+    """Restored K/V coded by the session's own lattice codec and held as coordinates (`HeldResidents`, about a
+    quarter of the dense bytes), which attention reads chunk by chunk without a dense copy."""
+
+    def __init__(self, ops: ArrayOps[A], codec: LatticeCodec[A], dtype: Any) -> None:
+        self._ops = ops
+        self._codec = codec
+        self._dtype = dtype
+        self._held: HeldResidents[A] | None = None
+        self._capacity = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self._held is None else self._held.nbytes
+
+    def arrays(self) -> list[A]:
+        return [] if self._held is None else self._held.arrays()
+
+    def reserve(self, capacity: int) -> None:
+        self._capacity = max(self._capacity, capacity)
+        if self._held is not None:
+            self._held.reserve(capacity)
+
+    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
+        """Codings are held as they are; K/V are coded on the host, without the decoded copy `code_blocks` would
+        also make (one vector of theirs shows the codings' arrays)."""
+        if isinstance(entries, StagedCoding):
+            self._holder(entries).put(slots, entries)
+            return
+        keys, values = entries
+        if self._held is None:
+            one = np.zeros(1, dtype=np.int64)
+            first = (self._ops.take(keys, one), self._ops.take(values, one))
+            self._holder(self._codec.code_blocks([first], self._dtype)[0][2])
+        batch = int(keys.shape[0])  # type: ignore[attr-defined]
+        self._holder().put_host(slots, self._codec.encode(keys), self._codec.encode(values), batch)
+
+    def _holder(self, sample: StagedCoding[A] | None = None) -> HeldResidents[A]:
+        if self._held is None:
+            if sample is None:
+                raise ValueError("the layer holds no restored K/V")
+            self._held = HeldResidents(self._ops, self._codec, sample, self._dtype)
+            self._held.reserve(self._capacity)
+        return self._held
+
+    def part(self, count: int) -> KeyPart[A]:
+        return self._holder().keys(count)
+
+
+PrefixLayerFactory = Callable[[int], "PrefixLayer[A]"]
+"""Builds the restored K/V of one layer (by index)."""
+
+
 class RestoredPrefix(Generic[A]):
     """Restored K/V of the contiguous evicted positions `[first, first + count)`, one growable buffer per layer
-    (an `AttentionPrefix`)."""
+    (an `AttentionPrefix`): dense, or held as lattice coordinates (`HeldPrefixLayer`)."""
 
-    def __init__(self, ops: ArrayOps[A], num_layers: int, first: int) -> None:
+    def __init__(
+        self, ops: ArrayOps[A], num_layers: int, first: int, layer: PrefixLayerFactory[A] | None = None
+    ) -> None:
         self._ops = ops
         self._first = first
         self._count = 0
         self._capacity = 0
-        self._layers: list[DenseLayerStore[A]] = [DenseLayerStore(ops) for _ in range(num_layers)]
+        self.coded = layer is not None  # held by a codec, not dense
+        make: PrefixLayerFactory[A] = layer or (lambda _: DensePrefixLayer(ops))
+        self._layers: list[PrefixLayer[A]] = [make(index) for index in range(num_layers)]
         self._positions = np.zeros(0, dtype=np.int64)
 
     @property
@@ -42,30 +150,65 @@ class RestoredPrefix(Generic[A]):
         return self._positions
 
     @property
+    def capacity(self) -> int:
+        """Positions the buffers have room for."""
+        return self._capacity
+
+    @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self._layers)
 
     def arrays(self) -> list[A]:
         return [array for layer in self._layers for array in layer.arrays()]
 
-    def layer(self, layer_idx: int) -> tuple[A, A]:
-        return self._layers[layer_idx].read(0, self._count)
+    def layer(self, layer_idx: int) -> KeyPart[A]:
+        return self._layers[layer_idx].part(self._count)
 
-    def extend(self, per_layer: Sequence[tuple[A, A]]) -> None:
-        """Append the K/V `[B, H, m, D]` of the next m evicted positions, one pair per layer."""
-        added = self._ops.length(per_layer[0][0])
+    def reserve(self, count: int) -> None:
+        """Room for `count` restored positions in all."""
+        if count > self._capacity:
+            self._capacity = count
+            for layer in self._layers:
+                layer.reserve(count)
+
+    def extend(self, per_layer: Sequence[Entries[A]]) -> None:
+        """Append the K/V `[B, H, m, D]` (or their coding) of the next m evicted positions, one per layer."""
+        added = self._length(per_layer[0])
         if added == 0:
             return
         needed = self._count + added
         if needed > self._capacity:
-            self._capacity = max(needed, self._capacity + max(self._capacity // 2, _GROWTH))
-            for layer in self._layers:
-                layer.reserve(self._capacity)
+            self.reserve(max(needed, self._capacity + max(self._capacity // 2, _GROWTH)))
         slots = np.arange(self._count, needed, dtype=np.int64)
-        for layer, (keys, values) in zip(self._layers, per_layer, strict=True):
-            layer.load(slots, keys, values)
-        self._count = needed
-        self._positions = np.arange(self._first, self._first + needed, dtype=np.int64)
+        for layer, entries in zip(self._layers, per_layer, strict=True):
+            layer.load(slots, entries)
+        self.cover(needed)
+
+    def put(self, layer_idx: int, first: int, entries: Entries[A]) -> None:
+        """Hold one layer's `entries` from restored index `first` on, within the reserved room (a rebuild fills
+        the layers one by one, then `cover`s them)."""
+        count = self._length(entries)
+        if first + count > self._capacity:
+            raise ValueError(f"restored indices up to {first + count} exceed the reserved {self._capacity}")
+        self._layers[layer_idx].load(np.arange(first, first + count, dtype=np.int64), entries)
+
+    def _length(self, entries: Entries[A]) -> int:
+        return self._ops.length(entries.doubled if isinstance(entries, StagedCoding) else entries[0])
+
+    def cover(self, count: int) -> None:
+        """The first `count` restored indices of every layer hold their positions' K/V."""
+        self._count = count
+        self._positions = np.arange(self._first, self._first + count, dtype=np.int64)
+
+
+def new_prefix(ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int) -> RestoredPrefix[A]:
+    """An empty restored prefix from position `first`: held as coordinates of a session's own lattice codec where
+    its `resident` layers are held so while it generates (a compressed session whose verifier's attention reads
+    them), else dense."""
+    codecs = [store.codec() for store in resident if isinstance(store, PackedLayerStore) and store.reads_held]
+    if len(codecs) != len(resident):
+        return RestoredPrefix(ops, len(resident), first)
+    return RestoredPrefix(ops, len(resident), first, lambda i: HeldPrefixLayer(ops, *codecs[i]))
 
 
 class LayerForward(Protocol[A]):
@@ -113,14 +256,53 @@ def forward_kv(
 
 class PrefixCache(KVSessionCache[A]):
     """A scratch full-attention cache of layers `0..last_layer` for a forward over a token prefix in chunks: each
-    chunk attends to the chunks before it, as the verifier's own chunked prefill does."""
+    chunk attends to the chunks before it, as the verifier's own chunked prefill does. `layer_store`: what holds
+    its K/V (a compressed session's own store, say; None: dense)."""
 
-    def __init__(self, ops: ArrayOps[A], *, last_layer: int) -> None:
-        super().__init__(FullStrategy(), num_layers=last_layer + 1, ops=ops)
+    def __init__(self, ops: ArrayOps[A], *, last_layer: int, layer_store: LayerStoreFactory[A] | None = None) -> None:
+        super().__init__(FullStrategy(), num_layers=last_layer + 1, ops=ops, layer_store=layer_store)
 
     def gather(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
         """K/V `[B, H, len(positions), D]` of committed positions (slot = position under `full`)."""
         return self._layers[layer_idx].gather(positions)
+
+    def entries(self, layer_idx: int, positions: np.ndarray) -> Entries[A]:
+        """What one layer holds for committed positions: their coding where the layer holds coordinates
+        (`PackedLayerStore.held_coding`), else their K/V."""
+        store = self._layers[layer_idx]
+        coding = store.held_coding(positions) if isinstance(store, PackedLayerStore) else None
+        return coding if coding is not None else store.gather(positions)
+
+    def release_layer(self, layer_idx: int) -> None:
+        """Drop one layer's K/V (a rebuild is done with it)."""
+        self._layers[layer_idx].release()
+
+
+def prefix_cache(
+    forward: LayerForward[A],
+    ops: ArrayOps[A],
+    tokens: Sequence[int],
+    *,
+    last_layer: int,
+    chunk_tokens: int,
+    layer_store: LayerStoreFactory[A] | None = None,
+) -> PrefixCache[A]:
+    """The K/V of layers `0..last_layer` over the token prefix `tokens` (positions 0, 1, ...), from cache-less
+    forwards over chunks of at most `chunk_tokens`: a forward's attention scores are `chunk x prefix` rather than
+    `prefix x prefix`, so the transient memory grows linearly with the history. The caller gathers what it needs
+    and releases the cache."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    scratch: PrefixCache[A] = PrefixCache(ops, last_layer=last_layer, layer_store=layer_store)
+    try:
+        for start in range(0, len(tokens), chunk_tokens):
+            block = list(tokens[start : start + chunk_tokens])
+            forward(scratch, block, last_layer)
+            scratch.commit(len(block))
+    except BaseException:
+        scratch.release()
+        raise
+    return scratch
 
 
 def prefix_kv(
@@ -132,16 +314,8 @@ def prefix_kv(
     last_layer: int,
     chunk_tokens: int,
 ) -> dict[int, tuple[A, A]]:
-    """K/V of layers `0..last_layer` at `positions` of the token prefix `tokens` (positions 0, 1, ...), from
-    cache-less forwards over chunks of at most `chunk_tokens`: a forward's attention scores are `chunk x prefix`
-    rather than `prefix x prefix`, so the transient memory grows linearly with the history."""
-    if chunk_tokens < 1:
-        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    scratch: PrefixCache[A] = PrefixCache(ops, last_layer=last_layer)
-    for start in range(0, len(tokens), chunk_tokens):
-        block = list(tokens[start : start + chunk_tokens])
-        forward(scratch, block, last_layer)
-        scratch.commit(len(block))
+    """Dense K/V of layers `0..last_layer` at `positions` of the token prefix `tokens` (`prefix_cache`)."""
+    scratch = prefix_cache(forward, ops, tokens, last_layer=last_layer, chunk_tokens=chunk_tokens)
     kv = {layer: scratch.gather(layer, positions) for layer in range(last_layer + 1)}
     ops.settle([array for pair in kv.values() for array in pair])
     scratch.release()
@@ -156,8 +330,3 @@ def project(ops: ArrayOps[A], source: LayerSource, keys: A, values: A) -> tuple[
     rows = source.projection.apply(kv_rows(host_k, host_v))  # [P, 2*H*D]
     out_k, out_v = rows_kv(rows, host_k.shape[1], host_k.shape[3])
     return ops.from_host(out_k, keys), ops.from_host(out_v, values)
-
-
-def gather_all(store: LayerStore[A], count: int) -> tuple[A, A]:
-    """The first `count` entries of a kept-K/V store."""
-    return store.gather(np.arange(count, dtype=np.int64))

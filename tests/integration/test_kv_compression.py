@@ -13,6 +13,7 @@ import pytest
 from inference_engine.config import ConfigError, load_config
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.compression import PackedLayerStore
+from tests.support.backends import BACKENDS
 from tests.support.server import create, generate, info
 
 PROMPT = list(range(5, 45))
@@ -152,3 +153,19 @@ def test_the_compressor_flags_are_validated_at_start():
         load_config({"kv_compressor": "kakeya_e8", "kv_q_range": 200}, environ={})
     with pytest.raises(ConfigError, match="kv_compressor"):
         load_config({"kv_compressor": "zstd"}, environ={})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_compressed_restoring_session_holds_its_restored_kv_coded_where_attention_reads_coordinates(serve, backend):
+    server = serve("qwen3", kv_strategy="dlm_restore", sink=2, window=8)
+    prompt = list(range(5, 85))  # 70 positions evicted before the first generation
+    dense = create(server.stub, initial=prompt)
+    packed = create(server.stub, initial=prompt, kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4)
+    tokens = {sid: generate(server.stub, sid, max_tokens=4).tokens for sid in (dense, packed)}
+    dense_info, packed_info = info(server.stub, dense), info(server.stub, packed)
+    assert all(len(generated) == 4 for generated in tokens.values())
+    assert dense_info.kv_peak_restored_bytes > 0 and packed_info.kv_restored_bytes == 0  # parked: none held
+    if backend == "torch":  # about a quarter of the dense bytes (int8 coordinates, fp16 norms and scales)
+        assert packed_info.kv_peak_restored_bytes * 3 < dense_info.kv_peak_restored_bytes
+    else:  # MLX attention reads dense K/V only
+        assert packed_info.kv_peak_restored_bytes == dense_info.kv_peak_restored_bytes

@@ -274,3 +274,43 @@ def test_recompute_in_small_chunks_gives_the_greedy_tokens_and_logits_of_full(ve
 def test_a_negative_rebuild_chunk_is_refused(backend):
     with pytest.raises(ValueError, match="chunk_tokens"):
         RestorationSetup(chunk_tokens=-1)
+
+
+@pytest.mark.parametrize("rebuild", ["generation", "step"])
+def test_a_compressed_session_holds_its_restored_kv_as_coordinates_of_its_own_codec(verifiers, backend, rebuild):
+    verifier = verifiers["qwen3"]
+    packed = compressor_layer_store(backend, KVCompressor("kakeya_d4"), held=verifier.reads_held_keys)
+    cache = verifier.new_cache(RESTORE, layer_store=packed, restoration=RestorationSetup(rebuild=rebuild))
+    _, seq = _converse(verifier, cache, seed=4)
+    if rebuild == "generation":  # a decode step: the rebuild, then the commit adds the position leaving the window
+        Decoder(verifier, prefill_chunk_tokens=7).step(seq, SamplingParams(), GenerationBudget(max_new_tokens=1), 0)
+    else:
+        cache.begin_stage(1, token_ids=[seq.tokens[-1]])  # a forward begins: every evicted position is restored
+    prefix, evicted = cache._restored, cache.evicted_count
+    assert prefix is not None and prefix.count == evicted > 40
+    end = RESTORE.sink + evicted
+    positions = np.arange(RESTORE.sink, end, dtype=np.int64)
+    exact = prefix_kv(
+        verifier.forward_layers,
+        verifier.array_ops,
+        seq.tokens[:end],
+        positions,
+        last_layer=verifier.num_layers - 1,
+        chunk_tokens=7,
+    )
+    dense_bytes = sum(to_numpy(array).nbytes // 2 for pair in exact.values() for array in pair)  # float32 model
+    if not verifier.reads_held_keys:  # attention reads dense K/V only: the restored K/V stay dense
+        assert not prefix.coded and prefix.nbytes >= dense_bytes
+        return
+    assert prefix.coded
+    assert prefix.nbytes < 0.35 * dense_bytes * prefix.capacity / evicted  # per position, growth room included
+    assert cache.footprint().restored_bytes == prefix.nbytes
+    # Each layer's held K/V are those of the exact history within the codec's error, carried through the layers
+    # (the prefix forward of a compressed session reads its coded K/V, as the session's own forwards did).
+    for layer in range(verifier.num_layers):
+        held = prefix.layer(layer)
+        assert not isinstance(held, tuple)
+        for got, want in zip(held.dense(), exact[layer], strict=True):
+            got, want = to_numpy(got), to_numpy(want)
+            assert got.shape == want.shape
+            assert np.linalg.norm(got - want) < 0.15 * np.linalg.norm(want)
