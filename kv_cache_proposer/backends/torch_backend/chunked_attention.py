@@ -10,10 +10,13 @@ log-sum-exp, which `merge` combines exactly as one softmax over both chunks' key
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from kv_cache_proposer.cache.protocol import KeyPart
+
+_flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """Keys and values `[B, H_kv, c, D]` and which of them each query may read, `[n, c]` booleans (None: all)."""
@@ -54,6 +57,26 @@ def dense_partial(
     scores = grouped_queries(q, kv_heads) @ keys.float().transpose(-1, -2) * scale
     weights, sums, lse = softmax_parts(masked(scores, allowed, int(q.shape[1]) // kv_heads))
     return (weights @ values.float()) / sums.clamp_min(torch.finfo(torch.float32).tiny), lse
+
+
+def flash_partial(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor | None, *, scale: float
+) -> Partial:
+    """`dense_partial` by PyTorch's CPU flash kernel (blocks of keys under a running softmax, on every thread): the
+    same values within float rounding, without the block's whole score matrix; `dense_partial` off the CPU."""
+    if q.device.type != "cpu":
+        return dense_partial(q, keys, values, allowed, scale=scale)
+    kv_heads = int(keys.shape[1])
+    grouped = grouped_queries(q, kv_heads)  # [B, H_kv, g·n, D]: a grouped K/V head is read once
+    if allowed is None:
+        out, lse = _flash_cpu(grouped, keys.float(), values.float(), scale=scale)
+        return out, lse.unsqueeze(-1)
+    rows = allowed.repeat(int(q.shape[1]) // kv_heads, 1)  # [g·n, c]
+    mask = torch.zeros(rows.shape, dtype=torch.float32).masked_fill_(~rows, float("-inf"))[None, None]
+    out, lse = _flash_cpu(grouped, keys.float(), values.float(), attn_mask=mask, scale=scale)
+    # The kernel gives a row that may read none of the keys zeros and a log-sum-exp of 0; a `Partial` has −inf.
+    none = ~rows.any(dim=-1)[:, None]  # [g·n, 1]
+    return out, lse.unsqueeze(-1).masked_fill(none, float("-inf"))
 
 
 def merge(a: Partial | None, b: Partial) -> Partial:

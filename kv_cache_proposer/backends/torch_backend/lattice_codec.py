@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
-from kv_cache_proposer.backends.torch_backend.chunked_attention import Partial
+from kv_cache_proposer.backends.torch_backend.chunked_attention import Partial, flash_partial, merge
 from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
@@ -146,6 +146,14 @@ HELD_SCORES = 1 << 21
 """Scores (query rows × keys) of one chunk, at most: a block of many queries (a prefill chunk) reads fewer keys per
 chunk, so a chunk's float32 scores stay within 8 MB whatever the block."""
 
+DECODED_QUERIES = 32
+"""Queries of a block from which held keys are decoded a chunk at a time and attended by matrix products on every
+thread (`TorchHeldKeys._attend_decoded`): a prefill chunk. A decode step or a speculative block attends the
+coordinates themselves, whose few ops per chunk cost less than decoding for a handful of queries."""
+
+DECODED_CHUNK = 2048
+"""Held keys decoded at once for a block of many queries: the dense K/V that exist at a time."""
+
 
 def _held_attention(
     q: torch.Tensor,
@@ -254,6 +262,8 @@ class TorchHeldKeys:
     ) -> Partial:
         """Attention of the queries `[B, H, n, D]` over these keys and then the dense `tail` K/V, if any
         (`allowed` `[n, length + tail]`, None: all)."""
+        if int(q.shape[2]) >= DECODED_QUERIES:
+            return self._attend_decoded(q, allowed, scale, tail)
         doubled = self.coding.doubled
         if tail is None:
             empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
@@ -270,6 +280,31 @@ class TorchHeldKeys:
             finally:
                 torch.set_num_threads(threads)
         return self._attend(q, allowed, scale, tail)
+
+    def _attend_decoded(
+        self,
+        q: torch.Tensor,
+        allowed: torch.Tensor | None,
+        scale: float,
+        tail: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> Partial:
+        """Attention of a block of many queries: `DECODED_CHUNK` keys at a time decoded into dense K/V and attended
+        by the CPU flash kernel (matrix products off the CPU), the chunks and the tail merged by their
+        log-sum-exps (within float rounding of attending the coordinates)."""
+        merged: Partial | None = None
+        count = self.length
+        for start in range(0, count, DECODED_CHUNK):
+            end = min(count, start + DECODED_CHUNK)
+            chunk = StagedCoding(*(array[:, :, start:end] for array in self.coding.arrays()))
+            keys, values = TorchHeldKeys(chunk, self._hadamard, self._q_range, torch.float32).dense()
+            columns = None if allowed is None else allowed[:, start:end]
+            merged = merge(merged, flash_partial(q, keys, values, columns, scale=scale))
+        if tail is not None and tail[0].shape[2] > 0:
+            columns = None if allowed is None else allowed[:, count:]
+            merged = merge(merged, flash_partial(q, tail[0], tail[1], columns, scale=scale))
+        if merged is None:
+            raise ValueError("attention needs at least one key")
+        return merged
 
     def _attend(
         self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]

@@ -1,6 +1,7 @@
 """Attention over K/V held as lattice coordinates (torch): the keys' decoded values attended densely, within float
 rounding, read in chunks of 1, 7 and more than the history, with and without a causal block after them and with
-positions no query may read, for every K/V head grouping; and as a generating packed session reads them."""
+positions no query may read, for every K/V head grouping; both ways a block reads them (the coordinates
+themselves, or, for a block of many queries, each chunk decoded); and as a generating packed session reads them."""
 
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from kv_cache_proposer.compression.lattice import LatticeSpec
 from tests.kv_cache_proposer.backends.test_chunked_attention import _reference
 
 HISTORY, QUERIES, DIM, KV_HEADS = 37, 5, 16, 2
+PATHS = ["coordinates", "decoded"]
+
+
+def _read(monkeypatch: pytest.MonkeyPatch, path: str, chunk: int) -> None:
+    """Make every block read held keys `path`'s way, `chunk` keys at a time."""
+    monkeypatch.setattr(lattice_codec, "HELD_CHUNK", chunk)
+    monkeypatch.setattr(lattice_codec, "DECODED_CHUNK", chunk)
+    monkeypatch.setattr(lattice_codec, "DECODED_QUERIES", 1 if path == "decoded" else 1 << 30)
 
 
 def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) -> lattice_codec.TorchHeldKeys:
@@ -28,8 +37,9 @@ def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) ->
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-def test_held_keys_attend_as_their_decoded_values_do(monkeypatch, kind, groups, causal, chunk):
-    monkeypatch.setattr(lattice_codec, "HELD_CHUNK", chunk)
+@pytest.mark.parametrize("path", PATHS)
+def test_held_keys_attend_as_their_decoded_values_do(monkeypatch, kind, groups, causal, chunk, path):
+    _read(monkeypatch, path, chunk)
     rng = np.random.default_rng(groups * 10 + chunk)
     q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * groups, QUERIES, DIM)).astype(np.float32))
     keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, HISTORY, DIM)).astype(np.float32)) for _ in "kv")
@@ -58,7 +68,11 @@ def test_held_keys_attend_as_their_decoded_values_do(monkeypatch, kind, groups, 
     np.testing.assert_allclose(parts.numpy(), expected, atol=3e-5, rtol=3e-5)
 
 
-def test_a_query_that_may_read_no_held_key_reads_only_the_stage_and_one_that_reads_nothing_gets_zeros():
+@pytest.mark.parametrize("path", PATHS)
+def test_a_query_that_may_read_no_held_key_reads_only_the_stage_and_one_that_reads_nothing_gets_zeros(
+    monkeypatch, path
+):
+    _read(monkeypatch, path, 16)
     rng = np.random.default_rng(5)
     q = torch.from_numpy(rng.standard_normal((1, KV_HEADS, 2, DIM)).astype(np.float32))
     keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, HISTORY, DIM)).astype(np.float32)) for _ in "kv")
