@@ -252,7 +252,8 @@ def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, me
         dense: list[Any] = parts
         if len(dense) == 1:
             return _attend(q, dense[0][0], dense[0][1], mask, layer, memo)
-        keys, values = torch.cat([k for k, _ in dense], dim=2), torch.cat([v for _, v in dense], dim=2)
+        padded = memo is not None
+        keys, values = _joined([k for k, _ in dense], padded), _joined([v for _, v in dense], padded)
         return _attend(q, keys, values, mask, layer, memo)
     if isinstance(mask, str) or (mask is None and q.shape[2] > 1):
         raise ValueError("attention over held keys needs the block's mask")
@@ -311,6 +312,23 @@ def _padded_mask(
     last[: groups * n] = (torch.arange(n) + (count - n)).repeat(groups)
     zero, hidden = torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype)
     return torch.where(torch.arange(length)[None, :] <= last[:, None], zero, hidden)[None, None]
+
+
+def _joined(parts: list[torch.Tensor], padded: bool) -> torch.Tensor:
+    """Dense parts `[B, H, c, D]` joined along the keys (a restored prefix and the resident keys, say); `padded`:
+    into a buffer with zeroed room up to a whole `KEY_BLOCK`, so that `_attend_exact` reads it without a second
+    copy (`_with_room`)."""
+    if not padded:
+        return torch.cat(parts, dim=2)
+    batch, heads, _, dim = parts[0].shape
+    count = sum(int(part.shape[2]) for part in parts)
+    buffer = parts[0].new_empty(batch, heads, count + (-count) % KEY_BLOCK, dim)
+    start = 0
+    for part in parts:
+        buffer[:, :, start : start + part.shape[2]].copy_(part)
+        start += int(part.shape[2])
+    buffer[:, :, count:].zero_()
+    return buffer[:, :, :count]
 
 
 def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
