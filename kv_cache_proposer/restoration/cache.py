@@ -208,16 +208,17 @@ class RestoringSessionCache(KVSessionCache[A]):
         wanted = set(self._kept)
         if self._setup.rebuild == "generation":  # recompute layers extend the restored K/V with these
             wanted |= {i for i, source in enumerate(self._plan.layers) if source.kind == "recompute"}
-        coded = self._restored is not None and self._restored.coded
+        all_resident = bool(resident.all())
+        coded = all_resident and self._restored is not None and self._restored.coded
         captured: dict[int, Entries[A]] = {}
         for layer in wanted:
             store = self._layers[layer]
             coding = None
-            if coded and layer not in self._kept and resident.all() and isinstance(store, PackedLayerStore):
+            if coded and layer not in self._kept and isinstance(store, PackedLayerStore):
                 coding = store.held_coding(slots)
             if coding is not None:
                 captured[layer] = coding
-            elif resident.all():
+            elif all_resident:
                 captured[layer] = store.gather(slots)
             else:
                 keys, values = store.read(offset, offset + self._staged)

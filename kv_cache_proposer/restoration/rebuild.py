@@ -29,7 +29,7 @@ Entries = tuple[A, A] | StagedCoding[A]
 
 
 class PrefixLayer(Protocol[A]):
-    """One layer's restored K/V, addressed by restored index."""
+    """One layer's restored K/V, addressed by restored index: a `DenseLayerStore`, or a `HeldPrefixLayer`."""
 
     @property
     def nbytes(self) -> int: ...
@@ -38,38 +38,13 @@ class PrefixLayer(Protocol[A]):
 
     def reserve(self, capacity: int) -> None: ...
 
-    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
-        """Hold `entries` (of `len(slots)` positions) at `slots`."""
+    def load(self, slots: np.ndarray, keys: A, values: A) -> None:
+        """Hold `keys`/`values` `[B, H, len(slots), D]` at `slots`."""
         ...
 
-    def part(self, count: int) -> KeyPart[A]:
-        """The first `count` entries, as attention reads them."""
+    def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
+        """Indices `[0, end)` as attention reads them (one part)."""
         ...
-
-
-class DensePrefixLayer(Generic[A]):
-    """Restored K/V in the model's dtype."""
-
-    def __init__(self, ops: ArrayOps[A]) -> None:
-        self._store: DenseLayerStore[A] = DenseLayerStore(ops)
-
-    @property
-    def nbytes(self) -> int:
-        return self._store.nbytes
-
-    def arrays(self) -> list[A]:
-        return self._store.arrays()
-
-    def reserve(self, capacity: int) -> None:
-        self._store.reserve(capacity)
-
-    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
-        if isinstance(entries, StagedCoding):
-            raise TypeError("dense restored K/V take K/V, not codings")
-        self._store.load(slots, *entries)
-
-    def part(self, count: int) -> KeyPart[A]:
-        return self._store.read(0, count)
 
 
 class HeldPrefixLayer(Generic[A]):
@@ -95,19 +70,19 @@ class HeldPrefixLayer(Generic[A]):
         if self._held is not None:
             self._held.reserve(capacity)
 
-    def load(self, slots: np.ndarray, entries: Entries[A]) -> None:
-        """Codings are held as they are; K/V are coded on the host, without the decoded copy `code_blocks` would
-        also make (one vector of theirs shows the codings' arrays)."""
-        if isinstance(entries, StagedCoding):
-            self._holder(entries).put(slots, entries)
-            return
-        keys, values = entries
+    def load(self, slots: np.ndarray, keys: A, values: A) -> None:
+        """Code `keys`/`values` on the host, without the decoded copy `code_blocks` would also make (one vector of
+        theirs shows the codings' arrays)."""
         if self._held is None:
             one = np.zeros(1, dtype=np.int64)
             first = (self._ops.take(keys, one), self._ops.take(values, one))
             self._holder(self._codec.code_blocks([first], self._dtype)[0][2])
         batch = int(keys.shape[0])  # type: ignore[attr-defined]
         self._holder().put_host(slots, self._codec.encode(keys), self._codec.encode(values), batch)
+
+    def put(self, slots: np.ndarray, coding: StagedCoding[A]) -> None:
+        """Hold `coding` as it is."""
+        self._holder(coding).put(slots, coding)
 
     def _holder(self, sample: StagedCoding[A] | None = None) -> HeldResidents[A]:
         if self._held is None:
@@ -117,8 +92,8 @@ class HeldPrefixLayer(Generic[A]):
             self._held.reserve(self._capacity)
         return self._held
 
-    def part(self, count: int) -> KeyPart[A]:
-        return self._holder().keys(count)
+    def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
+        return [self._holder().keys(end)]
 
 
 PrefixLayerFactory = Callable[[int], "PrefixLayer[A]"]
@@ -137,7 +112,7 @@ class RestoredPrefix(Generic[A]):
         self._count = 0
         self._capacity = 0
         self.coded = layer is not None  # held by a codec, not dense
-        make: PrefixLayerFactory[A] = layer or (lambda _: DensePrefixLayer(ops))
+        make: PrefixLayerFactory[A] = layer or (lambda _: DenseLayerStore(ops))
         self._layers: list[PrefixLayer[A]] = [make(index) for index in range(num_layers)]
         self._positions = np.zeros(0, dtype=np.int64)
 
@@ -162,7 +137,7 @@ class RestoredPrefix(Generic[A]):
         return [array for layer in self._layers for array in layer.arrays()]
 
     def layer(self, layer_idx: int) -> KeyPart[A]:
-        return self._layers[layer_idx].part(self._count)
+        return self._layers[layer_idx].read_parts(0, self._count)[0]
 
     def reserve(self, count: int) -> None:
         """Room for `count` restored positions in all."""
@@ -181,7 +156,7 @@ class RestoredPrefix(Generic[A]):
             self.reserve(max(needed, self._capacity + max(self._capacity // 2, _GROWTH)))
         slots = np.arange(self._count, needed, dtype=np.int64)
         for layer, entries in zip(self._layers, per_layer, strict=True):
-            layer.load(slots, entries)
+            _load(layer, slots, entries)
         self.cover(needed)
 
     def put(self, layer_idx: int, first: int, entries: Entries[A]) -> None:
@@ -190,7 +165,7 @@ class RestoredPrefix(Generic[A]):
         count = self._length(entries)
         if first + count > self._capacity:
             raise ValueError(f"restored indices up to {first + count} exceed the reserved {self._capacity}")
-        self._layers[layer_idx].load(np.arange(first, first + count, dtype=np.int64), entries)
+        _load(self._layers[layer_idx], np.arange(first, first + count, dtype=np.int64), entries)
 
     def _length(self, entries: Entries[A]) -> int:
         return self._ops.length(entries.doubled if isinstance(entries, StagedCoding) else entries[0])
@@ -199,6 +174,16 @@ class RestoredPrefix(Generic[A]):
         """The first `count` restored indices of every layer hold their positions' K/V."""
         self._count = count
         self._positions = np.arange(self._first, self._first + count, dtype=np.int64)
+
+
+def _load(layer: PrefixLayer[A], slots: np.ndarray, entries: Entries[A]) -> None:
+    """Hold `entries` at `slots` of one restored layer: codings only where it holds coordinates."""
+    if not isinstance(entries, StagedCoding):
+        layer.load(slots, *entries)
+    elif isinstance(layer, HeldPrefixLayer):
+        layer.put(slots, entries)
+    else:
+        raise TypeError("dense restored K/V take K/V, not codings")
 
 
 def new_prefix(ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int) -> RestoredPrefix[A]:

@@ -16,7 +16,7 @@ import torch
 
 from kv_cache_proposer.cache.protocol import KeyPart
 
-_flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
+flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 Chunk = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 """Keys and values `[B, H_kv, c, D]` and which of them each query may read, `[n, c]` booleans (None: all)."""
@@ -69,11 +69,11 @@ def flash_partial(
     kv_heads = int(keys.shape[1])
     grouped = grouped_queries(q, kv_heads)  # [B, H_kv, g·n, D]: a grouped K/V head is read once
     if allowed is None:
-        out, lse = _flash_cpu(grouped, keys.float(), values.float(), scale=scale)
+        out, lse = flash_cpu(grouped, keys.float(), values.float(), scale=scale)
         return out, lse.unsqueeze(-1)
     rows = allowed.repeat(int(q.shape[1]) // kv_heads, 1)  # [g·n, c]
     mask = torch.zeros(rows.shape, dtype=torch.float32).masked_fill_(~rows, float("-inf"))[None, None]
-    out, lse = _flash_cpu(grouped, keys.float(), values.float(), attn_mask=mask, scale=scale)
+    out, lse = flash_cpu(grouped, keys.float(), values.float(), attn_mask=mask, scale=scale)
     # The kernel gives a row that may read none of the keys zeros and a log-sum-exp of 0; a `Partial` has −inf.
     none = ~rows.any(dim=-1)[:, None]  # [g·n, 1]
     return out, lse.unsqueeze(-1).masked_fill(none, float("-inf"))

@@ -1,7 +1,7 @@
 """The llama family's forward, run directly over the model's own weights: transformers' operations in transformers'
 order on the same tensors, without the Python around them (a decoder layer is its K/V staging and attention
 between spans of compute, `layer_steps`). On a CPU, attention and float32 products run in a fixed order whatever the
-shape of the block (`_attend_exact`, `weights.linear`), so that a token's values do not depend on how its history
+shape of the block (`exact_attention`, `weights.linear`), so that a token's values do not depend on how its history
 was delivered or which sessions share its forward; their values then differ from transformers' by float rounding.
 Any other architecture, attention implementation or module layout runs through transformers' modules
 (`unsupported` says why). docs/architecture.md ("The decode step") describes both paths and where their values
@@ -23,6 +23,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from kv_cache_proposer.backends.batching import RowKeys
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
+from kv_cache_proposer.backends.torch_backend.exact_attention import Memo, attend_exact, joined
 from kv_cache_proposer.backends.torch_backend.layer_steps import (
     CompiledSteps,
     Inputs,
@@ -33,8 +34,6 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import (
 )
 from kv_cache_proposer.backends.torch_backend.weights import DENSE, DENSE_EXACT, PackedLinear, exact_dense, linear
 from kv_cache_proposer.cache.protocol import KeyPart
-
-_flash_cpu: Any = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # (output, log-sum-exp)
 
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
@@ -53,17 +52,6 @@ Masks = Mask | Mapping[str, torch.Tensor] | list["Masks"]
 """A model call's masks: one for every layer, one per layer type, or (a packed batched forward) a row's own
 masks per row, each what that row's block is given alone, so that attention reads each row exactly as it would
 read that block alone."""
-
-Memo = dict[tuple[Any, ...], torch.Tensor]
-"""The padded masks of one forward's attention, built once for all its layers (`_attend_exact`); a forward
-without one attends with the fastest kernel for each shape."""
-
-# On a CPU, PyTorch's flash attention reads keys in blocks of 512 under one running softmax, and scores each block
-# of query rows with a matrix product whose sums for a row are the same for any count of rows from 4 up. A row's
-# values are then independent of the block's shape when every key block is whole (keys padded to a multiple of
-# 512 and masked) and the rows of every product number 4 or more (rows padded to a multiple of 4): `_attend_exact`.
-KEY_BLOCK: Final = 512
-ROW_MULTIPLE: Final = 4
 
 # The most queries of a block that runs the compiled spans: decode steps and speculative blocks, of one sequence or
 # a batch of them. A longer block (a prefill chunk) runs the scripted spans: its time is the matrix products'.
@@ -253,7 +241,7 @@ def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, me
         if len(dense) == 1:
             return _attend(q, dense[0][0], dense[0][1], mask, layer, memo)
         padded = memo is not None
-        keys, values = _joined([k for k, _ in dense], padded), _joined([v for _, v in dense], padded)
+        keys, values = joined([k for k, _ in dense], padded), joined([v for _, v in dense], padded)
         return _attend(q, keys, values, mask, layer, memo)
     if isinstance(mask, str) or (mask is None and q.shape[2] > 1):
         raise ValueError("attention over held keys needs the block's mask")
@@ -268,93 +256,15 @@ def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, me
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-def _attend_exact(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask, layer: _Layer, memo: Memo
-) -> torch.Tensor:
-    """Attention on a CPU whose values for a query do not depend on the block around it (`KEY_BLOCK`): each K/V
-    head's query heads are rows of one query block (a grouped K/V head is never repeated), padded to a multiple of
-    `ROW_MULTIPLE`; keys are read up to a multiple of `KEY_BLOCK` (from the cache's own room where it has some),
-    the ones beyond the block's masked out."""
-    batch, heads, n, dim = q.shape
-    kv_heads = heads // layer.groups
-    rows = layer.groups * n
-    padded_rows = max(ROW_MULTIPLE, rows + (-rows) % ROW_MULTIPLE)
-    count = int(keys.shape[2])
-    length = count + (-count) % KEY_BLOCK
-    grouped = q.reshape(batch, kv_heads, rows, dim)
-    if padded_rows != rows:
-        grouped = torch.cat([grouped, grouped.new_zeros(batch, kv_heads, padded_rows - rows, dim)], dim=2)
-    key = (mask if isinstance(mask, str) or mask is None else id(mask), n, count, layer.groups, q.dtype)
-    additive = memo.get(key)
-    if additive is None:
-        additive = memo[key] = _padded_mask(mask, n, count, layer.groups, padded_rows, length, q.dtype)
-    out, _ = _flash_cpu(
-        grouped, _with_room(keys, length), _with_room(values, length), attn_mask=additive, scale=layer.scaling
-    )
-    return out[:, :, :rows].reshape(batch, heads, n, dim)
-
-
-def _padded_mask(
-    mask: Mask, n: int, count: int, groups: int, rows: int, length: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """The additive mask `[1, 1, rows, length]` of `n` queries' grouped rows (each query's keys repeated per query
-    head of a K/V head) over `count` keys padded to `length`. A padded row reads the first key, so that no softmax
-    is empty."""
-    if isinstance(mask, torch.Tensor):
-        plane = mask[0, 0]
-        allowed = plane if plane.dtype == torch.bool else plane == 0  # [n, count]
-        additive = torch.full((rows, length), float("-inf"), dtype=dtype)
-        additive[: groups * n, :count].masked_fill_(allowed.repeat(groups, 1), 0.0)
-        additive[groups * n :, 0] = 0.0
-        return additive[None, None]
-    # OVER_HISTORY, or None (a block over itself alone, or one query): every earlier key, its own causally
-    last = torch.zeros(rows, dtype=torch.long)  # the last key each row reads
-    last[: groups * n] = (torch.arange(n) + (count - n)).repeat(groups)
-    zero, hidden = torch.zeros((), dtype=dtype), torch.full((), float("-inf"), dtype=dtype)
-    return torch.where(torch.arange(length)[None, :] <= last[:, None], zero, hidden)[None, None]
-
-
-def _joined(parts: list[torch.Tensor], padded: bool) -> torch.Tensor:
-    """Dense parts `[B, H, c, D]` joined along the keys (a restored prefix and the resident keys, say); `padded`:
-    into a buffer with zeroed room up to a whole `KEY_BLOCK`, so that `_attend_exact` reads it without a second
-    copy (`_with_room`)."""
-    if not padded:
-        return torch.cat(parts, dim=2)
-    batch, heads, _, dim = parts[0].shape
-    count = sum(int(part.shape[2]) for part in parts)
-    buffer = parts[0].new_empty(batch, heads, count + (-count) % KEY_BLOCK, dim)
-    start = 0
-    for part in parts:
-        buffer[:, :, start : start + part.shape[2]].copy_(part)
-        start += int(part.shape[2])
-    buffer[:, :, count:].zero_()
-    return buffer[:, :, :count]
-
-
-def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`x` `[1, H, K, D]` read up to `length` keys: the view extended into the buffer it is a view of where that
-    buffer has the room (a cache's buffers are allocated zeroed, and every slot holds finite values), else padded
-    with zeros. What lies beyond `K` is masked out, so only its finiteness matters."""
-    batch, heads, count, dim = x.shape
-    if length == count:
-        return x
-    stride = x.stride()
-    end = x.storage_offset() + (heads - 1) * stride[1] + length * stride[2]
-    fits = batch == 1 and stride[3] == 1 and stride[2] == dim and stride[1] >= length * dim
-    if fits and end <= x.untyped_storage().nbytes() // x.element_size():
-        return x.as_strided((batch, heads, length, dim), stride)
-    return torch.cat([x, x.new_zeros(batch, heads, length - count, dim)], dim=2)
-
-
 def _attend(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: Mask, layer: _Layer, memo: Memo | None
 ) -> torch.Tensor:
-    """SDPA over one layer's keys: `_attend_exact` where the forward keeps a `memo` of its masks; else with
+    """SDPA over one layer's keys: `attend_exact` where the forward keeps a `memo` of its masks; else with
     transformers' choice of how grouped K/V heads meet the query heads, except that a masked block of several
     queries on a CPU reads the grouped heads in place (PyTorch's CPU flash kernel takes a mask and grouped heads
     together, and repeating the K/V of a long history costs a copy of it per layer)."""
     if memo is not None:
-        return _attend_exact(q, keys, values, mask, layer, memo)
+        return attend_exact(q, keys, values, mask, layer.groups, layer.scaling, memo)
     if isinstance(mask, str):
         raise ValueError("a block over its history is handed its mask without shape-invariant attention")
     n = q.shape[2]

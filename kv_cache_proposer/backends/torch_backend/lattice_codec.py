@@ -14,13 +14,13 @@ import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import torch
 from kakeyalattice import V14KakeyaZamirLatticeGPU, V15KakeyaZamirE8GPU
 
-from kv_cache_proposer.backends.torch_backend.chunked_attention import Partial, flash_partial, merge
+from kv_cache_proposer.backends.torch_backend.held_attention import TorchHeldKeys
 from kv_cache_proposer.compression.codec import CodedBlock, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.lattice import LatticeSpec
 
@@ -138,193 +138,6 @@ def _single_threaded() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
-HELD_CHUNK = 4096
-"""Held keys that attention converts to float32 at once, at most: large enough that per-chunk work costs little (a
-decode step over 8k held keys of the default model: 4,096 ran fastest of 1,024 to 8,192)."""
-
-HELD_SCORES = 1 << 21
-"""Scores (query rows × keys) of one chunk, at most: a block of many queries (a prefill chunk) reads fewer keys per
-chunk, so a chunk's float32 scores stay within 8 MB whatever the block."""
-
-DECODED_QUERIES = 32
-"""Queries of a block from which held keys are decoded a chunk at a time and attended by matrix products on every
-thread (`TorchHeldKeys._attend_decoded`): a prefill chunk. A decode step or a speculative block attends the
-coordinates themselves, whose few ops per chunk cost less than decoding for a handful of queries."""
-
-DECODED_CHUNK = 2048
-"""Held keys decoded at once for a block of many queries: the dense K/V that exist at a time."""
-
-
-def _held_attention(
-    q: torch.Tensor,
-    doubled: torch.Tensor,
-    norms: torch.Tensor,
-    qmax: torch.Tensor,
-    tail_keys: torch.Tensor,
-    tail_values: torch.Tensor,
-    allowed: Optional[torch.Tensor],  # noqa: UP045 (TorchScript reads `Optional`)
-    hadamard: torch.Tensor,
-    scale: float,
-    q_range: int,
-    chunk: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of the queries `q` `[B, H, n, D]` over held keys (doubled coordinates `[2B, H_kv, c, D]`, K rows
-    then V rows, and their fp16 norms and qmax `[2B, H_kv, c, 1]`) followed by dense `tail` K/V `[B, H_kv, t, D]`
-    (`allowed`: `[n, c + t]`, None: every key), as a `Partial`: output `[B, H_kv, g·n, D]` and log-sum-exp.
-
-    A softmax kept online over chunks of `chunk` held keys, then the tail: a chunk's coordinates are converted to
-    float32, scored against the rotated queries and scaled by their s·n/2 (see `TorchHeldKeys`)."""
-    batch, heads, n, dim = q.shape
-    kv_heads, count = doubled.shape[1], doubled.shape[2]
-    groups = heads // kv_heads
-    grouped = q.reshape(batch, kv_heads, groups * n, dim).float()
-    rotated = torch.matmul(grouped, hadamard.t()) * scale
-    factors = (qmax.float() * norms.float() * (0.5 / q_range)).transpose(-1, -2)  # [2B, H_kv, 1, c]
-    rows: Optional[torch.Tensor] = None  # noqa: UP045
-    if allowed is not None:
-        rows = allowed.repeat(groups, 1)  # [g·n, c + t]: each query head's rows
-    top = torch.full((batch, kv_heads, groups * n, 1), float("-inf"), device=q.device)
-    sums = torch.zeros_like(top)
-    held = torch.zeros_like(grouped)  # in the rotated space
-    start = 0
-    while start < count:
-        end = min(count, start + chunk)
-        keys = doubled[:batch, :, start:end].float()
-        scores = torch.matmul(rotated, keys.transpose(-1, -2)).mul_(factors[:batch, :, :, start:end])
-        if rows is not None:
-            scores = scores.masked_fill_(~rows[:, start:end], float("-inf"))
-        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
-        safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
-        weights = scores.sub_(safe).exp_()  # in place: a chunk's scores are its largest buffer
-        correction = torch.exp(top - safe)
-        sums = sums * correction + weights.sum(dim=-1, keepdim=True)
-        values = doubled[batch:, :, start:end].float()
-        held = held * correction + torch.matmul(weights.mul_(factors[batch:, :, :, start:end]), values)
-        top = new_top
-        start = end
-    out = torch.matmul(held, hadamard)
-    if tail_keys.shape[2] > 0:
-        scores = torch.matmul(grouped, tail_keys.float().transpose(-1, -2)) * scale
-        if rows is not None:
-            scores = scores.masked_fill(~rows[:, count:], float("-inf"))
-        new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
-        safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
-        weights = torch.exp(scores - safe)
-        correction = torch.exp(top - safe)
-        sums = sums * correction + weights.sum(dim=-1, keepdim=True)
-        out = out * correction + torch.matmul(weights, tail_values.float())
-        top = new_top
-    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    return out / sums.clamp_min(1.1754943508222875e-38), safe + torch.log(sums)
-
-
-@cache
-def _compiled_attention() -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return torch.jit.script(_held_attention)
-
-
-class TorchHeldKeys:
-    """K/V held as lattice coordinates (`StagedCoding`: K rows, then V rows), attended without decoding them.
-
-    A decoded key is `(c·s) H · n` (coordinates c, scale s = qmax/Q, norm n, the self-inverse rotation H), so a
-    query's score is `(q Hᵀ)·c · s·n` and the weighted values are `(Σ w·s·n·c) H`: attention runs on the
-    coordinates in the rotated space, chunk by chunk, and rotates each query's output back once. Float32
-    throughout; the scores equal those over the decoded keys within float rounding, not bit for bit. Compiled
-    with TorchScript, as the codec's steps are: a decode step pays per op it dispatches."""
-
-    def __init__(self, coding: StagedCoding[torch.Tensor], hadamard: torch.Tensor, q_range: int, dtype: torch.dtype):
-        self.coding = coding
-        self._hadamard = hadamard
-        self._q_range = q_range
-        self._dtype = dtype
-
-    @property
-    def length(self) -> int:
-        return int(self.coding.doubled.shape[2])
-
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        doubled, norms, qmax = self.coding.doubled, self.coding.norms, self.coding.qmax
-        shape = doubled.shape
-        lattice = doubled.reshape(-1, shape[-1]).to(torch.float32) / 2  # exact: halves of integers
-        scale = qmax.reshape(-1, 1).to(torch.float32) / float(self._q_range)
-        decoded = _compiled()[1](lattice, scale, norms.reshape(-1, 1), self._hadamard).reshape(shape).to(self._dtype)
-        batch = shape[0] // 2
-        return decoded[:batch], decoded[batch:]
-
-    def attend(
-        self,
-        q: torch.Tensor,
-        allowed: torch.Tensor | None,
-        scale: float,
-        tail: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Partial:
-        """Attention of the queries `[B, H, n, D]` over these keys and then the dense `tail` K/V, if any
-        (`allowed` `[n, length + tail]`, None: all)."""
-        if int(q.shape[2]) >= DECODED_QUERIES:
-            return self._attend_decoded(q, allowed, scale, tail)
-        doubled = self.coding.doubled
-        if tail is None:
-            empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
-            tail = (empty, empty)
-        threads = torch.get_num_threads()
-        if q.device.type == "cpu" and threads > 1:
-            # One thread: some thirty small ops, each a parallel region whose workers are woken from sleep between
-            # a forward's other ops. On the 2-core machine a decode step of the bundled model over 2k / 8k held
-            # keys took half the time on one thread; the default model's took about 5 % more (its larger ops keep
-            # the workers awake).
-            torch.set_num_threads(1)
-            try:
-                return self._attend(q, allowed, scale, tail)
-            finally:
-                torch.set_num_threads(threads)
-        return self._attend(q, allowed, scale, tail)
-
-    def _attend_decoded(
-        self,
-        q: torch.Tensor,
-        allowed: torch.Tensor | None,
-        scale: float,
-        tail: tuple[torch.Tensor, torch.Tensor] | None,
-    ) -> Partial:
-        """Attention of a block of many queries: `DECODED_CHUNK` keys at a time decoded into dense K/V and attended
-        by the CPU flash kernel (matrix products off the CPU), the chunks and the tail merged by their
-        log-sum-exps (within float rounding of attending the coordinates)."""
-        merged: Partial | None = None
-        count = self.length
-        for start in range(0, count, DECODED_CHUNK):
-            end = min(count, start + DECODED_CHUNK)
-            chunk = StagedCoding(*(array[:, :, start:end] for array in self.coding.arrays()))
-            keys, values = TorchHeldKeys(chunk, self._hadamard, self._q_range, torch.float32).dense()
-            columns = None if allowed is None else allowed[:, start:end]
-            merged = merge(merged, flash_partial(q, keys, values, columns, scale=scale))
-        if tail is not None and tail[0].shape[2] > 0:
-            columns = None if allowed is None else allowed[:, count:]
-            merged = merge(merged, flash_partial(q, tail[0], tail[1], columns, scale=scale))
-        if merged is None:
-            raise ValueError("attention needs at least one key")
-        return merged
-
-    def _attend(
-        self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]
-    ) -> Partial:
-        doubled = self.coding.doubled
-        return _compiled_attention()(
-            q,
-            doubled,
-            self.coding.norms,
-            self.coding.qmax,
-            tail[0],
-            tail[1],
-            allowed,
-            self._hadamard,
-            scale,
-            self._q_range,
-            max(1, min(HELD_CHUNK, HELD_SCORES // (int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2])))),
-        )
-
-
 class TorchLatticeCodec:
     """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes
     (a one-scale spec's differ where the module docstring of `lattice.py` says)."""
@@ -396,7 +209,7 @@ class TorchLatticeCodec:
         return True
 
     def held_keys(self, coding: StagedCoding[torch.Tensor], dtype: torch.dtype) -> TorchHeldKeys:
-        return TorchHeldKeys(coding, self._hadamard, self.spec.q_range, dtype)
+        return TorchHeldKeys(coding, self._hadamard, self.spec.q_range, dtype, self._decoded)
 
     def coordinate_dtype(self) -> torch.dtype:
         return torch.int8 if 2 * self.spec.q_range <= 127 else torch.int16

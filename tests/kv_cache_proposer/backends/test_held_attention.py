@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache_proposer.backends.torch_backend import lattice_codec
+from kv_cache_proposer.backends.torch_backend import held_attention
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 from kv_cache_proposer.compression.lattice import LatticeSpec
@@ -21,12 +21,12 @@ PATHS = ["coordinates", "decoded"]
 
 def _read(monkeypatch: pytest.MonkeyPatch, path: str, chunk: int) -> None:
     """Make every block read held keys `path`'s way, `chunk` keys at a time."""
-    monkeypatch.setattr(lattice_codec, "HELD_CHUNK", chunk)
-    monkeypatch.setattr(lattice_codec, "DECODED_CHUNK", chunk)
-    monkeypatch.setattr(lattice_codec, "DECODED_QUERIES", 1 if path == "decoded" else 1 << 30)
+    monkeypatch.setattr(held_attention, "HELD_CHUNK", chunk)
+    monkeypatch.setattr(held_attention, "DECODED_CHUNK", chunk)
+    monkeypatch.setattr(held_attention, "DECODED_QUERIES", 1 if path == "decoded" else 1 << 30)
 
 
-def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) -> lattice_codec.TorchHeldKeys:
+def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) -> held_attention.TorchHeldKeys:
     """`keys`/`values` coded as a generating packed layer holds them (int8 doubled coordinates)."""
     _, _, coding = codec.code_blocks([(keys, values)], torch.float32)[0]
     doubled = coding.doubled.to(codec.coordinate_dtype())
