@@ -2,8 +2,9 @@
 
 Every change to a session (opened, tokens appended, ended) is written to the journal before it is acknowledged, and a
 change the journal cannot record is not made (`JournalUnavailable`). At start-up the journaled sessions come back
-under their ids with their whole history pending, so the next generation rebuilds their K/V by prefill. With a journal
-shared by a cluster, a session asked for here that another daemon held is taken over (`cluster.SessionTakeovers`).
+under their ids with their whole history pending: the next generation reads back the K/V files a session left
+(`durable_kv.DurableKV`) and prefills the rest. With a journal shared by a cluster, a session asked for here that
+another daemon held is taken over (`cluster.SessionTakeovers`) and prefills its history.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 from inference_engine.cluster import ClusterMetrics, SessionTakeovers
 from inference_engine.config import ServerConfig
+from inference_engine.durable_kv import DurableKV
 from inference_engine.errors import InvalidArgument, JournalUnavailable
 from inference_engine.journal import (
     Journal,
@@ -59,6 +61,7 @@ class SessionJournal:
         self._open_session = open_session
         self.journal: Journal | None = None
         self.takeovers: SessionTakeovers | None = None  # set when the journal is shared by a cluster
+        self.kv: DurableKV | None = None  # set when sessions' K/V are kept beside the journal (`keep_kv`)
 
     def identity(self) -> dict[str, Any]:
         """What a session snapshot must match to be restored into this runtime."""
@@ -75,9 +78,19 @@ class SessionJournal:
         """Record every session change in `journal` from now on; sessions that end are written as ended. A shared
         journal also brings the sessions this daemon does not hold when they are asked for (`acquire`)."""
         self.journal = journal
-        self.store.on_detach = lambda session: journal.submit(JournalEnded(session.session_id))
+        self.store.on_detach = self._ended
         if journal.shared:
             self.takeovers = SessionTakeovers(journal, self.store, self.restore, self.cluster_metrics)
+
+    def keep_kv(self, kv: DurableKV) -> None:
+        """Keep sessions' K/V in `kv`'s files from now on; sessions restored afterwards read theirs back."""
+        self.kv = kv
+
+    def _ended(self, session: Session) -> None:
+        if self.journal is not None:
+            self.journal.submit(JournalEnded(session.session_id))
+        if self.kv is not None:
+            self.kv.forget(session.session_id)
 
     async def acquire(self, session_id: str, *, touch: bool = True) -> Session:
         """The session with this id: held here, or (with a shared journal) taken over from it; else `NOT_FOUND`."""
@@ -102,6 +115,10 @@ class SessionJournal:
                 dropped.append(str(exc))
                 if self.journal is not None:
                     self.journal.submit(JournalEnded(record.header.session_id))
+        if self.kv is not None:
+            live = [session.session_id for session in self.store.sessions()]
+            self.kv.sweep(live)
+            self.kv.restored(live)
         return dropped
 
     def restore(self, record: SessionRecord) -> Session:

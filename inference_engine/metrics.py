@@ -44,6 +44,16 @@ class Metrics:
         self.session_kv_live_bytes = Gauge(
             "kakeya_session_kv_live_bytes", "KV cache bytes held across allocated sessions", registry=r
         )
+        self.session_kv_written_positions = Counter(
+            "kakeya_session_kv_written_positions",
+            "Positions whose K/V parked sessions wrote to their files under --state-dir (--state-kv)",
+            registry=r,
+        )
+        self.session_kv_read_back_positions = Counter(
+            "kakeya_session_kv_read_back_positions",
+            "Positions whose K/V sessions restored from the journal read back from their files instead of prefilling",
+            registry=r,
+        )
         self.session_history_tokens = Histogram(
             "kakeya_session_history_tokens",
             "Session history length at generate time",

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Iterable
+from pathlib import Path
 from typing import Any
 
 from inference_engine import __version__
@@ -29,6 +30,7 @@ from inference_engine.domain import (
     TruncatedEvent,
 )
 from inference_engine.durability import SessionJournal
+from inference_engine.durable_kv import DurableKV
 from inference_engine.engine import EngineLoop
 from inference_engine.errors import (
     InvalidArgument,
@@ -320,6 +322,12 @@ class Runtime:
         """Record every session change in `journal` from now on (`SessionJournal.attach`)."""
         self.sessions_journal.attach(journal)
         self.engine.journal = journal
+
+    def keep_kv(self, directory: Path) -> None:
+        """Keep the K/V of parked sessions in files under `directory`, read back by sessions restored from then on
+        (`DurableKV`)."""
+        identity = {**self.journal_identity(), "verifier": self.verifier.description}
+        self.sessions_journal.keep_kv(DurableKV(directory, self.verifier, identity))
 
     def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
         """Bring journaled sessions back under their ids, with their whole history pending

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import shutil
 import signal
 import socket
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from inference_engine.config import ConfigError, ServerConfig
+from inference_engine.durable_kv import KV_DIR
 from inference_engine.generated import runtime_pb2
 from inference_engine.journal import Journal, JournalDamaged, open_journal, open_shared_journal
 from inference_engine.metrics import Metrics
@@ -220,6 +222,12 @@ class KakeyaServer:
         )
         self._journal = opened.journal
         self.runtime.attach_journal(opened.journal)
+        kv_dir = state_dir / KV_DIR
+        if config.state_kv == "on":
+            self.runtime.keep_kv(kv_dir)
+        elif kv_dir.is_dir():
+            shutil.rmtree(kv_dir, ignore_errors=True)
+            log.info("K/V files removed (--state-kv off): restored sessions prefill", extra={"dir": str(kv_dir)})
         salvage = config.journal_recovery == "salvage"
         try:
             dropped = opened.dropped + self.runtime.restore_sessions(opened.records, drop_invalid=salvage)

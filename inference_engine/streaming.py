@@ -14,6 +14,7 @@ from typing import Any
 
 from inference_engine.admission import Admission
 from inference_engine.durability import SessionJournal
+from inference_engine.durable_kv import DurableKV
 from inference_engine.engine import EngineLoop
 from inference_engine.errors import ServiceError, ShuttingDown
 from inference_engine.generation import Generation, StepOutput
@@ -75,6 +76,9 @@ class GenerationStreams:
         session.cancel = cancel or asyncio.Event()
         session.generating = True
         self.metrics.session_history_tokens.observe(len(seq.tokens))
+        kv = self.journal.kv
+        if kv is not None and kv.awaits(session.session_id):
+            await self._read_back(session, kv)
         generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
         try:
             self.engine.begin(generation)
@@ -111,15 +115,28 @@ class GenerationStreams:
         packs them again (tenths of a second at 8k tokens), so this runs on the engine thread between two steps,
         not on the event loop; the session keeps its turn meanwhile, so nothing else reads or evicts it."""
         park = session.seq.cache.park
+        kv = self.journal.kv
 
         def parked() -> None:
             park()
+            if kv is not None:
+                self.metrics.session_kv_written_positions.inc(kv.save(session))
             release_free_memory()
 
         try:
             await self.engine.call(parked)
         except ShuttingDown:
             park()  # the engine takes no more calls, and is done with this session's cache
+
+    async def _read_back(self, session: Session, kv: DurableKV) -> None:
+        """The first generation of a session restored from the journal reads back the K/V it left in its files
+        (`DurableKV.load`), on the engine thread; what they do not hold is prefilled."""
+        try:
+            positions = await self.engine.call(kv.load, session)
+        except Exception:  # the files are a cache of the journal: the history is prefilled instead
+            log.warning("K/V files not read back", extra={"session_id": session.session_id}, exc_info=True)
+            positions = 0
+        self.metrics.session_kv_read_back_positions.inc(positions)
 
     async def take(self, session: Session, generation: Generation, output: StepOutput) -> None:
         """Check one step's output before its tokens reach the client: a failed step fails the session, and the

@@ -124,6 +124,10 @@ class Verifier(CausalLM[A], Protocol[A]):
         """Human-readable summary: backend, model type, device, dtype."""
         ...
 
+    def kv_from_host(self, array: np.ndarray) -> A:
+        """A host array `[B, H, n, D]` as K/V of this model: in its K/V dtype, on its device."""
+        ...
+
     @property
     def reads_held_keys(self) -> bool:
         """Whether this model's attention reads keys held compactly (`HeldKeys`) part by part; otherwise a packed

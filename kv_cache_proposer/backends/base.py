@@ -170,6 +170,14 @@ class BackendModel(ABC, Generic[A]):
         cache.begin_stage(len(token_ids), token_ids=token_ids)
         self.run_layers(cache, token_ids, last_layer)
 
+    def kv_from_host(self, array: np.ndarray) -> A:
+        """A host array `[B, H, n, D]` as K/V of this model: in its K/V dtype, on its device."""
+        return self.array_ops.from_host(array, self._kv_like())
+
+    @abstractmethod
+    def _kv_like(self) -> A:
+        """An array of this model's K/V dtype and device."""
+
     @abstractmethod
     def run_layers(self, cache: SessionCache[A], token_ids: Sequence[int], last_layer: int) -> None:
         """The model's layers `0..last_layer` over the block whose stage just began (see `forward_layers`)."""

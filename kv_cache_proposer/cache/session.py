@@ -69,6 +69,11 @@ class KVSessionCache(Generic[A]):
         return len(self._layers)
 
     @property
+    def ops(self) -> ArrayOps[A]:
+        """The backend's array operations on this cache's K/V."""
+        return self._ops
+
+    @property
     def next_position(self) -> int:
         return self._next_position
 
@@ -301,6 +306,27 @@ class KVSessionCache(Generic[A]):
         slots = self._resident_slots()
         keys, values = layer.gather(slots)
         return keys, values, self._positions[slots].copy()
+
+    def positions_kv(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
+        """Keys and values `[B, H, n, D]` of resident `positions` of one layer, in that order (dense copies)."""
+        slots = self._strategy.slots_of(positions)
+        held = self._positions[: self.stage_offset]
+        if slots.size and (int(slots.max()) >= held.size or not np.array_equal(held[slots], positions)):
+            raise ValueError(f"positions {positions[:5].tolist()}... are not all resident")
+        layer = self._layers[layer_idx]
+        if not layer.active:
+            raise ValueError(f"layer {layer_idx} holds no K/V")
+        return layer.gather(slots)
+
+    def load_resident(self, state: Sequence[tuple[A, A]], positions: np.ndarray) -> None:
+        """An empty cache takes `state` (every layer's K/V `[B, H, n, D]` of `positions`, in order) as what it
+        holds after committing positions `[0, positions[-1] + 1)`; `positions` are those the strategy keeps."""
+        if self._next_position or self._staged:
+            raise ValueError("only an empty cache loads resident K/V")
+        next_position = int(positions[-1]) + 1 if positions.size else 0
+        if not np.array_equal(positions, self._strategy.resident_positions(next_position)):
+            raise ValueError(f"the {self._strategy.name} strategy does not keep exactly these positions")
+        self._restore(state, positions, next_position)
 
     @property
     def state(self) -> list[tuple[A, A] | None]:

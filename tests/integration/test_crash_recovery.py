@@ -141,3 +141,23 @@ def test_every_acknowledged_and_received_token_survives_sigkill_over_several_rou
     channel.close()
     process.terminate()
     assert process.wait() == 0
+
+
+def test_after_sigkill_a_session_reads_its_kv_back_and_prefills_nothing_but_its_pending_token(daemon, tmp_path):
+    state_dir = str(tmp_path / "state")
+    history = [random.Random(5).randrange(3, 250) for _ in range(300)]
+    process, channel, stub = _serve(daemon, state_dir)
+    restarted, reference = _fresh(stub, history), _fresh(stub, history)
+    assert _greedy(stub, restarted, 8) == _greedy(stub, reference, 8)
+    expected = _greedy(stub, reference, 8)
+    info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=restarted))
+    assert info.pending_token_count == 1  # parked: its K/V were written before the reply to this call
+    process.kill()
+    channel.close()
+
+    process, channel, stub = _serve(daemon, state_dir)
+    replies = list(stub.Generate(pb.GenerateRequest(session_id=restarted, max_tokens=8)))
+    assert [r.token_id for r in replies if r.WhichOneof("payload") == "token_id"] == expected
+    done = replies[-1].done
+    assert done.prefill_token_count == 1, "the history's K/V were read back, not prefilled"
+    channel.close()

@@ -205,6 +205,9 @@ class MlxVerifier(BackendModel[mx.array]):
         with mx.stream(self.device):
             cache.commit(count)
 
+    def _kv_like(self) -> mx.array:
+        return mx.zeros((0,), dtype=self.dtype)
+
     def pick_tokens(self, logits: mx.array, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         if params.greedy:  # on the device: only the token ids cross to the host
             return [int(t) for t in np.array(mx.argmax(logits, axis=-1))]

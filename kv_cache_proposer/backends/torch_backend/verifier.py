@@ -278,6 +278,9 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def commit(self, cache: SessionCache[torch.Tensor], count: int) -> None:
         cache.commit(count)
 
+    def _kv_like(self) -> torch.Tensor:
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
     def pick_tokens(self, logits: torch.Tensor, params: SamplingParams, positions: Sequence[int]) -> list[int]:
         return pick_tokens(logits, params, positions)
 

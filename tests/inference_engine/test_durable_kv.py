@@ -1,0 +1,142 @@
+"""K/V kept beside the journal (`--state-kv`): a restarted session reads back what it held, continues exactly as it
+would have, and falls back to prefilling whatever its files do not hold."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from inference_engine.durable_kv import KV_DIR
+from inference_engine.generated import runtime_pb2 as pb
+from tests.support.backends import BACKENDS
+from tests.support.server import create, generate, info
+
+pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
+
+HISTORY = list(range(10, 70))
+TURN = [5, 6, 7, 8]
+
+
+def _append(stub, session_id: str, tokens: list[int]) -> None:
+    stub.AppendTokens(pb.AppendTokensRequest(session_id=session_id, token_ids=tokens))
+
+
+def _uninterrupted(serve) -> tuple[list[int], list[int]]:
+    """The two generations of the reference session, with no restart between them."""
+    server = serve("qwen3")
+    session = create(server.stub, initial=HISTORY)
+    first = generate(server.stub, session, max_tokens=10).tokens
+    _append(server.stub, session, TURN)
+    return first, generate(server.stub, session, max_tokens=10).tokens
+
+
+def _counter(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+
+def _chunks(state, session: str) -> list:
+    return sorted((state / KV_DIR / session).glob("*.npz"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_restarted_session_reads_its_kv_back_and_prefills_only_its_new_tokens(serve, tmp_path, backend):
+    first_ref, second_ref = _uninterrupted(serve)
+
+    first = serve("qwen3", state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    assert generate(first.stub, session, max_tokens=10).tokens == first_ref
+    held = len(HISTORY) + 10 - 1  # the last generated token stays pending
+    assert _counter(first.metrics_text(), "kakeya_session_kv_written_positions_total") == held
+    assert len(_chunks(tmp_path, session)) == 1
+    first.stop()
+
+    second = serve("qwen3", state_dir=str(tmp_path))
+    _append(second.stub, session, TURN)
+    after = generate(second.stub, session, max_tokens=10)
+    assert after.tokens == second_ref
+    assert after.done is not None and after.done.prefill_token_count == 1 + len(TURN)
+    assert _counter(second.metrics_text(), "kakeya_session_kv_read_back_positions_total") == held
+    assert len(_chunks(tmp_path, session)) == 2, "the second park wrote only the positions it added"
+
+
+def test_files_that_disagree_with_the_journal_are_read_back_only_as_far_as_they_agree(serve, tmp_path):
+    _, second_ref = _uninterrupted(serve)
+    first = serve("qwen3", state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    generate(first.stub, session, max_tokens=10)
+    first.stop()
+    (chunk,) = _chunks(tmp_path, session)
+    with np.load(chunk) as data:
+        arrays = {name: data[name].copy() for name in data.files}
+    arrays["tokens"][40] += 1  # a file from a history the journal does not hold from position 40 on
+    with open(chunk, "wb") as out:
+        np.savez(out, **arrays)
+
+    second = serve("qwen3", state_dir=str(tmp_path))
+    _append(second.stub, session, TURN)
+    after = generate(second.stub, session, max_tokens=10)
+    assert after.tokens == second_ref
+    held = len(HISTORY) + 10 - 1
+    assert after.done is not None and after.done.prefill_token_count == held - 40 + 1 + len(TURN)
+    assert _counter(second.metrics_text(), "kakeya_session_kv_read_back_positions_total") == 40
+    second.stop()
+    # The disagreeing chunk went; its 40 agreeing positions were written again from the cache with the rest.
+    starts = [path.stem for path in _chunks(tmp_path, session)]
+    assert starts == [f"{0:012d}"]
+
+
+def test_a_damaged_file_is_not_read_and_the_history_is_prefilled(serve, tmp_path):
+    _, second_ref = _uninterrupted(serve)
+    first = serve("qwen3", state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    generate(first.stub, session, max_tokens=10)
+    first.stop()
+    (chunk,) = _chunks(tmp_path, session)
+    chunk.write_bytes(chunk.read_bytes()[:1000])
+
+    second = serve("qwen3", state_dir=str(tmp_path))
+    _append(second.stub, session, TURN)
+    after = generate(second.stub, session, max_tokens=10)
+    assert after.tokens == second_ref
+    assert after.done is not None and after.done.prefill_token_count == len(HISTORY) + 10 + len(TURN)
+
+
+def test_closing_a_session_removes_its_files_and_other_strategies_write_none(serve, tmp_path):
+    server = serve("qwen3", state_dir=str(tmp_path))
+    full = create(server.stub, initial=HISTORY)
+    window = create(
+        server.stub, initial=HISTORY, kv_strategy=pb.KV_STRATEGY_SINK_WINDOW, sink_tokens=4, window_tokens=16
+    )
+    packed = create(server.stub, initial=HISTORY, kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4)
+    for session in (full, window, packed):
+        generate(server.stub, session, max_tokens=4)
+    assert _chunks(tmp_path, full)
+    assert not (tmp_path / KV_DIR / window).exists() and not (tmp_path / KV_DIR / packed).exists()
+    server.stub.CloseSession(pb.CloseSessionRequest(session_id=full))
+    assert not (tmp_path / KV_DIR / full).exists()
+
+
+def test_state_kv_off_prefills_and_removes_the_files(serve, tmp_path):
+    first = serve("qwen3", state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    generate(first.stub, session, max_tokens=10)
+    first.stop()
+    second = serve("qwen3", state_dir=str(tmp_path), state_kv="off")
+    assert not (tmp_path / KV_DIR).exists()
+    after = generate(second.stub, session, max_tokens=4)
+    assert after.done is not None and after.done.prefill_token_count == len(HISTORY) + 10
+    assert info(second.stub, session).history_length == len(HISTORY) + 14
+
+
+def test_files_of_another_model_are_removed_at_start(serve, tmp_path):
+    first = serve("qwen3", state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    generate(first.stub, session, max_tokens=10)
+    first.stop()
+    identity = tmp_path / KV_DIR / "identity.json"
+    identity.write_text(identity.read_text().replace("float32", "bfloat16"))
+
+    second = serve("qwen3", state_dir=str(tmp_path))
+    assert not (tmp_path / KV_DIR / session).exists()
+    after = generate(second.stub, session, max_tokens=4)
+    assert after.done is not None and after.done.prefill_token_count == len(HISTORY) + 10
