@@ -91,6 +91,8 @@ class GenerationStreams:
     async def _wind_up(self, session: Session, generation: Generation) -> None:
         """The end of a generation: once the engine is done with it, a step under way when the consumer left
         completes, its tokens journaled as history; then the session parks."""
+        if not generation.has_ended and session.cancel is not None:
+            session.cancel.set()  # a GetSessionInfo that is settling cancellations now waits for this end
         for output in await self._stop(generation):
             try:
                 await self.take(session, generation, output)
