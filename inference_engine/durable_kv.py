@@ -28,6 +28,7 @@ import numpy as np
 
 from inference_engine.sessions import Session
 from kv_cache_proposer.cache.session import KVSessionCache
+from kv_cache_proposer.sequence import shared_prefix
 from kv_cache_proposer.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,9 @@ class DurableKV:
             log.warning("K/V file not written", extra={"session_id": session.session_id, "error": str(exc)})
             scratch.unlink(missing_ok=True)
             return 0
+        if session.closed:  # it ended while this was written, and its files were removed meanwhile
+            self.forget(session.session_id)
+            return 0
         self._saved[session.session_id] = end
         return end - start
 
@@ -134,7 +138,7 @@ class DurableKV:
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("a K/V file cannot be read", extra={"session_id": session_id, "error": str(exc)})
                 break
-            agree = _agreeing(tokens, seq.tokens[start:usable])
+            agree = shared_prefix(tokens, seq.tokens[start:usable])
             if agree == 0 or keys.shape != values.shape or keys.shape[2] != len(tokens):
                 break
             parts.append((keys[:, :, :agree], values[:, :, :agree]))
@@ -213,12 +217,3 @@ def _chunks(directory: Path) -> list[tuple[int, Path]]:
         if match:
             found.append((int(match.group(1)), path))
     return sorted(found)
-
-
-def _agreeing(tokens: np.ndarray, history: list[int]) -> int:
-    """How many leading `tokens` equal the journaled `history`."""
-    n = min(len(tokens), len(history))
-    if n == 0:
-        return 0
-    differs = np.flatnonzero(tokens[:n] != np.asarray(history[:n], dtype=np.int64))
-    return int(differs[0]) if differs.size else n

@@ -54,6 +54,11 @@ class Metrics:
             "Positions whose K/V sessions restored from the journal read back from their files instead of prefilling",
             registry=r,
         )
+        self.session_prefix_reused_positions = Counter(
+            "kakeya_session_prefix_reused_positions",
+            "Positions whose K/V a session's first generation copied from an idle session with the same history prefix",
+            registry=r,
+        )
         self.session_history_tokens = Histogram(
             "kakeya_session_history_tokens",
             "Session history length at generate time",

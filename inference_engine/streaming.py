@@ -21,6 +21,7 @@ from inference_engine.generation import Generation, StepOutput
 from inference_engine.journal import JournalError
 from inference_engine.memory import release_free_memory
 from inference_engine.metrics import Metrics
+from inference_engine.prefix_reuse import PrefixReuse
 from inference_engine.sessions import Session, SessionStore
 from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import GenerationBudget
@@ -43,6 +44,7 @@ class GenerationStreams:
         self.admission = admission
         self.journal = journal
         self.metrics = metrics
+        self.prefix_reuse = PrefixReuse(store, engine, metrics)
 
     @asynccontextmanager
     async def turn(self, session: Session) -> AsyncIterator[None]:
@@ -79,6 +81,8 @@ class GenerationStreams:
         kv = self.journal.kv
         if kv is not None and kv.awaits(session.session_id):
             await self._read_back(session, kv)
+        if not seq.committed:
+            await self.prefix_reuse.reuse(session)
         generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
         try:
             self.engine.begin(generation)

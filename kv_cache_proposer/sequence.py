@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from kv_cache_proposer.cache import SessionCache
 from kv_cache_proposer.controls import DecodeControls, TokenLogprob, match_stop_sequence
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession
@@ -129,3 +131,12 @@ class StepRequest:
     budget: GenerationBudget
     generated: int
     controls: DecodeControls | None = None
+
+
+def shared_prefix(first: Sequence[int] | np.ndarray, second: Sequence[int] | np.ndarray) -> int:
+    """The length of the longest common prefix of two token sequences."""
+    n = min(len(first), len(second))
+    if n == 0:
+        return 0
+    differs = np.flatnonzero(np.asarray(first[:n], dtype=np.int64) != np.asarray(second[:n], dtype=np.int64))
+    return int(differs[0]) if differs.size else n

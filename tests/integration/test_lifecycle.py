@@ -59,8 +59,10 @@ def test_a_full_store_evicts_the_least_recently_used_idle_session(serve):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_kv_budget_evicts_idle_sessions_least_recent_first(serve):
     server = serve("qwen3", kv_budget_bytes=300_000)
-    # About 120 kB each once parked (a parked session holds exactly its positions): two fit, three do not.
-    sessions = [create(server.stub, initial=[1 + i % 120 for i in range(158)]) for _ in range(3)]
+    # About 120 kB each once parked (a parked session holds exactly its positions): two fit, three do not. The
+    # histories differ from their first token, so no session starts from another's K/V (a borrowed prefix makes the
+    # first generation grow its room as a later generation does, beyond this budget for one session).
+    sessions = [create(server.stub, initial=[1 + (i + k) % 120 for i in range(158)]) for k in range(3)]
     for sid in sessions:
         generate(server.stub, sid, max_tokens=2)
     live = [sid for sid in sessions if sid in {s.session_id for s in server.runtime.store.sessions()}]
