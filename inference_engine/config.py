@@ -213,9 +213,10 @@ class ServerConfig:
     )
     state_kv: str = _opt(
         "on",
-        "with --state-dir: on writes each parked session's new K/V under DIR/kv, so after a restart or crash its "
-        "next turn reads them back instead of prefilling its history (full strategy, no KV compressor, a proposer "
-        "without per-position state; float32 on disk: 46 KB per token on the default model); off: prefill",
+        "with --state-dir: on writes a session's new K/V under DIR/kv as each generation ends, so after a restart "
+        "or crash its next turn reads them back instead of prefilling its history (full strategy, no KV compressor, "
+        "a proposer without per-position state; float32 on disk: 46 KB per token on the default model); off: "
+        "prefill",
         choices=("on", "off"),
     )
     journal_sync: str = _opt(

@@ -1,9 +1,10 @@
 """Session K/V kept under `--state-dir` beside the journal, so a restarted daemon reads a session's K/V back instead
 of prefilling its whole history again.
 
-Each time a session parks, the K/V of the positions it committed since the last park are written as one chunk file
-(`kv/<session>/<first position>.npz`: the positions' token ids and every layer's keys and values, float32), written
-to a temporary name and renamed, so a killed process leaves whole chunks only. After a restart a session's first
+When a generation ends, before its Done is sent, the K/V of the positions its session committed since the last write
+are written as one chunk file (`kv/<session>/<first position>.npz`: the positions' token ids and every layer's keys
+and values, float32), to a temporary name then renamed, so a killed process leaves whole chunks only; a generation
+that ends without Done (cancelled, failed) writes when its session parks. After a restart a session's first
 generation reads its chunks back in order, as far as their token ids agree with the journaled history, and prefills
 only what follows. A session whose chunks are missing, damaged or from another model prefills as before: the chunks
 are a cache of the journal, never a source of tokens.
@@ -80,7 +81,7 @@ class DurableKV:
     # -- the engine thread ---------------------------------------------------------------------------------------
     def save(self, session: Session) -> int:
         """Write the K/V of the positions `session` committed since its last save; returns how many. Runs on the
-        engine thread while the session is parked and holds its turn."""
+        engine thread between steps, while the session holds its turn."""
         if session.closed or not self.keeps(session):
             return 0
         seq, cache = session.seq, session.seq.cache

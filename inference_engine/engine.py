@@ -264,6 +264,12 @@ class EngineLoop:
         if result.stop is None:
             return generation, output, False
         self._running.remove(generation)
+        try:
+            generation.before_done()
+        except Exception:  # what it keeps is a cache (the K/V files): the generation still ends as it did
+            log.warning(
+                "work before a generation's Done failed", extra={"session_id": generation.session_id}, exc_info=True
+            )
         output.done = self._finish(generation, STOP_REASONS[result.stop])
         return generation, output, True
 

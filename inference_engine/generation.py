@@ -101,6 +101,7 @@ class Generation:
         self.finished = 0  # outputs the consumer is done with (event loop)
         self.abandoned = False  # the consumer went away (event loop)
         self.on_finished: Callable[[], None] = lambda: None  # set by the engine loop: wakes it
+        self.before_done: Callable[[], object] = lambda: None  # run on the engine thread before Done goes out
         self._loop = asyncio.get_running_loop()
         self._outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._ended = asyncio.Event()

@@ -10,6 +10,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from inference_engine.admission import Admission
@@ -84,6 +85,8 @@ class GenerationStreams:
         if not seq.committed:
             await self.prefix_reuse.reuse(session)
         generation = Generation(session.session_id, seq, sampling, budget, controls, session.cancel)
+        if kv is not None:  # the K/V of a finished turn are on disk before its Done reaches the client
+            generation.before_done = partial(self._write_kv, kv, session)
         try:
             self.engine.begin(generation)
             yield generation
@@ -125,14 +128,18 @@ class GenerationStreams:
 
         def parked() -> None:
             park()
-            if kv is not None:
-                self.metrics.session_kv_written_positions.inc(kv.save(session))
+            if kv is not None:  # a generation that ended without Done (cancelled, failed) writes its K/V here
+                self._write_kv(kv, session)
             release_free_memory()
 
         try:
             await self.engine.call(parked)
         except ShuttingDown:
             park()  # the engine takes no more calls, and is done with this session's cache
+
+    def _write_kv(self, kv: DurableKV, session: Session) -> None:
+        """Write the K/V the session committed since its last write (`DurableKV.save`); on the engine thread."""
+        self.metrics.session_kv_written_positions.inc(kv.save(session))
 
     async def _read_back(self, session: Session, kv: DurableKV) -> None:
         """The first generation of a session restored from the journal reads back the K/V it left in its files

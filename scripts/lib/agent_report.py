@@ -67,7 +67,8 @@ def gates(samples: list[dict[str, Any]], rows: list[dict[str, Any]], ratios: dic
     ours = [s for s in samples if s["arm"] == OURS]
     steady = [s for s in ours if not s["after_restart"]]
     restarted = [s for s in ours if s["after_restart"]]
-    mismatched = [s for s in steady if s["processed_tokens"] != s["new_tokens"]]
+    # A turn may process fewer tokens than it added (a prefix copied from another session); never more.
+    mismatched = [s for s in steady if s["processed_tokens"] > s["new_tokens"]]
     single = {
         peer: by_arm[peer]
         for key, by_arm in ratios.items()
@@ -83,12 +84,13 @@ def gates(samples: list[dict[str, Any]], rows: list[dict[str, Any]], ratios: dic
             "turns": len(steady),
             "turns_processing_more": len(mismatched),
             "extra_tokens": sum(s["processed_tokens"] - s["new_tokens"] for s in mismatched),
+            "tokens_not_processed": sum(max(0, s["new_tokens"] - s["processed_tokens"]) for s in steady),
             "pass": not mismatched if steady else None,
         },
         "ours_after_restart_processes_nothing_again": {
             "turns": len(restarted),
-            "reprocessed_tokens": [s["processed_tokens"] - s["new_tokens"] for s in restarted],
-            "pass": all(s["processed_tokens"] == s["new_tokens"] for s in restarted) if restarted else None,
+            "reprocessed_tokens": [max(0, s["processed_tokens"] - s["new_tokens"]) for s in restarted],
+            "pass": all(s["processed_tokens"] <= s["new_tokens"] for s in restarted) if restarted else None,
         },
         "one_agent_append_only_ours_wall_over_peer": single,
     }

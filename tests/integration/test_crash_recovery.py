@@ -150,9 +150,7 @@ def test_after_sigkill_a_session_reads_its_kv_back_and_prefills_nothing_but_its_
     restarted, reference = _fresh(stub, history), _fresh(stub, history)
     assert _greedy(stub, restarted, 8) == _greedy(stub, reference, 8)
     expected = _greedy(stub, reference, 8)
-    info = stub.GetSessionInfo(pb.GetSessionInfoRequest(session_id=restarted))
-    assert info.pending_token_count == 1  # parked: its K/V were written before the reply to this call
-    process.kill()
+    process.kill()  # right after the last Done: the K/V of that generation were written before it was sent
     channel.close()
 
     process, channel, stub = _serve(daemon, state_dir)

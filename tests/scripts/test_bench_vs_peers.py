@@ -138,13 +138,16 @@ def test_our_arms_run_interleaved_agents_through_a_restart_and_count_what_they_p
     assert [(s["agent"], s["turn"]) for s in ours] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     assert [s["after_restart"] for s in ours] == [False, False, False, True, True, False]
     assert [s["new_tokens"] for s in ours] == [s["new_tokens"] for s in shim], "the same transcript on both arms"
-    assert all(s["processed_tokens"] == s["new_tokens"] for s in ours if not s["after_restart"])
+    # The second agent's first turn copies the system prompt's K/V from the first agent's session; every other turn
+    # processes exactly what it added, the first turn after the restart too (its K/V read back from the state dir).
+    borrowed = [s for s in ours if s["agent"] > 0 and s["turn"] == 0]
+    assert borrowed and all(0 < s["processed_tokens"] < s["new_tokens"] for s in borrowed)
+    assert all(s["processed_tokens"] == s["new_tokens"] for s in ours if s not in borrowed)
     assert all(s["processed_tokens"] == s["prompt_tokens"] * s["requests"] for s in shim if s["requests"] == 1)
     assert all(s["processed_tokens"] > s["new_tokens"] for s in shim if not s["new_conversation"])
     gates = report["summary"]["gates"]
     assert gates["ours_processes_only_each_turns_new_tokens"]["pass"] is True
-    after = gates["ours_after_restart_processes_nothing_again"]
-    assert after["pass"] == all(s["processed_tokens"] == s["new_tokens"] for s in ours if s["after_restart"])
+    assert gates["ours_after_restart_processes_nothing_again"]["pass"] is True
     runs = {r["arm"]: r for r in report["summary"]["runs"]}
     assert "state-dir" in runs["ours"]["restart"]["how"] and runs["shim"]["restart"]["restart_s"] > 0
     assert runs["ours"]["wall_s"] == pytest.approx(sum(s["latency_s"] for s in ours))
