@@ -127,7 +127,10 @@ def test_cancelling_one_session_leaves_its_batch_mates_undisturbed(serve):
 
 def test_an_invariant_violation_inside_a_batch_fails_only_its_session(serve):
     server = _serve(serve)
-    alone = [generate(server.stub, _session(server, i), max_tokens=MAX_TOKENS, **SPECS[i][2]).tokens for i in range(4)]
+    lone = [_session(server, i) for i in range(4)]
+    alone = [generate(server.stub, lone[i], max_tokens=MAX_TOKENS, **SPECS[i][2]).tokens for i in range(4)]
+    for session_id in lone:  # else a twin would lend its prefix, and the broken cache would be replaced unused
+        server.stub.CloseSession(pb.CloseSessionRequest(session_id=session_id))
     sessions = [_session(server, i) for i in range(4)]
     broken = server.runtime.store.get(sessions[2], touch=False)
     broken.seq.cache._layers[0].held += 1  # corrupt one layer's bookkeeping: its first commit finds it

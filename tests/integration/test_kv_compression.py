@@ -125,8 +125,10 @@ def test_a_byte_budget_holds_more_compressed_sessions(serve):
     def sessions_held(compressor: str, budget: int) -> int:
         server = serve("qwen3", kv_compressor=compressor, kv_budget_bytes=budget)
         ids = []
-        for _ in range(10):
-            sid = create(server.stub, initial=PROMPT)
+        for k in range(10):
+            # Histories of one length that differ from their first token: none starts from another's K/V, whose
+            # first generation would grow its room as a later generation does, beyond what the probe measured.
+            sid = create(server.stub, initial=[token + k for token in PROMPT])
             generate(server.stub, sid, max_tokens=2)
             ids.append(sid)
         return int(_value(server.metrics_text(), "kakeya_session_active"))
