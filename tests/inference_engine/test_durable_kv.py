@@ -38,6 +38,15 @@ def _chunks(state, session: str) -> list:
     return sorted((state / KV_DIR / session).glob("*.npz"))
 
 
+def _left_behind(serve, state) -> str:
+    """A session that generated once on a daemon of `state`, which then stopped: its K/V are in one file."""
+    server = serve("qwen3", state_dir=str(state))
+    session = create(server.stub, initial=HISTORY)
+    generate(server.stub, session, max_tokens=10)
+    server.stop()
+    return session
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_restarted_session_reads_its_kv_back_and_prefills_only_its_new_tokens(serve, tmp_path, backend):
     first_ref, second_ref = _uninterrupted(serve)
@@ -61,10 +70,7 @@ def test_a_restarted_session_reads_its_kv_back_and_prefills_only_its_new_tokens(
 
 def test_files_that_disagree_with_the_journal_are_read_back_only_as_far_as_they_agree(serve, tmp_path):
     _, second_ref = _uninterrupted(serve)
-    first = serve("qwen3", state_dir=str(tmp_path))
-    session = create(first.stub, initial=HISTORY)
-    generate(first.stub, session, max_tokens=10)
-    first.stop()
+    session = _left_behind(serve, tmp_path)
     (chunk,) = _chunks(tmp_path, session)
     with np.load(chunk) as data:
         arrays = {name: data[name].copy() for name in data.files}
@@ -87,10 +93,7 @@ def test_files_that_disagree_with_the_journal_are_read_back_only_as_far_as_they_
 
 def test_a_damaged_file_is_not_read_and_the_history_is_prefilled(serve, tmp_path):
     _, second_ref = _uninterrupted(serve)
-    first = serve("qwen3", state_dir=str(tmp_path))
-    session = create(first.stub, initial=HISTORY)
-    generate(first.stub, session, max_tokens=10)
-    first.stop()
+    session = _left_behind(serve, tmp_path)
     (chunk,) = _chunks(tmp_path, session)
     chunk.write_bytes(chunk.read_bytes()[:1000])
 
@@ -117,10 +120,7 @@ def test_closing_a_session_removes_its_files_and_other_strategies_write_none(ser
 
 
 def test_state_kv_off_prefills_and_removes_the_files(serve, tmp_path):
-    first = serve("qwen3", state_dir=str(tmp_path))
-    session = create(first.stub, initial=HISTORY)
-    generate(first.stub, session, max_tokens=10)
-    first.stop()
+    session = _left_behind(serve, tmp_path)
     second = serve("qwen3", state_dir=str(tmp_path), state_kv="off")
     assert not (tmp_path / KV_DIR).exists()
     after = generate(second.stub, session, max_tokens=4)
@@ -129,10 +129,7 @@ def test_state_kv_off_prefills_and_removes_the_files(serve, tmp_path):
 
 
 def test_files_of_another_model_are_removed_at_start(serve, tmp_path):
-    first = serve("qwen3", state_dir=str(tmp_path))
-    session = create(first.stub, initial=HISTORY)
-    generate(first.stub, session, max_tokens=10)
-    first.stop()
+    session = _left_behind(serve, tmp_path)
     identity = tmp_path / KV_DIR / "identity.json"
     identity.write_text(identity.read_text().replace("float32", "bfloat16"))
 
