@@ -219,6 +219,12 @@ class ServerConfig:
         "prefill",
         choices=("on", "off"),
     )
+    state_kv_max_bytes: int = _opt(
+        8 << 30,
+        "with --state-kv on: most bytes the K/V files take together; a write that would pass it first removes the "
+        "files of the sessions written least recently (a restart prefills them until they write again), and a "
+        "session that alone would pass it writes none (0: no bound)",
+    )
     journal_sync: str = _opt(
         "normal",
         "when a journal commit counts as done: normal (written to the OS: survives a killed process) or full "
@@ -273,7 +279,7 @@ class ServerConfig:
         for name in ("session_idle_ttl_s", "queue_deadline_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
-        for name in ("threads", "prefill_chunk_tokens", "decode_burst_tokens"):
+        for name in ("threads", "prefill_chunk_tokens", "decode_burst_tokens", "state_kv_max_bytes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.sink < 0:

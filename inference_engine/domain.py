@@ -29,6 +29,7 @@ class CreateParams:
     no_default_eos: bool = False  # with eos_token_ids empty: True gives no EOS ids, False the model's
     kv_compressor: str | None = None  # None: the server default
     kv_q_range: int | None = None  # None: the server default
+    single_shot: bool = False  # the session ends with the request that made it (the HTTP shim's)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,12 @@ only what follows. A session whose chunks are missing, damaged or from another m
 are a cache of the journal, never a source of tokens.
 
 Only sessions whose state is the verifier's resident K/V and nothing else are kept: the `full` strategy, no KV
-compressor, a draft session that keeps no per-position features (the `none`, `ngram` and `draft_model` proposers).
+compressor, a draft session that keeps no per-position features (the `none`, `ngram` and `draft_model` proposers),
+and not a single-shot session (an HTTP shim request), which ends with its request.
+
+The files together stay within `max_bytes` (`--state-kv-max-bytes`): a write that would pass it first removes the
+files of the sessions written least recently (their next write starts again from their first position, and until
+then a restart prefills them), and a session that alone would pass it writes nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 from collections.abc import Iterable
 from hashlib import sha256
 from pathlib import Path
@@ -38,16 +44,22 @@ KV_DIR = "kv"
 _IDENTITY = "identity.json"
 _CHUNK = re.compile(r"^(\d{12})\.npz$")
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+_FILE_OVERHEAD = 1024  # more than the bytes of a chunk file's zip and array headers
 
 
 class DurableKV:
     """The K/V files of this daemon's sessions under `root` (`<state-dir>/kv`)."""
 
-    def __init__(self, root: Path, verifier: Verifier[Any], identity: dict[str, Any]) -> None:
+    def __init__(self, root: Path, verifier: Verifier[Any], identity: dict[str, Any], *, max_bytes: int = 0) -> None:
         self.root = root
         self.verifier = verifier
+        self.max_bytes = max_bytes  # 0: no bound
         self._saved: dict[str, int] = {}  # positions on disk per session, all of them this session's
         self._restored: set[str] = set()  # sessions brought back from the journal whose chunks are not read yet
+        # Bytes on disk per session, the least recently written first; the engine thread writes and the event loop
+        # forgets, so both go through the lock.
+        self._bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._adopt(identity)
 
@@ -61,7 +73,14 @@ class DurableKV:
             and cache.strategy.name == "full"
             and session.compressor.label == "none"
             and not session.seq.draft_session.feature_layers
+            and not session.single_shot
         )
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of every session's files."""
+        with self._lock:
+            return sum(self._bytes.values())
 
     def awaits(self, session_id: str) -> bool:
         """Whether the session came back from the journal and has not read its files back yet."""
@@ -73,10 +92,16 @@ class DurableKV:
 
     def sweep(self, live: Iterable[str]) -> None:
         """Remove the files of sessions the journal no longer holds (ended while the files were being written)."""
-        keep = {_dir_name(session_id) for session_id in live}
+        keep = {_dir_name(session_id): session_id for session_id in live}
+        found = []
         for entry in self.root.iterdir():
             if entry.is_dir() and entry.name not in keep:
                 shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_dir():
+                found.append((entry.stat().st_mtime, keep[entry.name]))
+        for _, session_id in sorted(found):  # the least recently written first
+            self._measure(session_id)
+        self._fit(0, keeping=None)
 
     # -- the engine thread ---------------------------------------------------------------------------------------
     def save(self, session: Session) -> int:
@@ -88,6 +113,8 @@ class DurableKV:
         assert isinstance(cache, KVSessionCache)
         start, end = self._saved.get(session.session_id, 0), seq.committed
         if end <= start:
+            return 0
+        if not self._room_for(session.session_id, (end - start) * _position_bytes(cache, start) + _FILE_OVERHEAD):
             return 0
         positions = np.arange(start, end, dtype=np.int64)
         ops = cache.ops
@@ -104,6 +131,7 @@ class DurableKV:
                 tokens = np.asarray(seq.tokens[start:end], dtype=np.int64)
                 np.savez(out, tokens=tokens, keys=np.stack(keys), values=np.stack(values))  # [L, H, n, D]
             os.replace(scratch, directory / f"{start:012d}.npz")
+            written = (directory / f"{start:012d}.npz").stat().st_size
         except OSError as exc:  # a full disk, or the session closed meanwhile: a restart prefills these positions
             log.warning("K/V file not written", extra={"session_id": session.session_id, "error": str(exc)})
             scratch.unlink(missing_ok=True)
@@ -112,6 +140,8 @@ class DurableKV:
             self.forget(session.session_id)
             return 0
         self._saved[session.session_id] = end
+        with self._lock:
+            self._bytes[session.session_id] = self._bytes.pop(session.session_id, 0) + written  # now the latest
         return end - start
 
     def load(self, session: Session) -> int:
@@ -166,6 +196,8 @@ class DurableKV:
         """The session ended: remove its files."""
         self._saved.pop(session_id, None)
         self._restored.discard(session_id)
+        with self._lock:
+            self._bytes.pop(session_id, None)
         shutil.rmtree(self.root / _dir_name(session_id), ignore_errors=True)
 
     # -- internals -----------------------------------------------------------------------------------------------
@@ -178,6 +210,56 @@ class DurableKV:
         for stray in directory.glob(".*.partial") if directory.is_dir() else ():
             stray.unlink(missing_ok=True)
         self._saved[session_id] = keep_until
+        self._measure(session_id)
+
+    def _room_for(self, session_id: str, incoming: int) -> bool:
+        """Make room under `max_bytes` for `incoming` more bytes of this session's files, removing other sessions'
+        files, the least recently written first; False (and this session's files removed) when it alone would pass
+        the bound."""
+        if not self.max_bytes:
+            return True
+        with self._lock:
+            own = self._bytes.get(session_id, 0)
+        if own + incoming > self.max_bytes:
+            log.info(
+                "K/V files not written: the session alone would pass --state-kv-max-bytes; a restart prefills it",
+                extra={"session_id": session_id, "bytes": own + incoming, "max_bytes": self.max_bytes},
+            )
+            self.forget(session_id)
+            return False
+        self._fit(incoming, keeping=session_id)
+        return True
+
+    def _fit(self, incoming: int, *, keeping: str | None) -> None:
+        """Remove whole sessions' files, the least recently written first (never `keeping`'s), until `incoming`
+        more bytes fit under `max_bytes`."""
+        if not self.max_bytes:
+            return
+        while True:
+            with self._lock:
+                if sum(self._bytes.values()) + incoming <= self.max_bytes:
+                    return
+                oldest = next((sid for sid in self._bytes if sid != keeping), None)
+            if oldest is None:
+                return
+            log.info(
+                "K/V files removed to stay within --state-kv-max-bytes; the session writes them again when it "
+                "next generates, and a restart before that prefills it",
+                extra={"session_id": oldest, "max_bytes": self.max_bytes},
+            )
+            self._saved.pop(oldest, None)
+            with self._lock:
+                self._bytes.pop(oldest, None)
+            shutil.rmtree(self.root / _dir_name(oldest), ignore_errors=True)
+
+    def _measure(self, session_id: str) -> None:
+        """Count the bytes of the session's files as they are on disk."""
+        size = sum(path.stat().st_size for _, path in _chunks(self.root / _dir_name(session_id)))
+        with self._lock:
+            if size:
+                self._bytes[session_id] = size
+            else:
+                self._bytes.pop(session_id, None)
 
     def _adopt(self, identity: dict[str, Any]) -> None:
         """Keep the files written for this model, dtype and backend; remove any others."""
@@ -199,6 +281,12 @@ class DurableKV:
         scratch = path.with_suffix(".partial")
         scratch.write_text(wanted)
         os.replace(scratch, path)
+
+
+def _position_bytes(cache: KVSessionCache[Any], position: int) -> int:
+    """Bytes one position takes in a file: its token id, and its keys and values in every layer as float32."""
+    keys, _ = cache.positions_kv(0, np.array([position], dtype=np.int64))  # [1, H, 1, D]
+    return 8 + cache.num_layers * 2 * int(np.prod(keys.shape)) * 4
 
 
 def _dir_name(session_id: str) -> str:

@@ -49,6 +49,11 @@ class Metrics:
             "Positions whose K/V parked sessions wrote to their files under --state-dir (--state-kv)",
             registry=r,
         )
+        self.session_kv_file_bytes = Gauge(
+            "kakeya_session_kv_file_bytes",
+            "Bytes of the sessions' K/V files under --state-dir (--state-kv), at most --state-kv-max-bytes",
+            registry=r,
+        )
         self.session_kv_read_back_positions = Counter(
             "kakeya_session_kv_read_back_positions",
             "Positions whose K/V sessions restored from the journal read back from their files instead of prefilling",

@@ -131,6 +131,7 @@ class Runtime:
         session = self._open_session(
             self.store.new_id(), params.label, eos, strategy, initial, self.store.now(), compressor
         )
+        session.single_shot = params.single_shot
         await self.sessions_journal.opened(session)
         log.info(
             "session created",
@@ -327,7 +328,9 @@ class Runtime:
         """Keep the K/V of parked sessions in files under `directory`, read back by sessions restored from then on
         (`DurableKV`)."""
         identity = {**self.journal_identity(), "verifier": self.verifier.description}
-        self.sessions_journal.keep_kv(DurableKV(directory, self.verifier, identity))
+        kv = DurableKV(directory, self.verifier, identity, max_bytes=self.config.state_kv_max_bytes)
+        self.metrics.session_kv_file_bytes.set_function(lambda: kv.total_bytes)
+        self.sessions_journal.keep_kv(kv)
 
     def restore_sessions(self, records: list[SessionRecord], *, drop_invalid: bool = False) -> list[str]:
         """Bring journaled sessions back under their ids, with their whole history pending

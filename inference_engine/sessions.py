@@ -39,6 +39,7 @@ class Session:
     cancel: asyncio.Event | None = None
     closed: bool = False
     invariant_violations: dict[str, int] = field(default_factory=lambda: {"inv1": 0, "inv2": 0})
+    single_shot: bool = False  # an HTTP shim request's session, which ends with its request
     kv_peak_bytes: int = 0  # the most `kv_bytes` seen at once: after each step of its generations, and when charged
 
     @property

@@ -66,7 +66,7 @@ class SingleShotGeneration:
         to the first token (limits, queue deadline, shutdown) is raised here, before any response is sent."""
         if not self._prompt:
             raise InvalidArgument("the prompt is empty: it must hold at least one token")
-        params = CreateParams(label=self._label, eos_token_ids=self._codec.eos_token_ids)
+        params = CreateParams(label=self._label, eos_token_ids=self._codec.eos_token_ids, single_shot=True)
         self._session_id, _ = await self._runtime.create_session(params)
         await self._runtime.append(self._session_id, self._prompt)
         self._events = self._runtime.generate(self._session_id, self._params, cancel=self.cancel)

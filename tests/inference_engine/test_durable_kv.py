@@ -30,6 +30,10 @@ def _uninterrupted(serve) -> tuple[list[int], list[int]]:
     return first, generate(server.stub, session, max_tokens=10).tokens
 
 
+def _bytes(state, session: str) -> int:
+    return sum(path.stat().st_size for path in _chunks(state, session))
+
+
 def _counter(text: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
@@ -137,3 +141,41 @@ def test_files_of_another_model_are_removed_at_start(serve, tmp_path):
     assert not (tmp_path / KV_DIR / session).exists()
     after = generate(second.stub, session, max_tokens=4)
     assert after.done is not None and after.done.prefill_token_count == len(HISTORY) + 10
+
+
+def test_files_stay_within_the_byte_bound_the_least_recently_written_session_going_first(serve, tmp_path):
+    one = _bytes(tmp_path / "measure", _left_behind(serve, tmp_path / "measure"))  # one session's file
+    bound = one * 5 // 2
+    server = serve("qwen3", state_dir=str(tmp_path / "state"), state_kv_max_bytes=bound)
+    state = tmp_path / "state"
+    sessions = [create(server.stub, initial=[token + i for token in HISTORY]) for i in range(3)]  # no shared prefix
+    for session in sessions[:2]:
+        generate(server.stub, session, max_tokens=10)
+    assert _counter(server.metrics_text(), "kakeya_session_kv_file_bytes") == 2 * one
+    generate(server.stub, sessions[2], max_tokens=10)  # a third file would pass the bound: the oldest goes
+    assert [bool(_chunks(state, session)) for session in sessions] == [False, True, True]
+    assert _counter(server.metrics_text(), "kakeya_session_kv_file_bytes") == 2 * one <= bound
+    _append(server.stub, sessions[0], TURN)
+    generate(server.stub, sessions[0], max_tokens=4)  # written again from its first position: the second goes
+    assert [bool(_chunks(state, session)) for session in sessions] == [True, False, True]
+    assert _chunks(state, sessions[0])[0].stem == f"{0:012d}"
+    server.stop()
+
+    restarted = serve("qwen3", state_dir=str(state), state_kv_max_bytes=bound)
+    pending = {}
+    for index in (0, 2, 1):  # the one without files last: its first write removes others' files
+        _append(restarted.stub, sessions[index], TURN)
+        pending[index] = generate(restarted.stub, sessions[index], max_tokens=4).done.prefill_token_count
+    assert pending[0] == pending[2] == 1 + len(TURN)
+    assert pending[1] == len(HISTORY) + 10 + len(TURN), "the session whose files went prefills its history"
+
+
+def test_a_session_that_alone_would_pass_the_bound_writes_no_file(serve, tmp_path):
+    one = _bytes(tmp_path / "measure", _left_behind(serve, tmp_path / "measure"))
+    server = serve("qwen3", state_dir=str(tmp_path / "state"), state_kv_max_bytes=one - 1)
+    session = create(server.stub, initial=HISTORY)
+    generate(server.stub, session, max_tokens=10)
+    assert not _chunks(tmp_path / "state", session)
+    text = server.metrics_text()
+    assert _counter(text, "kakeya_session_kv_written_positions_total") == 0
+    assert _counter(text, "kakeya_session_kv_file_bytes") == 0

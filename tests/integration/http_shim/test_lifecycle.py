@@ -167,3 +167,12 @@ def test_the_console_script_serves_the_shim_on_http_port_and_stops_on_sigterm():
         assert '"msg": "stopped"' in daemon.output
     finally:
         daemon.kill()
+
+
+def test_a_request_under_a_state_dir_writes_no_kv_file(serve_shim, tmp_path):
+    """A shim request's session ends with the request: the K/V a restart would read back are never written."""
+    server = serve_shim(state_dir=str(tmp_path))
+    client(server).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0)
+    wait_until_no_session(server)
+    assert metric(server, "kakeya_session_kv_written_positions_total") == 0
+    assert metric(server, "kakeya_session_kv_file_bytes") == 0
