@@ -247,10 +247,7 @@ class DurableKV:
                 "next generates, and a restart before that prefills it",
                 extra={"session_id": oldest, "max_bytes": self.max_bytes},
             )
-            self._saved.pop(oldest, None)
-            with self._lock:
-                self._bytes.pop(oldest, None)
-            shutil.rmtree(self.root / _dir_name(oldest), ignore_errors=True)
+            self.forget(oldest)
 
     def _measure(self, session_id: str) -> None:
         """Count the bytes of the session's files as they are on disk."""
