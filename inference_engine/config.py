@@ -129,9 +129,10 @@ class ServerConfig:
         "e8 1..116)",
     )
     proposer: str = _opt(
-        "none",
-        "speculative proposer: none, ngram (prompt lookup), draft_model (a smaller model, --draft-model) or dflash "
-        "(a DFlash drafter, --draft-model)",
+        "ngram",
+        "speculative proposer: ngram (prompt lookup over the session's own history, no extra model; outputs are "
+        "those of none), none (plain decoding), draft_model (a smaller model, --draft-model) or dflash (a DFlash "
+        "drafter, --draft-model) (docs/speculative-decoding.md)",
         choices=PROPOSERS,
     )
     draft_model: str = _opt(
