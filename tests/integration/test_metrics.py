@@ -51,7 +51,7 @@ def test_every_series_is_prefixed_and_none_is_a_created_timestamp(serve):
     assert [line for line in samples if not line.startswith("kakeya_")] == []
     assert [line for line in samples if "_created" in line.split(" ")[0]] == []
     build = next(line for line in samples if line.startswith("kakeya_build_info{"))
-    assert 'backend="torch"' in build and 'proposer="none"' in build and build.endswith(" 1.0")
+    assert 'backend="torch"' in build and 'proposer="ngram"' in build and build.endswith(" 1.0")
 
 
 def test_queue_depth_counts_a_generation_waiting_for_the_only_slot(serve):

@@ -40,7 +40,7 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
     assert list(info.eos_token_ids) == generation_config["eos_token_id"]
     assert info.trained_context_tokens == config["max_position_embeddings"]
     assert info.chat_template == (BUNDLED_MODEL_DIR / "chat_template.jinja").read_text()
-    assert info.backend == "torch" and info.model_name == "kakeya-tiny" and info.proposer == "none"
+    assert info.backend == "torch" and info.model_name == "kakeya-tiny" and info.proposer == "ngram"
     assert info.description.startswith("torch ")
     assert info.server_version == __version__
     assert info.default_kv_strategy == pb.KV_STRATEGY_SINK_WINDOW
