@@ -28,7 +28,7 @@ Bounded: N x `--max-tokens` tokens per configuration, and `--time-limit-s` per c
 Usage:
     python scripts/bench_concurrency.py [--model NAME|DIR|GGUF] [--sessions 1 2 4 8 16] [--max-tokens 64]
         [--prompt-tokens 32 | --history-tokens MIN MAX] [--batch-size 16] [--rounds 3] [--threads 0]
-        [--backend torch] [--proposer none] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
+        [--backend torch] [--proposer ngram] [--draft-model DIR] [--time-limit-s 300] [--results-dir DIR]
 """
 
 from __future__ import annotations
@@ -79,9 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="daemon backend (default: torch)")
     p.add_argument(
         "--proposer",
-        default="none",
+        default="ngram",
         choices=("none", "ngram", "dflash"),
-        help="speculative proposer of both daemons (default: none)",
+        help="speculative proposer of both daemons (default: ngram, the daemon's own default)",
     )
     p.add_argument(
         "--draft-model",

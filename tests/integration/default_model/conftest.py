@@ -34,7 +34,8 @@ def tokenizer(smollm2_dir: Path) -> Any:
 
 @pytest.fixture(scope="package")
 def server(verifier: TorchVerifier, smollm2_dir: Path) -> Iterator[RunningServer]:
-    """One daemon (gRPC and HTTP shim) for the package: batching on, `dlm_restore` recomputing every layer."""
+    """One daemon (gRPC and HTTP shim) for the package: batching on, `dlm_restore` recomputing every layer, the
+    default proposer (ngram)."""
     running = start_server(
         verifier,
         model_dir=smollm2_dir,

@@ -105,25 +105,19 @@ REPEATING = (
 
 
 @pytest.mark.parametrize("kind", ["full", "dlm_restore", "full+kakeya_d4"])
-def test_the_ngram_proposer_streams_exactly_the_tokens_of_decoding_without_one(
+def test_the_default_ngram_proposer_streams_exactly_the_tokens_of_decoding_without_one(
     server, verifier, smollm2_dir, tokenizer, kind
 ):
-    speculative = start_server(
-        verifier,
-        model_dir=smollm2_dir,
-        model=str(smollm2_dir),
-        restore_plan="recompute",
-        proposer="ngram",
-        num_draft_tokens=5,
-        ngram_max_n=3,
+    plain = start_server(
+        verifier, model_dir=smollm2_dir, model=str(smollm2_dir), restore_plan="recompute", proposer="none"
     )
     try:
         options = SESSION_OPTIONS[kind]
         prompt = tokens_for_chat(user(REPEATING), tokenizer)
-        expected = generate(server.stub, create(server.stub, initial=prompt, **options), max_tokens=32)
-        result = generate(speculative.stub, create(speculative.stub, initial=prompt, **options), max_tokens=32)
+        expected = generate(plain.stub, create(plain.stub, initial=prompt, **options), max_tokens=32)
+        result = generate(server.stub, create(server.stub, initial=prompt, **options), max_tokens=32)
     finally:
-        speculative.stop()
+        plain.stop()
     assert "quick brown fox" in text(tokenizer, expected.tokens)
     assert result.tokens == expected.tokens
     assert result.done.stop_reason == expected.done.stop_reason
