@@ -49,7 +49,7 @@ from lib.decode_arms import history_tokens
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import model_drafter
+from inference_engine.config import ServerConfig, model_drafter
 
 MODES = ("batched", "unbatched", "alone")
 DAEMONS = ("batched", "unbatched")  # the alone mode runs on the batched daemon
@@ -77,11 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=0, help="--threads of both daemons (default: 0, one per usable core)")
     p.add_argument("--backend", default="torch", choices=("torch", "mlx"), help="daemon backend (default: torch)")
+    daemon_proposer = ServerConfig().proposer
     p.add_argument(
         "--proposer",
-        default="ngram",
+        default=daemon_proposer,
         choices=("none", "ngram", "dflash"),
-        help="speculative proposer of both daemons (default: ngram, the daemon's own default)",
+        help=f"speculative proposer of both daemons (default: {daemon_proposer}, the daemon's own default)",
     )
     p.add_argument(
         "--draft-model",
