@@ -123,6 +123,7 @@ class BackendModel(ABC, Generic[A]):
                 num_layers=layers,
                 ops=ops,
                 forward_layers=self.forward_layers,
+                commit=self.commit,
                 chunk_tokens=setup.chunk_tokens or self.prefill_chunk_tokens,
                 setup=setup,
                 layer_store=layer_store,
@@ -173,6 +174,11 @@ class BackendModel(ABC, Generic[A]):
     def kv_from_host(self, array: np.ndarray) -> A:
         """A host array `[B, H, n, D]` as K/V of this model: in its K/V dtype, on its device."""
         return self.array_ops.from_host(array, self._kv_like())
+
+    @abstractmethod
+    def commit(self, cache: SessionCache[A], count: int) -> None:
+        """Commit the first `count` staged positions of `cache` (see `Verifier.commit`), in the backend's own
+        context: a rebuild's prefix chunks are committed through it too."""
 
     @abstractmethod
     def _kv_like(self) -> A:

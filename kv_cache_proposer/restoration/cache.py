@@ -31,6 +31,7 @@ from kv_cache_proposer.restoration.plan import LayerSource, RestorationPlan
 from kv_cache_proposer.restoration.projection import rows_kv
 from kv_cache_proposer.restoration.rebuild import (
     Entries,
+    LayerCommit,
     LayerForward,
     PrefixCache,
     RestoredPrefix,
@@ -53,6 +54,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         num_layers: int,
         ops: ArrayOps[A],
         forward_layers: LayerForward[A],
+        commit: LayerCommit[A],
         chunk_tokens: int,
         setup: RestorationSetup,
         layer_store: LayerStoreFactory[A] | None = None,
@@ -60,6 +62,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store)
         self._restoring = strategy
         self._forward_layers = forward_layers  # the verifier's first layers: `tokens` and `recompute` rebuilds
+        self._commit = commit  # the verifier's commit of a rebuild's prefix chunk
         self._chunk_tokens = chunk_tokens  # the most tokens a rebuild forward takes
         self._setup = setup
         self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
@@ -281,6 +284,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         if layers and self._plan.needs_prefix_forward:
             scratch = prefix_cache(
                 self._forward_layers,
+                self._commit,
                 self._ops,
                 self._tokens[:end].tolist(),
                 last_layer=max(layers),
@@ -395,6 +399,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             num_layers=self.num_layers,
             ops=self._ops,
             forward_layers=self._forward_layers,
+            commit=self._commit,
             chunk_tokens=self._chunk_tokens,
             setup=self._setup,
             layer_store=self._session_store,

@@ -205,6 +205,15 @@ class LayerForward(Protocol[A]):
         ...
 
 
+class LayerCommit(Protocol[A]):
+    """The verifier's commit of a staged block (`BackendModel.commit`): a rebuild's chunked prefix forward commits
+    each chunk as the verifier's own forwards are committed (in its inference context, say)."""
+
+    def __call__(self, cache: SessionCache[A], count: int) -> None:
+        """Commit the first `count` staged positions of `cache`."""
+        ...
+
+
 class CaptureCache(KVSessionCache[A]):
     """A scratch cache for one forward over a block at global positions `start, start + 1, ...` that attends only
     within the block; it records the K/V the model stages for layers `0..last_layer`."""
@@ -265,6 +274,7 @@ class PrefixCache(KVSessionCache[A]):
 
 def prefix_cache(
     forward: LayerForward[A],
+    commit: LayerCommit[A],
     ops: ArrayOps[A],
     tokens: Sequence[int],
     *,
@@ -283,7 +293,7 @@ def prefix_cache(
         for start in range(0, len(tokens), chunk_tokens):
             block = list(tokens[start : start + chunk_tokens])
             forward(scratch, block, last_layer)
-            scratch.commit(len(block))
+            commit(scratch, len(block))
     except BaseException:
         scratch.release()
         raise
@@ -292,6 +302,7 @@ def prefix_cache(
 
 def prefix_kv(
     forward: LayerForward[A],
+    commit: LayerCommit[A],
     ops: ArrayOps[A],
     tokens: Sequence[int],
     positions: np.ndarray,
@@ -300,7 +311,7 @@ def prefix_kv(
     chunk_tokens: int,
 ) -> dict[int, tuple[A, A]]:
     """Dense K/V of layers `0..last_layer` at `positions` of the token prefix `tokens` (`prefix_cache`)."""
-    scratch = prefix_cache(forward, ops, tokens, last_layer=last_layer, chunk_tokens=chunk_tokens)
+    scratch = prefix_cache(forward, commit, ops, tokens, last_layer=last_layer, chunk_tokens=chunk_tokens)
     kv = {layer: scratch.gather(layer, positions) for layer in range(last_layer + 1)}
     ops.settle([array for pair in kv.values() for array in pair])
     scratch.release()

@@ -244,7 +244,7 @@ def test_a_chunked_prefix_forward_gives_the_kv_of_one_forward_over_the_whole_pre
     positions = np.arange(2, 40, dtype=np.int64)
     whole = forward_kv(verifier.forward_layers, verifier.array_ops, verifier.num_layers, tokens, start=0, last_layer=2)
     spy = _BlockSizes(verifier)
-    chunked = prefix_kv(spy, verifier.array_ops, tokens, positions, last_layer=2, chunk_tokens=7)
+    chunked = prefix_kv(spy, verifier.commit, verifier.array_ops, tokens, positions, last_layer=2, chunk_tokens=7)
     assert spy.sizes == [7] * 6 + [3]
     for layer in range(3):
         for part in (0, 1):
@@ -276,11 +276,15 @@ def test_a_negative_rebuild_chunk_is_refused(backend):
         RestorationSetup(chunk_tokens=-1)
 
 
+@pytest.mark.parametrize("chunk_tokens", [0, 1])  # 0: the verifier's prefill chunk; 1: every chunk one token
 @pytest.mark.parametrize("rebuild", ["generation", "step"])
-def test_a_compressed_session_holds_its_restored_kv_as_coordinates_of_its_own_codec(verifiers, backend, rebuild):
+def test_a_compressed_session_holds_its_restored_kv_as_coordinates_of_its_own_codec(
+    verifiers, backend, rebuild, chunk_tokens
+):
     verifier = verifiers["qwen3"]
     packed = compressor_layer_store(backend, KVCompressor("kakeya_d4"), held=verifier.reads_held_keys)
-    cache = verifier.new_cache(RESTORE, layer_store=packed, restoration=RestorationSetup(rebuild=rebuild))
+    setup = RestorationSetup(rebuild=rebuild, chunk_tokens=chunk_tokens)
+    cache = verifier.new_cache(RESTORE, layer_store=packed, restoration=setup)
     _, seq = _converse(verifier, cache, seed=4)
     if rebuild == "generation":  # a decode step: the rebuild, then the commit adds the position leaving the window
         Decoder(verifier, prefill_chunk_tokens=7).step(seq, SamplingParams(), GenerationBudget(max_new_tokens=1), 0)
@@ -292,6 +296,7 @@ def test_a_compressed_session_holds_its_restored_kv_as_coordinates_of_its_own_co
     positions = np.arange(RESTORE.sink, end, dtype=np.int64)
     exact = prefix_kv(
         verifier.forward_layers,
+        verifier.commit,
         verifier.array_ops,
         seq.tokens[:end],
         positions,
