@@ -26,7 +26,6 @@ from kv_cache_proposer.sequence import (
     StopCause,
     first_stop,
 )
-from kv_cache_proposer.strategies import DlmRestoreStrategy
 from kv_cache_proposer.verifier import BatchBlock, Verifier, VerifyOutput
 
 __all__ = [
@@ -246,15 +245,16 @@ class Decoder:
     @staticmethod
     def _bursts(request: StepRequest, wanted: int) -> bool:
         """Whether a step may run plain greedy steps back to back: no proposer, or a step that drafts nothing (a
-        burst returns the features a drafter needs), greedy, nothing that reshapes or
-        constrains the logits, a cache that needs no token ids to stage K/V, and not the generation's first token
-        (whose latency a burst would add to)."""
+        burst returns the features a drafter needs), greedy, nothing that reshapes or constrains the logits, a
+        cache that takes no layer outputs of its own (a restoring cache whose plan projects from the drafter's
+        context takes them from every forward), and not the generation's first token (whose latency a burst would
+        add to)."""
         seq, controls = request.seq, request.controls
         return (
             (isinstance(seq.draft_session, NoDraftSession) or wanted == 0)
             and request.params.greedy
             and (controls is None or (not controls.transforms_logits and controls.grammar is None))
-            and not isinstance(seq.cache.strategy, DlmRestoreStrategy)
+            and not seq.cache.restoration_feature_layers
             and request.generated > 0
         )
 

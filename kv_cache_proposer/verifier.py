@@ -109,7 +109,8 @@ class Verifier(CausalLM[A], Protocol[A]):
         device, so no step waits for the host. Returns the picks and, with `feature_layers`, the features
         [len(token_ids) + steps - 1, L*H] of every staged position (as `verify` of the block and the picks but
         the last would return them; else None). The staged K/V of the block and of every pick but the last stay
-        staged until `commit` (which may keep fewer, as after any speculative step)."""
+        staged until `commit` (which may keep fewer, as after any speculative step); the cache is told their token
+        ids (`name_stage`) before the burst returns."""
         ...
 
     def verify_batch(

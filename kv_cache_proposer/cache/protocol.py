@@ -126,8 +126,14 @@ class SessionCache(Protocol[A]):
         """Reserve the stage for a block at the next positions and select all of it for the next model call.
 
         With `extend` the block goes after what the previous forward staged (and sees it); otherwise the previous
-        stage is dropped. `token_ids` are the block's tokens, for a cache that rebuilds K/V from them.
+        stage is dropped. `token_ids` are the block's tokens, for a cache that rebuilds K/V from them; an extension
+        may leave them to `name_stage`.
         """
+        ...
+
+    def name_stage(self, token_ids: Sequence[int]) -> None:
+        """The token ids of every staged position, in order: a burst stages each pick before the host knows it and
+        names them all at its end, before the commit (a cache that keeps no ids ignores them)."""
         ...
 
     def select_queries(self, start: int, end: int) -> None:

@@ -201,6 +201,9 @@ class KVSessionCache(Generic[A]):
             self._staged_counts = [0] * len(self._layers)
         self.select_queries(kept, kept + block_len)
 
+    def name_stage(self, token_ids: Sequence[int]) -> None:
+        pass  # keeps no token ids
+
     def select_queries(self, start: int, end: int) -> None:
         if not 0 <= start < end <= self._staged:
             raise ValueError(f"cannot select [{start}, {end}) of a stage of {self._staged}")

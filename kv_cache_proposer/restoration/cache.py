@@ -155,7 +155,8 @@ class RestoringSessionCache(KVSessionCache[A]):
 
     # -- forwards ----------------------------------------------------------------------------------------------
     def begin_stage(self, block_len: int, *, extend: bool = False, token_ids: Sequence[int] = ()) -> None:
-        if self._plan.needs_tokens and len(token_ids) != block_len:
+        named = len(token_ids) == block_len or (extend and not token_ids)  # a burst names its picks at its end
+        if self._plan.needs_tokens and not named:
             raise ValueError(f"dlm_restore rebuilds K/V from token ids: {len(token_ids)} for a block of {block_len}")
         self._stage_tokens = [*self._stage_tokens, *token_ids] if extend else list(token_ids)
         evicted = self.evicted_count
@@ -167,9 +168,16 @@ class RestoringSessionCache(KVSessionCache[A]):
         if self._contexts is not None:
             self._contexts.begin_stage(block_len, extend=extend)
 
+    def name_stage(self, token_ids: Sequence[int]) -> None:
+        if len(token_ids) != self._staged:
+            raise ValueError(f"{len(token_ids)} token ids named for {self._staged} staged positions")
+        self._stage_tokens = list(token_ids)
+
     def commit(self, count: int) -> None:
         if not 0 <= count <= self._staged:
             raise ValueError(f"cannot commit {count} of {self._staged} staged positions")
+        if count and self._plan.needs_tokens and len(self._stage_tokens) < count:
+            raise ValueError(f"dlm_restore rebuilds K/V from token ids: {len(self._stage_tokens)} named for {count}")
         before = self.next_position
         if count:
             self._finish_stage()  # the entries captured below are read as the layers hold them

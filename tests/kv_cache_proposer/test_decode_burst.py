@@ -17,8 +17,9 @@ from kv_cache_proposer.decoding import (
     StepResult,
     StopCause,
 )
+from kv_cache_proposer.restoration import LayerSource, RestorationPlan, RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, SinkWindowStrategy
 from tests.support.backends import BACKENDS, to_numpy
 from tests.support.checkpoints import VOCAB_SIZE
 
@@ -122,6 +123,37 @@ def test_bursts_over_a_compressed_cache_decode_the_tokens_of_single_steps(verifi
     assert runs[4][1] == [1, 4, 4, 4, 4, 4, 2], "the compressed cache bursts"
     assert runs[4][2].committed == runs[1][2].committed
     assert runs[4][2].cache.nbytes == runs[1][2].cache.nbytes
+
+
+@pytest.mark.parametrize("compressed", [False, True], ids=["dense", "kakeya_d4"])
+@pytest.mark.parametrize("rebuild", ["generation", "step"])
+# Exact plans: the first layer's K/V are a function of each token and its position alone (`tokens`).
+@pytest.mark.parametrize("kinds", [("recompute",) * 3, ("tokens", "kept", "kept")], ids=["recompute", "tokens"])
+def test_a_restoring_cache_bursts_and_names_its_picks_for_rebuilds(verifiers, backend, kinds, rebuild, compressed):
+    """A burst over a `dlm_restore` cache evicts as it commits and hands the cache the ids of its picks, from which
+    a later rebuild recomputes them: the next turn, rebuilt after a park, gives the tokens of one step per call."""
+    verifier = verifiers["qwen3"]
+    strategy = DlmRestoreStrategy(sink=2, window=6)
+    setup = RestorationSetup(RestorationPlan(tuple(LayerSource(kind) for kind in kinds)), rebuild=rebuild)  # type: ignore[arg-type]
+    runs = {}
+    for burst in (1, 4):
+        store = compressor_layer_store(backend, KVCompressor("kakeya_d4", 38)) if compressed else None
+        cache = verifier.new_cache(strategy, restoration=setup, layer_store=store)
+        seq = SequenceState(cache=cache, tokens=_prompt(20))
+        turns = []
+        for turn in range(2):
+            tokens, _, steps = _run(Decoder(verifier, burst_tokens=burst), seq, GenerationBudget(11))
+            turns.append((tokens, [len(s.tokens) for s in steps]))
+            cache.park()
+            seq.tokens += _prompt(3, seed=turn)
+        runs[burst] = (turns, seq)
+    assert [tokens for tokens, _ in runs[4][0]] == [tokens for tokens, _ in runs[1][0]]
+    assert len(set(runs[1][0][0][0] + runs[1][0][1][0])) > 3
+    assert [lengths for _, lengths in runs[4][0]] == [[1, 4, 4, 2]] * 2, "the restoring cache bursts"
+    cache = runs[4][1].cache
+    assert cache.evicted_count > 11 and cache.footprint().lost_count == 0
+    if not compressed:  # the session that burst holds what one that stepped holds
+        assert cache.footprint().nbytes == runs[1][1].cache.footprint().nbytes
 
 
 def test_a_burst_returns_the_features_of_every_position_it_stages(verifiers, backend):

@@ -161,7 +161,9 @@ class MlxVerifier(BackendModel[mx.array]):
                     mx.eval(picked, features, cache.arrays())
                 else:
                     mx.eval(picked, cache.arrays())
-        return [int(t) for t in np.array(picked)], features
+        picks = [int(t) for t in np.array(picked)]
+        cache.name_stage([*token_ids, *picks[:-1]])
+        return picks, features
 
     def forward_batch(
         self, blocks: Sequence[BatchBlock[mx.array]], feature_layers: Sequence[int]

@@ -175,6 +175,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             rows.append(out.logits)
             features.append(out.features)
         picks = [int(t) for t in torch.cat(rows).argmax(dim=-1).tolist()]
+        cache.name_stage([*token_ids, *picks[:-1]])
         if not feature_layers:
             return picks, None
         return picks, torch.cat([cast(torch.Tensor, f) for f in features])

@@ -133,3 +133,17 @@ def test_speculative_decoding_under_a_drafter_context_plan_gives_the_tokens_of_p
         verifier, verifier.new_cache(RESTORE, restoration=setup), proposer=NgramProposer(lookahead=4)
     )
     assert speculative == plain and len(plain) == 17
+
+
+def test_a_drafter_context_plan_decodes_one_step_per_forward(verifiers, drafter_dir, backend):
+    # Every forward hands the cache the context inputs of the positions it stages; a burst's later steps would
+    # not, so this session's greedy steps never burst and each commit finds a context row for every position.
+    verifier = verifiers["qwen3"]
+    setup = RestorationSetup(_plan(DrafterContext.from_drafter(drafter_dir)))
+    cache = verifier.new_cache(RESTORE, restoration=setup)
+    seq = SequenceState(cache=cache, tokens=_tokens(5, 30))
+    decoder = Decoder(verifier, prefill_chunk_tokens=7, burst_tokens=4)
+    lengths = []
+    while sum(lengths) < 8:
+        lengths.append(len(decoder.step(seq, SamplingParams(), GenerationBudget(8), sum(lengths)).tokens))
+    assert lengths == [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1] and cache.evicted_count > 0
