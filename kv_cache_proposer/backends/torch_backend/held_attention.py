@@ -22,6 +22,14 @@ HELD_SCORES = 1 << 21
 """Scores (query rows × keys) of one chunk, at most: a block of many queries (a prefill chunk) reads fewer keys per
 chunk, so a chunk's float32 scores stay within 8 MB whatever the block."""
 
+HELD_PARALLEL = 3 << 17
+"""Coordinates one chunk converts to float32 (batch × K/V heads × keys × head dim), from which a block's held
+attention runs on every thread. Below it, on one: its thirty-odd small ops are each a parallel region whose workers
+are woken from sleep between a forward's other ops (the bundled model, one K/V head: a decode step over 2k / 8k held
+keys took half the time on one thread). From it on the ops are large enough to pay the workers: the default
+model's three K/V heads over 2k to 8k keys attend in 0.58-0.70× the time on both threads of a 2-core machine, and
+its compressed sessions decode 1.3× faster at 8k tokens through the daemon (docs/benchmarks.md)."""
+
 DECODED_QUERIES = 32
 """Queries of a block from which held keys are decoded a chunk at a time and attended by matrix products on every
 thread (`TorchHeldKeys._attend_decoded`): a prefill chunk. A decode step or a speculative block attends the
@@ -158,17 +166,19 @@ class TorchHeldKeys:
             empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
             tail = (empty, empty)
         threads = torch.get_num_threads()
-        if q.device.type == "cpu" and threads > 1:
-            # One thread: some thirty small ops, each a parallel region whose workers are woken from sleep between
-            # a forward's other ops. On the 2-core machine a decode step of the bundled model over 2k / 8k held
-            # keys took half the time on one thread; the default model's took about 5 % more (its larger ops keep
-            # the workers awake).
-            torch.set_num_threads(1)
+        converted = int(doubled.shape[0]) // 2 * int(doubled.shape[1]) * min(self.length, self._chunk(q))
+        if q.device.type == "cpu" and threads > 1 and converted * int(doubled.shape[3]) < HELD_PARALLEL:
+            torch.set_num_threads(1)  # small ops: see HELD_PARALLEL
             try:
                 return self._attend(q, allowed, scale, tail)
             finally:
                 torch.set_num_threads(threads)
         return self._attend(q, allowed, scale, tail)
+
+    @staticmethod
+    def _chunk(q: torch.Tensor) -> int:
+        """Held keys one chunk of `_held_attention` converts for the queries `q`."""
+        return max(1, min(HELD_CHUNK, HELD_SCORES // (int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2]))))
 
     def _attend_decoded(
         self,
@@ -210,5 +220,5 @@ class TorchHeldKeys:
             self._hadamard,
             scale,
             self._q_range,
-            max(1, min(HELD_CHUNK, HELD_SCORES // (int(q.shape[0]) * int(q.shape[1]) * int(q.shape[2])))),
+            self._chunk(q),
         )

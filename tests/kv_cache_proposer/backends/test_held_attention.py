@@ -86,3 +86,22 @@ def test_a_query_that_may_read_no_held_key_reads_only_the_stage_and_one_that_rea
     assert torch.all(out[:, :, 0] == 0)
     expected = _reference(q.numpy()[:, :, 1:], own_keys.numpy(), own_values.numpy(), allowed[1:, HISTORY:], DIM**-0.5)
     np.testing.assert_allclose(out[:, :, 1:].numpy(), expected, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("parallel", [0, 1 << 40], ids=["every-thread", "one-thread"])
+def test_held_attention_gives_the_same_values_on_one_thread_or_all_and_leaves_the_thread_count(monkeypatch, parallel):
+    # Enough converted coordinates run on every thread, fewer on one (HELD_PARALLEL); the values are the same
+    # either way and the caller's thread count is left as it was.
+    _read(monkeypatch, "coordinates", 16)
+    monkeypatch.setattr(held_attention, "HELD_PARALLEL", parallel)
+    rng = np.random.default_rng(11)
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * 3, 1, DIM)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, HISTORY, DIM)).astype(np.float32)) for _ in "kv")
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", DIM, 38), torch.device("cpu")), keys, values)
+    decoded_keys, decoded_values = held.dense()
+    threads = torch.get_num_threads()
+    out = attend_parts(q, [held], None, scale=DIM**-0.5)
+    assert torch.get_num_threads() == threads
+    allowed = np.ones((1, HISTORY), dtype=bool)
+    expected = _reference(q.numpy(), decoded_keys.numpy(), decoded_values.numpy(), allowed, DIM**-0.5)
+    np.testing.assert_allclose(out.numpy(), expected, atol=3e-5, rtol=3e-5)
