@@ -182,9 +182,9 @@ def test_a_plan_kept_compressor_packs_the_kept_layers_of_an_uncompressed_session
     fork = packed.clone(packed.next_position)
     fork.park()
     assert fork.footprint().restoration_state_bytes == packed.footprint().restoration_state_bytes
-    for layer, store in packed._kept.items():
-        assert np.array_equal(fork._kept[layer].packed.codes, store.packed.codes)
-        assert np.array_equal(fork._kept[layer].packed.qmax, store.packed.qmax)
+    for layer, store in packed._state.kept.items():
+        assert np.array_equal(fork._state.kept[layer].packed.codes, store.packed.codes)
+        assert np.array_equal(fork._state.kept[layer].packed.qmax, store.packed.qmax)
 
 
 def test_restored_positions_track_the_evicted_ones_and_positions_never_go_back(verifiers):
@@ -207,7 +207,7 @@ def test_kept_state_that_disagrees_with_the_evictions_fails_the_commit(verifiers
     tokens = _tokens(6, 30)
     verifier.verify(cache, tokens[:20], 1)
     verifier.commit(cache, 20)
-    cache._kept[1].held += 1  # a lost write: layer 1 claims one more evicted position than it holds
+    cache._state.kept[1].held += 1  # a lost write: layer 1 claims one more evicted position than it holds
     verifier.verify(cache, tokens[20:21], 1)
     with pytest.raises(InvariantViolation):
         verifier.commit(cache, 1)
