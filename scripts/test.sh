@@ -2,7 +2,8 @@
 # Set up .venv, node_modules and the Debian packages the tests need (scripts/install_system_packages.sh) if needed,
 # then run every check of the repository and the whole test suite:
 # generated code is current, buf lint and breaking-change check, ruff, mypy, the TypeScript SDK (generated code
-# is current, prettier, type-check, build and vitest against real daemons), pytest.
+# is current, prettier, type-check, build and vitest against real daemons), pytest on one worker per core (at most
+# four, pytest-xdist; each test file runs whole on one worker; `-n 0` among the arguments runs it in this process).
 # Fails (non-zero exit) as soon as any check or test fails.
 #
 # Usage: scripts/test.sh [extra pytest arguments...]
@@ -45,4 +46,4 @@ step "TypeScript SDK: build and vitest (real daemons on loopback)"
 (cd sdks/typescript && npm test --silent)
 
 step "pytest"
-python -m pytest "$@"
+python -m pytest -n auto --maxprocesses 4 --dist loadfile "$@"
