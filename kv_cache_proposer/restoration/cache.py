@@ -115,8 +115,7 @@ class RestoringSessionCache(KVSessionCache[A]):
     def take_features(self, features: np.ndarray) -> None:
         """The outputs `[n, L*H]` (host) of `restoration_feature_layers` for the positions of the model call in
         flight."""
-        if self._state.contexts is not None:
-            self._state.contexts.stage_features(self._query_start, features)
+        self._state.stage_features(self._query_start, features)
 
     def arrays(self) -> list[A]:
         held = super().arrays() + [array for store in self._state.kept.values() for array in store.arrays()]
@@ -146,8 +145,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             self._note_peak()
         self.attach_prefix(self._restored)
         super().begin_stage(block_len, extend=extend)
-        if self._state.contexts is not None:
-            self._state.contexts.begin_stage(block_len, extend=extend)
+        self._state.begin_stage(block_len, extend=extend)
 
     def name_stage(self, token_ids: Sequence[int]) -> None:
         if len(token_ids) != self._staged:
@@ -167,11 +165,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         if count and self._plan.needs_tokens:
             self._state.add_tokens(self._stage_tokens[:count])
         self._stage_tokens = []
-        if self._state.contexts is not None:
-            try:
-                self._state.contexts.commit(before, count)
-            except ValueError as exc:
-                raise InvariantViolation("inv1", str(exc)) from None
+        self._state.commit_contexts(before, count)
         if leaving.size:
             self._state.keep(captured, int(leaving.size))
         if self._setup.rebuild == "step":
@@ -223,8 +217,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._note_peak()
 
     def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
-        if self._state.contexts is not None and self._state.kv_like is None:
-            self._state.kv_like = self._ops.take(keys, np.zeros(1, dtype=np.int64))  # one position's K, for shapes
+        self._state.see_keys(keys)
         return super().stage_layer_parts(layer_idx, keys, values)
 
     def _drop_restored(self) -> None:

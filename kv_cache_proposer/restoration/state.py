@@ -73,6 +73,28 @@ class RestorationState(Generic[A]):
         contexts = 0 if self.contexts is None else self.contexts.nbytes
         return sum(store.nbytes for store in self.kept.values()) + contexts
 
+    # -- the drafter context rows of a forward (`projected<-drafter` layers; nothing to do without one) ------------
+    def begin_stage(self, block_len: int, *, extend: bool) -> None:
+        if self.contexts is not None:
+            self.contexts.begin_stage(block_len, extend=extend)
+
+    def see_keys(self, keys: A) -> None:
+        """Keep one position of a forward's staged K (`kv_like`), whose shape f_θ's K/V take."""
+        if self.contexts is not None and self.kv_like is None:
+            self.kv_like = self._ops.take(keys, np.zeros(1, dtype=np.int64))
+
+    def stage_features(self, start: int, features: np.ndarray) -> None:
+        if self.contexts is not None:
+            self.contexts.stage_features(start, features)
+
+    def commit_contexts(self, next_position: int, count: int) -> None:
+        if self.contexts is None:
+            return
+        try:
+            self.contexts.commit(next_position, count)
+        except ValueError as exc:
+            raise InvariantViolation("inv1", str(exc)) from None
+
     # -- what a commit adds ------------------------------------------------------------------------------------
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         self.tokens = np.concatenate([self.tokens, np.asarray(token_ids, dtype=np.int32)])
