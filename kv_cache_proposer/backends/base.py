@@ -101,6 +101,13 @@ class BackendModel(ABC, Generic[A]):
         return False
 
     @property
+    def key_block(self) -> int | None:
+        """Keys this backend's attention reads in whole blocks, if it gives a query the same values for the same
+        keys at the same places in its blocks and has read a layer's keys before the next layer stages its own
+        (`KVSessionCache`'s `key_block`); None: it does not."""
+        return None
+
+    @property
     def description(self) -> str:
         """Human-readable summary: backend, model type, device, dtype."""
         s = self.model_spec
@@ -127,8 +134,11 @@ class BackendModel(ABC, Generic[A]):
                 chunk_tokens=setup.chunk_tokens or self.prefill_chunk_tokens,
                 setup=setup,
                 layer_store=layer_store,
+                key_block=self.key_block,
             )
-        return KVSessionCache(strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store)
+        return KVSessionCache(
+            strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store, key_block=self.key_block
+        )
 
     def verify(
         self,

@@ -34,6 +34,10 @@ class ArrayOps(Protocol[A]):
         """Slots `[0, end)` of `buffer` (a view where the backend has views)."""
         ...
 
+    def span(self, buffer: A, start: int, end: int) -> A:
+        """Slots `[start, end)` of `buffer` (a view where the backend has views)."""
+        ...
+
     def take(self, buffer: A, slots: np.ndarray) -> A:
         """The entries of `slots`, in that order."""
         ...
@@ -86,6 +90,10 @@ class IndexedArrayOps(Generic[A]):
     def head(self, buffer: A, end: int) -> A:
         source: Any = buffer
         return source[:, :, :end]
+
+    def span(self, buffer: A, start: int, end: int) -> A:
+        source: Any = buffer
+        return source[:, :, start:end]
 
     def length(self, array: A) -> int:
         source: Any = array

@@ -15,6 +15,7 @@ from typing import Any, Generic
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
+from kv_cache_proposer.cache.key_layout import BlockedLayout
 from kv_cache_proposer.cache.layer_store import (
     CommitPlan,
     DenseLayerStore,
@@ -41,13 +42,20 @@ class KVSessionCache(Generic[A]):
         num_layers: int,
         ops: ArrayOps[A],
         layer_store: LayerStoreFactory[A] | None = None,
+        key_block: int | None = None,
     ) -> None:
+        """`key_block`: the backend's attention reads keys in whole blocks of that many and gives a query the same
+        values for the same keys at the same places in its blocks; a bounded cache of dense layers then hands
+        attention its keys in position order at places set by position alone (`BlockedLayout`), not in the
+        ring's order, at the cost of a copy per layer and forward."""
         factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
         self._strategy = strategy
         self._ops = ops
         self._layer_store = factory
         self._layers: list[LayerStore[A]] = [factory(ops) for _ in range(num_layers)]
         self._lossy = any(layer.lossy for layer in self._layers)
+        self._key_block = key_block
+        self._layout: BlockedLayout | None = None  # where the model call in flight reads its keys, if blocked
         self._next_position = 0
         self._capacity = 0
         self._positions = np.full(0, -1, dtype=np.int64)  # [capacity]: slot positions, then stage positions
@@ -157,11 +165,18 @@ class KVSessionCache(Generic[A]):
             prefix = int(self._prefix.positions.size)
         if own:
             parts.append(queries)
+        keys = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        before = prefix + offset + self._query_start
+        self._layout = None
+        if self._key_block is not None and self._strategy.bounded_slots is not None and not self._lossy:
+            self._layout = BlockedLayout(parts, self._key_block)
+            keys = self._layout.positions
+            before = keys.size - count
         self._call = ModelCall(
             query_positions=queries,
-            key_positions=parts[0] if len(parts) == 1 else np.concatenate(parts),
+            key_positions=keys,
             query_offset=self._next_position + self._query_start,
-            keys_before_queries=prefix + offset + self._query_start,
+            keys_before_queries=before,
             own_keys=own,
             prefix_keys=prefix,
         )
@@ -227,6 +242,9 @@ class KVSessionCache(Generic[A]):
         if self._lossy and layer_idx == len(self._layers) - 1:
             start_stages(self._layers)  # the forward's deferred work may run beside its last layer and head
         parts = layer.read_parts(offset, offset + self._query_end)
+        if self._layout is not None:  # the prefix's keys and the slots', as the layout's parts
+            prefix = [] if self._prefix is None else [joined_parts(self._ops, [self._prefix.layer(layer_idx)])]
+            return (self._layout.gather(self._ops, [*prefix, joined_parts(self._ops, parts)]),)
         if self._prefix is None:
             return tuple(parts)
         return (self._prefix.layer(layer_idx), *parts)
@@ -381,7 +399,13 @@ class KVSessionCache(Generic[A]):
                 "were already evicted"
             )
         keep = slots[np.isin(positions, wanted)]
-        twin = KVSessionCache(strategy, num_layers=len(self._layers), ops=self._ops, layer_store=self._layer_store)
+        twin = KVSessionCache(
+            strategy,
+            num_layers=len(self._layers),
+            ops=self._ops,
+            layer_store=self._layer_store,
+            key_block=self._key_block,
+        )
         # Each layer copies the entries in the form it holds them (a compressed layer copies its codes).
         loads = [
             partial(twin_layer.load_from, layer, keep) if layer.active else None

@@ -49,8 +49,9 @@ class RestoringSessionCache(KVSessionCache[A]):
         chunk_tokens: int,
         setup: RestorationSetup,
         layer_store: LayerStoreFactory[A] | None = None,
+        key_block: int | None = None,
     ) -> None:
-        super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store)
+        super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store, key_block=key_block)
         self._restoring = strategy
         self._forward_layers = forward_layers
         self._commit = commit
@@ -249,6 +250,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             chunk_tokens=self._chunk_tokens,
             setup=self._setup,
             layer_store=self._session_store,
+            key_block=self._key_block,
         )
         twin._restore(resident.state, np.asarray(meta["positions"], dtype=np.int64), length)
         resident.release()

@@ -114,6 +114,11 @@ class DirectForward:
         return self._exact and queries > 1
 
     @property
+    def exact(self) -> bool:
+        """Whether attention and float32 products run in a fixed order whatever the shape of the block (a CPU)."""
+        return self._exact
+
+    @property
     def compiled(self) -> bool:
         """Whether blocks of up to `COMPILED_MAX_QUERIES` queries run compiled spans (`compile_steps`)."""
         return self._compiled is not None

@@ -17,6 +17,7 @@ from kv_cache_proposer.backends.choices import COMPILE_MODES, TORCH_FORWARDS
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, Stage, unsupported
+from kv_cache_proposer.backends.torch_backend.exact_attention import KEY_BLOCK
 from kv_cache_proposer.backends.torch_backend.features import concatenated, first_layers, layer_outputs
 from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_dir
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
@@ -145,6 +146,10 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     @property
     def reads_held_keys(self) -> bool:
         return self._direct is not None  # the direct forward reads held parts; transformers' modules read dense K/V
+
+    @property
+    def key_block(self) -> int | None:
+        return KEY_BLOCK if self._direct is not None and self._direct.exact else None
 
     @torch.inference_mode()
     def forward(

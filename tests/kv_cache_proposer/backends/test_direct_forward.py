@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, 
 from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.backends.torch_backend import direct as direct_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
+from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, KVStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
 from tests.support.checkpoints import COMMON_SHAPE
 from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, SAMPLINGS, decode, proposer_options, random_tokens
@@ -149,17 +149,34 @@ DELIVERIES = {
 }
 
 
+# Strategies whose caches hold the history in other layouts: a ring that wraps at a position no key block of 512
+# starts at, and the same ring behind the restored K/V of every evicted position.
+BOUNDED = {"sink_window": SinkWindowStrategy(sink=4, window=600), "dlm_restore": DlmRestoreStrategy(sink=4, window=600)}
+
+
 @pytest.mark.parametrize("weights", ["float32", "int4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_history_gives_the_same_values_however_it_was_delivered(model_dirs, weights, threads):
-    verifier = TorchVerifier.load(model_dirs["qwen3"], device="cpu", dtype="float32", weights=weights)
+    _assert_delivery_invariant(model_dirs["qwen3"], FullStrategy(), weights, threads)
+
+
+@pytest.mark.parametrize("weights", ["float32", "int4"])
+@pytest.mark.parametrize("strategy", list(BOUNDED.values()), ids=list(BOUNDED))
+def test_a_bounded_cache_s_history_gives_the_same_values_however_it_was_delivered(model_dirs, strategy, weights):
+    _assert_delivery_invariant(model_dirs["qwen3"], strategy, weights, 2)
+
+
+def _assert_delivery_invariant(model_dir: Path, strategy: KVStrategy, weights: str, threads: int) -> None:
+    """Every way of `DELIVERIES` leaves the same resident K/V and gives the next block the same logits and
+    features, bit for bit."""
+    verifier = TorchVerifier.load(model_dir, device="cpu", dtype="float32", weights=weights)
     history, block = random_tokens(1, 1100), random_tokens(2, 5)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         results = {}
         for name, sizes in DELIVERIES.items():
-            cache = verifier.new_cache(FullStrategy())
+            cache = verifier.new_cache(strategy)
             start = 0
             for size in sizes:
                 verifier.verify(cache, history[start : start + size], 1)
