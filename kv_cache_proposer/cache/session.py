@@ -54,7 +54,9 @@ class KVSessionCache(Generic[A]):
         self._layer_store = factory
         self._layers: list[LayerStore[A]] = [factory(ops) for _ in range(num_layers)]
         self._lossy = any(layer.lossy for layer in self._layers)
-        self._key_block = key_block
+        self._key_block = key_block  # as given, for a copy under another strategy
+        # what the model calls lay their keys out by: bounded caches of dense layers
+        self._layout_block = key_block if strategy.bounded_slots is not None and not self._lossy else None
         self._layout: BlockedLayout | None = None  # where the model call in flight reads its keys, if blocked
         self._next_position = 0
         self._capacity = 0
@@ -165,13 +167,13 @@ class KVSessionCache(Generic[A]):
             prefix = int(self._prefix.positions.size)
         if own:
             parts.append(queries)
-        keys = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        before = prefix + offset + self._query_start
         self._layout = None
-        if self._key_block is not None and self._strategy.bounded_slots is not None and not self._lossy:
-            self._layout = BlockedLayout(parts, self._key_block)
-            keys = self._layout.positions
-            before = keys.size - count
+        if self._layout_block is not None:
+            self._layout = BlockedLayout(parts, self._layout_block)
+            keys, before = self._layout.positions, self._layout.positions.size - count
+        else:
+            keys = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            before = prefix + offset + self._query_start
         self._call = ModelCall(
             query_positions=queries,
             key_positions=keys,
