@@ -141,7 +141,7 @@ class ServerConfig:
         "dflash/ subdirectory when it has one, as the bundled model does)",
     )
     num_draft_tokens: int = _opt(
-        0, "most tokens drafted per step (0: the proposer's default: ngram 8, draft_model 4, dflash block size - 1)"
+        0, "most tokens drafted per step (0: the proposer's default: ngram 7, draft_model 4, dflash block size - 1)"
     )
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
     draft_policy: str = _opt(
@@ -154,7 +154,9 @@ class ServerConfig:
         choices=DRAFT_POLICIES,
     )
     ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
-    ngram_min_n: int = _opt(1, "ngram: shortest history suffix looked up")
+    ngram_min_n: int = _opt(
+        2, "ngram: shortest history suffix looked up (a one-token match is too weak a guess to verify)"
+    )
     host: str = _opt(
         "127.0.0.1", "address the gRPC, metrics and HTTP shim servers bind; non-loopback requires an API key"
     )

@@ -11,7 +11,8 @@ from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession, NoPro
 from kv_cache_proposer.verifier import Verifier
 
 PROPOSERS = ("none", "ngram", "draft_model", "dflash")
-DEFAULT_DRAFT_TOKENS = {"ngram": 8, "draft_model": 4}
+# ngram: 7, as a block of 8 verified faster than one of 9 on a CPU (docs/speculative-decoding.md)
+DEFAULT_DRAFT_TOKENS = {"ngram": 7, "draft_model": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,7 @@ class ProposerOptions:
     num_draft_tokens: int = 0  # most drafted tokens per step
     block_size: int = 0  # dflash: block size (at most the drafter's)
     ngram_max_n: int = 4
-    ngram_min_n: int = 1
+    ngram_min_n: int = 2
     prefill_chunk_tokens: int = 0  # draft_model: pending tokens per prefill forward (0: the model's default)
 
     def __post_init__(self) -> None:

@@ -79,8 +79,8 @@ class NgramProposer:
     """Prompt lookup over each session's own history."""
 
     max_n: int = 4
-    min_n: int = 1
-    lookahead: int = 8
+    min_n: int = 2
+    lookahead: int = 7
 
     draft_policy = DraftPolicy.FULL
 
