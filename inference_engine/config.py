@@ -18,8 +18,9 @@ from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
 from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
-from kv_cache_proposer.proposers import PROPOSERS, ProposerOptions
+from kv_cache_proposer.proposers import DEFAULT_DRAFT_TOKENS, PROPOSERS, ProposerOptions
 from kv_cache_proposer.proposers.base import DraftPolicy
+from kv_cache_proposer.proposers.ngram import MAX_N, MIN_N
 from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
 
@@ -141,7 +142,10 @@ class ServerConfig:
         "dflash/ subdirectory when it has one, as the bundled model does)",
     )
     num_draft_tokens: int = _opt(
-        0, "most tokens drafted per step (0: the proposer's default: ngram 7, draft_model 4, dflash block size - 1)"
+        0,
+        "most tokens drafted per step (0: the proposer's default: "
+        f"ngram {DEFAULT_DRAFT_TOKENS['ngram']}, draft_model {DEFAULT_DRAFT_TOKENS['draft_model']}, "
+        "dflash block size - 1)",
     )
     block_size: int = _opt(0, "dflash: block size, at most the drafter's (0: the drafter's own)")
     draft_policy: str = _opt(
@@ -153,9 +157,10 @@ class ServerConfig:
         "docs/speculative-decoding.md)",
         choices=DRAFT_POLICIES,
     )
-    ngram_max_n: int = _opt(4, "ngram: longest history suffix looked up")
+    ngram_max_n: int = _opt(MAX_N, "ngram: longest history suffix looked up")
     ngram_min_n: int = _opt(
-        2, "ngram: shortest history suffix looked up (a one-token match is too weak a guess to verify)"
+        MIN_N,
+        "ngram: shortest history suffix looked up (a one-token match is too weak a guess to verify)",
     )
     host: str = _opt(
         "127.0.0.1", "address the gRPC, metrics and HTTP shim servers bind; non-loopback requires an API key"

@@ -167,9 +167,8 @@ class KVSessionCache(Generic[A]):
             prefix = int(self._prefix.positions.size)
         if own:
             parts.append(queries)
-        self._layout = None
-        if self._layout_block is not None:
-            self._layout = BlockedLayout(parts, self._layout_block)
+        self._layout = None if self._layout_block is None else BlockedLayout(parts, self._layout_block)
+        if self._layout is not None:
             keys, before = self._layout.positions, self._layout.positions.size - count
         else:
             keys = parts[0] if len(parts) == 1 else np.concatenate(parts)

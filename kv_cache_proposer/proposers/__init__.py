@@ -8,11 +8,11 @@ from typing import Any
 
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers.base import DraftSession, NoDraftSession, NoProposer, Proposer
+from kv_cache_proposer.proposers.ngram import LOOKAHEAD, MAX_N, MIN_N, NgramProposer
 from kv_cache_proposer.verifier import Verifier
 
 PROPOSERS = ("none", "ngram", "draft_model", "dflash")
-# ngram: 7, as a block of 8 verified faster than one of 9 on a CPU (docs/speculative-decoding.md)
-DEFAULT_DRAFT_TOKENS = {"ngram": 7, "draft_model": 4}
+DEFAULT_DRAFT_TOKENS = {"ngram": LOOKAHEAD, "draft_model": 4}
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,8 +23,8 @@ class ProposerOptions:
     draft_model: str | Path | None = None  # draft_model: a checkpoint directory; dflash: the drafter directory
     num_draft_tokens: int = 0  # most drafted tokens per step
     block_size: int = 0  # dflash: block size (at most the drafter's)
-    ngram_max_n: int = 4
-    ngram_min_n: int = 2
+    ngram_max_n: int = MAX_N
+    ngram_min_n: int = MIN_N
     prefill_chunk_tokens: int = 0  # draft_model: pending tokens per prefill forward (0: the model's default)
 
     def __post_init__(self) -> None:
@@ -57,8 +57,6 @@ def load_proposer(
     if options.name == "none":
         return NoProposer()
     if options.name == "ngram":
-        from kv_cache_proposer.proposers.ngram import NgramProposer
-
         return NgramProposer(max_n=options.ngram_max_n, min_n=options.ngram_min_n, lookahead=drafts)
     assert options.draft_model is not None
     if options.name == "draft_model":
