@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
-from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, TORCH_FORWARDS, WEIGHTS
+from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, KV_DTYPES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import DEFAULT_DRAFT_TOKENS, PROPOSERS, ProposerOptions
@@ -75,6 +75,14 @@ class ServerConfig:
         "on a CPU; mlx: int8 and int4 quantized at load. auto: int4 on torch on a CPU for a model distributed as a "
         "4-bit GGUF file (the default model), else float32 (docs/models.md#weights)",
         choices=("auto", *WEIGHTS),
+    )
+    kv_dtype: str = _opt(
+        "auto",
+        "how a session's dense K/V are held: model (in --dtype), bfloat16 (rounded to bfloat16 as they are stored: "
+        "half the bytes for attention to read; torch's direct forward only) or auto: bfloat16 on torch where the "
+        "linear layers are held at 8 or 4 bits (the default model on a CPU) and the direct forward runs, else model. "
+        "Sessions with a --kv-compressor or under dlm_restore hold theirs as those do (docs/models.md#kv-precision)",
+        choices=KV_DTYPES,
     )
     torch_forward: str = _opt(
         "auto",
@@ -309,6 +317,9 @@ class ServerConfig:
             raise ConfigError(f"torch_forward {self.torch_forward} applies to the torch backend, not {self.backend}")
         if self.compile != "auto" and self.backend != "torch":
             raise ConfigError(f"compile {self.compile} applies to the torch backend, not {self.backend}")
+        if self.kv_dtype == "bfloat16" and (self.backend != "torch" or self.torch_forward == "library"):
+            where = self.backend if self.backend != "torch" else "torch_forward library"
+            raise ConfigError(f"kv_dtype bfloat16 needs torch's direct forward, not {where}")
         if self.mlx_blas != "auto" and self.backend != "mlx":
             raise ConfigError(f"mlx_blas {self.mlx_blas} applies to the mlx backend, not {self.backend}")
         if not self.mlx_blas:

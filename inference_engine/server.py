@@ -64,6 +64,7 @@ def load_runtime(config: ServerConfig, metrics: Metrics | None = None) -> Runtim
         torch_forward=config.torch_forward,
         compile=config.compile,
         weights=weights,
+        kv_dtype=config.kv_dtype,
     )
     log.info("model loaded", extra={"model": str(config.model_dir), "verifier": verifier.description})
     options = config.proposer_options()

@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kv_cache_proposer.backends.choices import BACKENDS, COMPILE_MODES, TORCH_FORWARDS, WEIGHTS
+from kv_cache_proposer.backends.choices import BACKENDS, COMPILE_MODES, KV_DTYPES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.verifier import Verifier
 
-__all__ = ["BACKENDS", "COMPILE_MODES", "TORCH_FORWARDS", "WEIGHTS", "load_verifier", "runs_on_cpu"]
+__all__ = ["BACKENDS", "COMPILE_MODES", "KV_DTYPES", "TORCH_FORWARDS", "WEIGHTS", "load_verifier", "runs_on_cpu"]
 
 
 def load_verifier(
@@ -20,6 +20,7 @@ def load_verifier(
     torch_forward: str = "auto",
     compile: str = "auto",
     weights: str = "float32",
+    kv_dtype: str = "auto",
 ) -> Verifier[Any]:
     """Load a verifier from a local model directory with the named backend.
 
@@ -27,17 +28,29 @@ def load_verifier(
     directories (devices auto, cpu, gpu). `dtype` auto is float32 on a CPU for both. `torch_forward` (one of
     `TORCH_FORWARDS`) chooses how the torch backend runs a forward and `compile` (one of `COMPILE_MODES`) whether
     it compiles its decode steps (`TorchVerifier`). `weights` (one of `WEIGHTS`) is how the linear layers are held:
-    float32 keeps the dtype's, the others quantize at load.
+    float32 keeps the dtype's, the others quantize at load. `kv_dtype` (one of `KV_DTYPES`) is how a session's
+    dense K/V are held: in the model's dtype, or (torch's direct forward only) rounded to bfloat16; auto as
+    `TorchVerifier` resolves it, and the model's dtype on mlx.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weights {weights!r}; expected one of {', '.join(WEIGHTS)}")
+    if kv_dtype not in KV_DTYPES:
+        raise ValueError(f"unknown kv_dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
     if backend == "torch":
         from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
         return TorchVerifier.load(
-            model_dir, device=device, dtype=dtype, forward=torch_forward, compile=compile, weights=weights
+            model_dir,
+            device=device,
+            dtype=dtype,
+            forward=torch_forward,
+            compile=compile,
+            weights=weights,
+            kv_dtype=kv_dtype,
         )
     if backend == "mlx":
+        if kv_dtype == "bfloat16":
+            raise ValueError("the mlx backend holds K/V in the model's dtype; kv_dtype bfloat16 is torch's")
         from kv_cache_proposer.backends.mlx_backend.verifier import MlxVerifier
 
         return MlxVerifier.load(model_dir, device=device, dtype=dtype, weights=weights)

@@ -37,6 +37,7 @@ class LoadedModelSpec:
     hidden_size: int
     device: str
     dtype: str
+    kv_dtype: str = ""  # the dtype a session's dense K/V are held in, where not `dtype`
 
     @property
     def prefill_chunk_tokens(self) -> int:
@@ -111,7 +112,12 @@ class BackendModel(ABC, Generic[A]):
     def description(self) -> str:
         """Human-readable summary: backend, model type, device, dtype."""
         s = self.model_spec
-        return f"{s.backend} {s.model_type} ({s.num_layers} layers) on {s.device} {s.dtype}"
+        held = f", K/V: {s.kv_dtype}" if s.kv_dtype else ""
+        return f"{s.backend} {s.model_type} ({s.num_layers} layers) on {s.device} {s.dtype}{held}"
+
+    @property
+    def held_kv_dtype(self) -> str:
+        return self.model_spec.kv_dtype
 
     def new_cache(
         self,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Generic, Protocol
+from typing import Any, Generic, Protocol
 
 import numpy as np
 
@@ -175,12 +175,14 @@ def _by_class(stores: Sequence[LayerStore[A]]) -> list[list[LayerStore[A]]]:
 
 
 class DenseLayerStore(Generic[A]):
-    """Resident and staged K/V in one buffer per tensor, in the model's dtype: attention reads a view of it."""
+    """Resident and staged K/V in one buffer per tensor, in the model's dtype or in `dtype` (K/V rounded to it as
+    they are written): attention reads a view of it."""
 
     lossy = False
 
-    def __init__(self, ops: ArrayOps[A]) -> None:
+    def __init__(self, ops: ArrayOps[A], dtype: Any = None) -> None:
         self._ops = ops
+        self._dtype = dtype
         self._keys: A | None = None
         self._values: A | None = None
         self._capacity = 0
@@ -233,7 +235,11 @@ class DenseLayerStore(Generic[A]):
             self._values = self._ops.alloc(values, self._capacity)
         return self._keys, self._values
 
+    def _held(self, array: A) -> A:
+        return array if self._dtype is None else self._ops.cast(array, self._dtype)
+
     def stage(self, slot: int, keys: A, values: A) -> None:
+        keys, values = self._held(keys), self._held(values)
         key_buf, value_buf = self._buffers(keys, values)
         self._keys = self._ops.write(key_buf, slot, keys)
         self._values = self._ops.write(value_buf, slot, values)
@@ -261,6 +267,7 @@ class DenseLayerStore(Generic[A]):
         return self._ops.take(self._keys, slots), self._ops.take(self._values, slots)
 
     def load(self, slots: np.ndarray, keys: A, values: A) -> None:
+        keys, values = self._held(keys), self._held(values)
         key_buf, value_buf = self._buffers(keys, values)
         self._keys = self._ops.put(key_buf, slots, keys)
         self._values = self._ops.put(value_buf, slots, values)

@@ -137,3 +137,14 @@ def test_compile_comes_from_flags_the_environment_or_the_file_and_belongs_to_the
         ServerConfig(backend="mlx", compile="on")
     with pytest.raises(ConfigError, match="compile: 'always' is not one of auto, on, off"):
         load_config({}, environ={"KAKEYA_COMPILE": "always"})
+
+
+def test_bfloat16_kv_is_a_choice_of_torchs_direct_forward():
+    assert load_config({}, environ={}).kv_dtype == "auto"
+    assert load_config({}, environ={"KAKEYA_KV_DTYPE": "model"}).kv_dtype == "model"
+    assert ServerConfig(backend="mlx").kv_dtype == "auto"  # auto is the model's dtype there
+    for backend, forward in (("mlx", "auto"), ("torch", "library")):
+        with pytest.raises(ConfigError, match="kv_dtype bfloat16 needs torch's direct forward"):
+            ServerConfig(backend=backend, torch_forward=forward, kv_dtype="bfloat16")
+    with pytest.raises(ConfigError, match="kv_dtype: 'float16' is not one of auto, model, bfloat16"):
+        load_config({}, environ={"KAKEYA_KV_DTYPE": "float16"})

@@ -50,12 +50,16 @@ def test_a_conversion_records_the_tensor_types_of_its_gguf_file(checkpoints, tmp
     assert "Q4_0" in json.loads((directory / MANIFEST).read_text())["tensor_types"]
 
 
-@pytest.mark.parametrize(("flag", "expected"), [("auto", "int4"), ("float32", "float32")])
-def test_the_load_log_names_the_weights_the_daemon_holds(checkpoints, tmp_path, flag, expected):
+@pytest.mark.parametrize(
+    ("flag", "kv_flag", "expected", "kv_bfloat16"),
+    [("auto", "auto", "int4", True), ("auto", "model", "int4", False), ("float32", "auto", "float32", False)],
+)
+def test_the_load_log_names_the_weights_the_daemon_holds(checkpoints, tmp_path, flag, kv_flag, expected, kv_bfloat16):
+    """...and the K/V precision: auto holds a session's K/V at bfloat16 under int4 weights."""
     gguf_file = write_gguf(checkpoints["llama"], tmp_path / "llama-q4_0.gguf", "Q4_0")
     daemon = Daemon(
         "serve", "--model", str(gguf_file), "--model-cache-dir", str(tmp_path / "cache"), "--weights", flag,
-        "--port", "0", "--metrics-port", "-1", "--log-format", "json", "--device", "cpu",
+        "--kv-dtype", kv_flag, "--port", "0", "--metrics-port", "-1", "--log-format", "json", "--device", "cpu",
     )  # fmt: skip
     try:
         daemon.wait_listening()
@@ -69,3 +73,4 @@ def test_the_load_log_names_the_weights_the_daemon_holds(checkpoints, tmp_path, 
     )
     loaded = next(r for r in records if r["msg"] == "model loaded")
     assert (f"weights: {expected}" in loaded["verifier"]) == (expected != "float32")
+    assert ("K/V: bfloat16" in loaded["verifier"]) == kv_bfloat16

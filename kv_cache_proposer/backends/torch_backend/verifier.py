@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -13,7 +15,7 @@ from transformers import PreTrainedModel
 
 from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
-from kv_cache_proposer.backends.choices import COMPILE_MODES, TORCH_FORWARDS
+from kv_cache_proposer.backends.choices import COMPILE_MODES, KV_DTYPES, TORCH_FORWARDS
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
 from kv_cache_proposer.backends.torch_backend.attention import StagingCache
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY, DirectForward, Masks, Stage, unsupported
@@ -23,9 +25,12 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_d
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.backends.torch_backend.weights import pack_linears
-from kv_cache_proposer.cache import SessionCache, visible_keys
+from kv_cache_proposer.cache import DenseLayerStore, LayerStoreFactory, SessionCache, visible_keys
 from kv_cache_proposer.cache.protocol import KeyPart
+from kv_cache_proposer.errors import ModelLoadError
+from kv_cache_proposer.restoration.setup import RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
+from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 log = logging.getLogger(__name__)
@@ -43,6 +48,7 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         forward: str = "auto",
         compile: str = "auto",
         weights: str = "float32",
+        kv_dtype: str = "auto",
     ) -> None:
         """`forward`: auto runs the model's forward directly over its weights where the architecture allows
         (`direct.py`: Llama, Mistral, Qwen2, Qwen3 with SDPA attention; transformers' values within float
@@ -54,11 +60,18 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         (`layer_steps.py`; their values then differ from transformers' by float rounding), and runs them
         scripted, with a warning logged, where that fails; off, and auto (on every device: compiled steps
         measured no faster on a CPU, and are not yet measured on a GPU), run them scripted. `weights`: how
-        `model`'s linear layers are held (`load`)."""
+        `model`'s linear layers are held (`load`). `kv_dtype`: model holds a session's dense K/V in `dtype`;
+        bfloat16 rounds them to bfloat16 as they are stored (half the bytes for attention to read; queries meet
+        them at bfloat16), which needs the direct forward; auto is bfloat16 where that runs and the linear
+        layers are held at 8 or 4 bits (their products round their inputs, the attention's output among them, to
+        bfloat16 already), else model. Sessions whose layers store K/V another way (a compressor, restoration)
+        are not affected."""
         if forward not in TORCH_FORWARDS:
             raise ValueError(f"unknown forward {forward!r}; expected one of {', '.join(TORCH_FORWARDS)}")
         if compile not in COMPILE_MODES:
             raise ValueError(f"unknown compile {compile!r}; expected one of {', '.join(COMPILE_MODES)}")
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"unknown kv_dtype {kv_dtype!r}; expected one of {', '.join(KV_DTYPES)}")
         config = model.config.get_text_config()
         num_layers = int(config.num_hidden_layers)
         spec = LoadedModelSpec(
@@ -90,6 +103,14 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         direct = "direct" if forward == "auto" else "direct, fast kernels"
         self.forward_path = direct if reason is None else f"transformers modules ({reason})"
         self.compile_s: float | None = None  # seconds compiling took, where the steps run compiled
+        if kv_dtype == "bfloat16" and self._direct is None:
+            raise ModelLoadError(f"K/V held at bfloat16 need the direct forward; this one runs {self.forward_path}")
+        if kv_dtype == "auto":
+            kv_dtype = "bfloat16" if self._direct is not None and weights in ("int8", "int4") else "model"
+        self._dense_store: LayerStoreFactory[torch.Tensor] | None = None
+        if kv_dtype == "bfloat16" and dtype != torch.bfloat16:
+            self._dense_store = functools.partial(DenseLayerStore, dtype=torch.bfloat16)
+            self.model_spec = dataclasses.replace(spec, kv_dtype="bfloat16")
         if compile == "on":
             self._compile_steps()
 
@@ -103,20 +124,42 @@ class TorchVerifier(BackendModel[torch.Tensor]):
         forward: str = "auto",
         compile: str = "auto",
         weights: str = "float32",
+        kv_dtype: str = "auto",
     ) -> TorchVerifier:
         """`weights`: float32 keeps the linear layers in `dtype`; bfloat16, int8 or int4 holds them so
-        (`weights.pack_linears`), with activations and K/V in `dtype`."""
+        (`weights.pack_linears`), with activations in `dtype`; `kv_dtype` as the constructor takes it."""
         torch_device = resolve_device(device)
         torch_dtype = resolve_dtype(dtype, torch_device)
         model = load_causal_lm(model_dir, torch_device, torch_dtype)
         if weights != "float32":
             pack_linears(model, weights)
-        return cls(model, device=torch_device, dtype=torch_dtype, forward=forward, compile=compile, weights=weights)
+        return cls(
+            model,
+            device=torch_device,
+            dtype=torch_dtype,
+            forward=forward,
+            compile=compile,
+            weights=weights,
+            kv_dtype=kv_dtype,
+        )
 
     @property
     def description(self) -> str:
         held = f", weights: {self.weights}" if self.weights != "float32" else ""
         return f"{super().description}{held}, forward: {self.forward_path}"
+
+    def new_cache(
+        self,
+        strategy: KVStrategy,
+        *,
+        layer_store: LayerStoreFactory[torch.Tensor] | None = None,
+        restoration: RestorationSetup | None = None,
+    ) -> SessionCache[torch.Tensor]:
+        """As `BackendModel.new_cache`; a cache of dense layers, under a strategy that keeps its K/V resident,
+        holds them at `kv_dtype`."""
+        if layer_store is None and not isinstance(strategy, DlmRestoreStrategy):
+            layer_store = self._dense_store
+        return super().new_cache(strategy, layer_store=layer_store, restoration=restoration)
 
     @property
     def compiled(self) -> bool:

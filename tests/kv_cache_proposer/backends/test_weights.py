@@ -103,7 +103,7 @@ def test_each_choice_stays_within_its_tolerance_of_float32(checkpoints, arch, we
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_the_direct_forward_and_transformers_modules_agree_on_packed_weights(checkpoints, weights):
-    direct = TorchVerifier.load(checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights)
+    direct = TorchVerifier.load(checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights, kv_dtype="model")
     library = TorchVerifier.load(
         checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights, forward="library"
     )
