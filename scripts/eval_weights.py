@@ -3,10 +3,14 @@ held-out prose (the Python reference manual's topics, `pydoc_data`) and code (he
 windows of `--context` tokens, and greedy agreement with float32 over `--agree-tokens` tokens from chat prompts.
 
 Each choice is loaded as the daemon loads it (`TorchVerifier.load(..., weights=...)`) and run through its model's
-modules; the weights' rounding is what differs between the arms.
+modules; the weights' rounding is what differs between the arms. For each choice of `--kv-arms`, two more arms run
+through the verifier's own session cache, as the daemon does (a window verified as one block, greedy tokens one
+forward each): `<weights>:kv=model` holds K/V in float32, `<weights>:kv=bfloat16` rounds them to bfloat16
+(`--kv-dtype`); the K/V's rounding is what differs between those two.
 
 Usage:
     .venv/bin/python scripts/eval_weights.py                                   # SmolLM2, every choice
+    .venv/bin/python scripts/eval_weights.py --weights float32 int4 --kv-arms int4  # and int4's K/V precisions
     .venv/bin/python scripts/eval_weights.py --model kakeya-tiny --weights float32 int8 --windows 1 --prompts 1
 """
 
@@ -29,6 +33,7 @@ from lib.tokens import shared_prefix
 from inference_engine.model_source import resolve_model
 from kv_cache_proposer.backends import WEIGHTS
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+from kv_cache_proposer.strategies import FullStrategy
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -48,6 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--windows", type=int, default=4, help="windows per text kind")
     p.add_argument("--agree-tokens", type=int, default=128, help="greedy tokens compared with float32 per prompt")
     p.add_argument("--prompts", type=int, default=4, help="chat prompts for greedy agreement")
+    p.add_argument(
+        "--kv-arms",
+        nargs="*",
+        default=[],
+        choices=WEIGHTS,
+        help="choices also run through the session cache, K/V held in float32 and at bfloat16",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="results directory")
     return p.parse_args(argv)
@@ -86,6 +98,48 @@ def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     return tokens
 
 
+class SessionPath:
+    """A verifier's model run through its own session cache, as the daemon runs it (`__call__` as a module's)."""
+
+    def __init__(self, verifier: TorchVerifier) -> None:
+        self.verifier = verifier
+
+    def logits(self, window: list[int]) -> torch.Tensor:
+        """Logits [T, V] of every position of `window`, verified as one block of a fresh session."""
+        return self.verifier.verify(self.verifier.new_cache(FullStrategy()), window, len(window)).logits.float()
+
+    def greedy(self, prompt: list[int], steps: int) -> list[int]:
+        cache = self.verifier.new_cache(FullStrategy())
+        block = prompt
+        tokens: list[int] = []
+        while len(tokens) < steps:
+            tokens.append(int(self.verifier.verify(cache, block, 1).logits[-1].argmax()))
+            self.verifier.commit(cache, len(block))
+            block = tokens[-1:]
+        return tokens
+
+
+@torch.inference_mode()
+def arm_nll(model: Any, window: list[int]) -> tuple[float, int]:
+    if not isinstance(model, SessionPath):
+        return negative_log_likelihood(model, window)
+    ids = torch.tensor(window)
+    nll = torch.nn.functional.cross_entropy(model.logits(window)[:-1], ids[1:], reduction="sum")
+    return float(nll), len(window) - 1
+
+
+@torch.inference_mode()
+def arm_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    return model.greedy(prompt, steps) if isinstance(model, SessionPath) else greedy(model, prompt, steps)
+
+
+def load_arm(directory: Path, arm: str) -> Any:
+    """The model of arm `<weights>` (its modules) or `<weights>:kv=<kv dtype>` (through its session cache)."""
+    weights, _, kv = arm.partition(":kv=")
+    verifier = TorchVerifier.load(directory, device="cpu", dtype="float32", weights=weights, kv_dtype=kv or "auto")
+    return SessionPath(verifier) if kv else verifier.model
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -100,20 +154,21 @@ def main(argv: list[str] | None = None) -> int:
     ]
     prompts = [list(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in rendered]
     choices = ["float32", *[w for w in args.weights if w != "float32"]]
+    choices += [f"{w}:kv={kv}" for w in args.kv_arms for kv in ("model", "bfloat16")]
     samples: list[dict[str, Any]] = []
     summary: dict[str, Any] = {}
     reference: list[list[int]] = []
     for choice in choices:
         started = time.monotonic()
-        model = TorchVerifier.load(resolved.directory, device="cpu", dtype="float32", weights=choice).model
+        model = load_arm(resolved.directory, choice)
         row: dict[str, Any] = {}
         for kind, rows in windows.items():
             nll = tokens = 0.0
             for window in rows:
-                n, t = negative_log_likelihood(model, window)
+                n, t = arm_nll(model, window)
                 nll, tokens = nll + n, tokens + t
             row[f"ppl_{kind}"] = math.exp(nll / tokens)
-        generations = [greedy(model, prompt, args.agree_tokens) for prompt in prompts]
+        generations = [arm_greedy(model, prompt, args.agree_tokens) for prompt in prompts]
         if choice == "float32":
             reference = generations
         matches = [sum(a == b for a, b in zip(g, r, strict=True)) for g, r in zip(generations, reference, strict=True)]
@@ -136,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(6.5, 3.5))
+        fig, ax = plt.subplots(figsize=(8, 3.8))
         names = list(summary)
         for offset, kind in ((-0.2, "prose"), (0.2, "code")):
             ax.bar(
@@ -146,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 label=f"{kind} perplexity",
             )
         ax.axhline(2, color="grey", linestyle="--", linewidth=0.8, label="+2 %")
-        ax.set_xticks(range(len(names)), names)
+        ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
         ax.set_ylabel("perplexity vs float32 (%)")
         ax.set_title(f"{args.model}: {args.context}-token windows")
         ax.legend()
