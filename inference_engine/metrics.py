@@ -170,7 +170,8 @@ class Metrics:
         )
         self.kv_dense_equivalent_bytes = Gauge(
             "kakeya_kv_dense_equivalent_bytes",
-            "Bytes the sessions' resident K/V would take dense in the model's dtype",
+            "Bytes the sessions' resident K/V would take dense: a dense session's own (bfloat16 under --kv-dtype "
+            "bfloat16), a compressed session's K/V in the model's dtype",
             registry=r,
         )
         self.kv_escaped_blocks = Gauge(
