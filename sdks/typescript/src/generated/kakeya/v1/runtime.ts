@@ -316,7 +316,10 @@ export interface GetSessionInfoResponse {
   kvCompressor: KvCompressor;
   /** Lattice range Q of the session's compressor (0: not compressed). */
   kvQRange: number;
-  /** Bytes the resident K/V would take dense in the model's dtype. */
+  /**
+   * Bytes the resident K/V would take dense: a dense session's own (bfloat16 under --kv-dtype bfloat16), a
+   * compressed session's K/V in the model's dtype.
+   */
   kvDenseEquivalentBytes: bigint;
   /** Lattice blocks held by escape: off the lattice after clamping, stored as raw coordinates. */
   kvEscapedBlocks: bigint;
