@@ -125,11 +125,6 @@ class Verifier(CausalLM[A], Protocol[A]):
         """Human-readable summary: backend, model type, device, dtype."""
         ...
 
-    @property
-    def held_kv_dtype(self) -> str:
-        """The dtype a session's dense K/V are held in where it is not the model's ("bfloat16"), else empty."""
-        ...
-
     def kv_from_host(self, array: np.ndarray) -> A:
         """A host array `[B, H, n, D]` as K/V of this model: in its K/V dtype, on its device."""
         ...

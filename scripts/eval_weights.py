@@ -79,35 +79,39 @@ def texts(tokenizer: Any, context: int, windows: int) -> dict[str, list[list[int
     return out
 
 
-@torch.inference_mode()
-def negative_log_likelihood(model: Any, window: list[int]) -> tuple[float, int]:
-    ids = torch.tensor([window])
-    logits = model(ids).logits[0, :-1].float()  # [T-1, V]
-    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
-    return float(nll), len(window) - 1
+class ModulePath:
+    """A model run through its transformers modules: logits of a window, greedy tokens with transformers' cache."""
 
+    def __init__(self, model: Any) -> None:
+        self.model = model
 
-@torch.inference_mode()
-def greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
-    out = model(torch.tensor([prompt]), use_cache=True)
-    past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
-    for _ in range(steps - 1):
-        out = model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tokens.append(int(out.logits[0, -1].argmax()))
-    return tokens
+    @torch.inference_mode()
+    def logits(self, window: list[int]) -> torch.Tensor:
+        return self.model(torch.tensor([window])).logits[0].float()  # [T, V]
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], steps: int) -> list[int]:
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        past, tokens = out.past_key_values, [int(out.logits[0, -1].argmax())]
+        for _ in range(steps - 1):
+            out = self.model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+        return tokens
 
 
 class SessionPath:
-    """A verifier's model run through its own session cache, as the daemon runs it (`__call__` as a module's)."""
+    """A verifier's model run through its own session cache, as the daemon runs it."""
 
     def __init__(self, verifier: TorchVerifier) -> None:
         self.verifier = verifier
 
+    @torch.inference_mode()
     def logits(self, window: list[int]) -> torch.Tensor:
         """Logits [T, V] of every position of `window`, verified as one block of a fresh session."""
         return self.verifier.verify(self.verifier.new_cache(FullStrategy()), window, len(window)).logits.float()
 
+    @torch.inference_mode()
     def greedy(self, prompt: list[int], steps: int) -> list[int]:
         cache = self.verifier.new_cache(FullStrategy())
         block = prompt
@@ -119,25 +123,17 @@ class SessionPath:
         return tokens
 
 
-@torch.inference_mode()
-def arm_nll(model: Any, window: list[int]) -> tuple[float, int]:
-    if not isinstance(model, SessionPath):
-        return negative_log_likelihood(model, window)
+def negative_log_likelihood(arm: ModulePath | SessionPath, window: list[int]) -> tuple[float, int]:
     ids = torch.tensor(window)
-    nll = torch.nn.functional.cross_entropy(model.logits(window)[:-1], ids[1:], reduction="sum")
+    nll = torch.nn.functional.cross_entropy(arm.logits(window)[:-1], ids[1:], reduction="sum")
     return float(nll), len(window) - 1
 
 
-@torch.inference_mode()
-def arm_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
-    return model.greedy(prompt, steps) if isinstance(model, SessionPath) else greedy(model, prompt, steps)
-
-
-def load_arm(directory: Path, arm: str) -> Any:
+def load_arm(directory: Path, arm: str) -> ModulePath | SessionPath:
     """The model of arm `<weights>` (its modules) or `<weights>:kv=<kv dtype>` (through its session cache)."""
     weights, _, kv = arm.partition(":kv=")
     verifier = TorchVerifier.load(directory, device="cpu", dtype="float32", weights=weights, kv_dtype=kv or "auto")
-    return SessionPath(verifier) if kv else verifier.model
+    return SessionPath(verifier) if kv else ModulePath(verifier.model)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,10 +161,10 @@ def main(argv: list[str] | None = None) -> int:
         for kind, rows in windows.items():
             nll = tokens = 0.0
             for window in rows:
-                n, t = arm_nll(model, window)
+                n, t = negative_log_likelihood(model, window)
                 nll, tokens = nll + n, tokens + t
             row[f"ppl_{kind}"] = math.exp(nll / tokens)
-        generations = [arm_greedy(model, prompt, args.agree_tokens) for prompt in prompts]
+        generations = [model.greedy(prompt, args.agree_tokens) for prompt in prompts]
         if choice == "float32":
             reference = generations
         matches = [sum(a == b for a, b in zip(g, r, strict=True)) for g, r in zip(generations, reference, strict=True)]

@@ -115,10 +115,6 @@ class BackendModel(ABC, Generic[A]):
         held = f", K/V: {s.kv_dtype}" if s.kv_dtype else ""
         return f"{s.backend} {s.model_type} ({s.num_layers} layers) on {s.device} {s.dtype}{held}"
 
-    @property
-    def held_kv_dtype(self) -> str:
-        return self.model_spec.kv_dtype
-
     def new_cache(
         self,
         strategy: KVStrategy,

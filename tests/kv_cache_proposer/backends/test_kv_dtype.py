@@ -65,16 +65,16 @@ def test_a_dense_store_rounds_what_it_is_given_to_its_dtype_and_holds_half_the_b
 
 
 def test_auto_holds_bfloat16_under_8_and_4_bit_weights_on_the_direct_forward_only(checkpoints, held):
-    assert held.held_kv_dtype == "bfloat16" and "K/V: bfloat16" in held.description
+    assert held.model_spec.kv_dtype == "bfloat16" and "K/V: bfloat16" in held.description
     for weights in ("float32", "bfloat16"):
         verifier = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights=weights)
-        assert verifier.held_kv_dtype == "" and "K/V" not in verifier.description
+        assert verifier.model_spec.kv_dtype == "" and "K/V" not in verifier.description
     library = TorchVerifier.load(checkpoints["llama"], device="cpu", weights="int4", forward="library")
-    assert library.held_kv_dtype == ""  # transformers' modules read K/V in the model's dtype
+    assert library.model_spec.kv_dtype == ""  # transformers' modules read K/V in the model's dtype
     plain = TorchVerifier.load(checkpoints["llama"], device="cpu", weights="int4", kv_dtype="model")
-    assert plain.held_kv_dtype == ""
+    assert plain.model_spec.kv_dtype == ""
     asked = TorchVerifier.load(checkpoints["llama"], device="cpu", weights="float32", kv_dtype="bfloat16")
-    assert asked.held_kv_dtype == "bfloat16"
+    assert asked.model_spec.kv_dtype == "bfloat16"
 
 
 def test_bfloat16_is_refused_where_it_cannot_be_held(checkpoints):
