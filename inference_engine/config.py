@@ -81,7 +81,8 @@ class ServerConfig:
         "how a session's dense K/V are held: model (in --dtype), bfloat16 (rounded to bfloat16 as they are stored: "
         "half the bytes for attention to read; torch's direct forward only) or auto: bfloat16 on torch where the "
         "linear layers are held at 8 or 4 bits (the default model on a CPU) and the direct forward runs, else model. "
-        "Sessions with a --kv-compressor or under dlm_restore hold theirs as those do (docs/models.md#kv-precision)",
+        "dlm_restore holds its kept and restored K/V so too; sessions with a --kv-compressor hold theirs coded "
+        "(docs/models.md#kv-precision)",
         choices=KV_DTYPES,
     )
     torch_forward: str = _opt(

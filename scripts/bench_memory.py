@@ -44,6 +44,7 @@ from lib.sampler import PeriodicSampler, rss_bytes
 
 ARMS: dict[str, list[str]] = {
     "full": ["--kv-strategy", "full"],
+    "full_float32": ["--kv-strategy", "full", "--kv-dtype", "model"],  # float32 K/V whatever auto holds
     "sink_window": ["--kv-strategy", "sink_window"],
     "dlm_restore": ["--kv-strategy", "dlm_restore", "--restore-plan", "recompute"],
     "kakeya_d4": ["--kv-compressor", "kakeya_d4"],

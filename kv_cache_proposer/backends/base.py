@@ -76,6 +76,7 @@ class BackendModel(ABC, Generic[A]):
     def __init__(self, spec: LoadedModelSpec, array_ops: ArrayOps[A]) -> None:
         self.model_spec = spec
         self.array_ops = array_ops
+        self.dense_store: LayerStoreFactory[A] | None = None  # holds dense K/V (None: in the model's dtype)
 
     @property
     def vocab_size(self) -> int:
@@ -122,8 +123,8 @@ class BackendModel(ABC, Generic[A]):
         layer_store: LayerStoreFactory[A] | None = None,
         restoration: RestorationSetup | None = None,
     ) -> SessionCache[A]:
-        """A session cache under `strategy`; `layer_store` chooses what each layer stores (dense by default) and
-        `restoration` how a `dlm_restore` cache restores evicted positions (default: `recompute` every layer)."""
+        """A session cache under `strategy`; `layer_store` chooses what each layer stores (`dense_store` by default)
+        and `restoration` how a `dlm_restore` cache restores evicted positions (default: `recompute` every layer)."""
         if isinstance(strategy, DlmRestoreStrategy):
             setup = restoration or RestorationSetup()
             ops, layers = self.array_ops, self.num_layers
@@ -136,10 +137,15 @@ class BackendModel(ABC, Generic[A]):
                 chunk_tokens=setup.chunk_tokens or self.prefill_chunk_tokens,
                 setup=setup,
                 layer_store=layer_store,
+                dense_store=self.dense_store,
                 key_block=self.key_block,
             )
         return KVSessionCache(
-            strategy, num_layers=self.num_layers, ops=self.array_ops, layer_store=layer_store, key_block=self.key_block
+            strategy,
+            num_layers=self.num_layers,
+            ops=self.array_ops,
+            layer_store=layer_store or self.dense_store,
+            key_block=self.key_block,
         )
 
     def verify(

@@ -29,7 +29,7 @@ from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.compression.packed_store import PackedLayerStore
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.restoration.plan import RestorationPlan
-from kv_cache_proposer.restoration.rebuild import Entries, LayerCommit, LayerForward, RestoredPrefix, new_prefix
+from kv_cache_proposer.restoration.rebuild import Entries, LayerCommit, LayerForward, RestoredPrefix
 from kv_cache_proposer.restoration.setup import RestorationSetup
 from kv_cache_proposer.restoration.state import RestorationState
 from kv_cache_proposer.strategies import DlmRestoreStrategy
@@ -49,15 +49,23 @@ class RestoringSessionCache(KVSessionCache[A]):
         chunk_tokens: int,
         setup: RestorationSetup,
         layer_store: LayerStoreFactory[A] | None = None,
+        dense_store: LayerStoreFactory[A] | None = None,
         key_block: int | None = None,
     ) -> None:
-        super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store, key_block=key_block)
+        """`layer_store`: what holds the session's K/V (a compressor's store, say); `dense_store`: what holds K/V
+        kept or restored dense (None: `DenseLayerStore` in the model's dtype), the residents too without a
+        `layer_store`."""
+        dense = dense_store or DenseLayerStore
+        super().__init__(
+            strategy, num_layers=num_layers, ops=ops, layer_store=layer_store or dense, key_block=key_block
+        )
         self._restoring = strategy
         self._forward_layers = forward_layers
         self._commit = commit
         self._chunk_tokens = chunk_tokens
         self._setup = setup
         self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
+        self._dense_store = dense_store
         self._plan = setup.plan_for(num_layers)
         self._state: RestorationState[A] = RestorationState(
             self._plan,
@@ -68,8 +76,9 @@ class RestoringSessionCache(KVSessionCache[A]):
             commit=commit,
             chunk_tokens=chunk_tokens,
             # kept layers go through the session's compressor when it has one, else through the plan's
-            kept_store=layer_store or setup.kept_store or DenseLayerStore,
+            kept_store=layer_store or setup.kept_store or dense,
             session_store=layer_store,
+            dense_store=dense,
         )
         self._stage_tokens: list[int] = []
         self._restored: RestoredPrefix[A] | None = None
@@ -213,7 +222,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         if self._restored is None:
             if self.evicted_count:  # the prefix of earlier evictions was dropped: rebuilt at the next forward
                 return
-            self._restored = new_prefix(self._ops, self._layers, self._restoring.sink)
+            self._restored = self._state.new_prefix(self._layers)
         self._state.extend(self._restored, captured, added)
         self._note_peak()
 
@@ -250,6 +259,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             chunk_tokens=self._chunk_tokens,
             setup=self._setup,
             layer_store=self._session_store,
+            dense_store=self._dense_store,
             key_block=self._key_block,
         )
         twin._restore(resident.state, np.asarray(meta["positions"], dtype=np.int64), length)

@@ -105,15 +105,15 @@ class RestoredPrefix(Generic[A]):
     (an `AttentionPrefix`): dense, or held as lattice coordinates (`HeldPrefixLayer`)."""
 
     def __init__(
-        self, ops: ArrayOps[A], num_layers: int, first: int, layer: PrefixLayerFactory[A] | None = None
+        self, ops: ArrayOps[A], num_layers: int, first: int, layer: PrefixLayerFactory[A], *, coded: bool
     ) -> None:
+        """`layer` builds each layer's buffer; `coded`: they hold coordinates (`HeldPrefixLayer`), not K/V."""
         self._ops = ops
         self._first = first
         self._count = 0
         self._capacity = 0
-        self.coded = layer is not None  # held by a codec, not dense
-        make: PrefixLayerFactory[A] = layer or (lambda _: DenseLayerStore(ops))
-        self._layers: list[PrefixLayer[A]] = [make(index) for index in range(num_layers)]
+        self.coded = coded
+        self._layers: list[PrefixLayer[A]] = [layer(index) for index in range(num_layers)]
         self._positions = np.zeros(0, dtype=np.int64)
 
     @property
@@ -186,14 +186,16 @@ def _load(layer: PrefixLayer[A], slots: np.ndarray, entries: Entries[A]) -> None
         raise TypeError("dense restored K/V take K/V, not codings")
 
 
-def new_prefix(ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int) -> RestoredPrefix[A]:
+def new_prefix(
+    ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int, dense: LayerStoreFactory[A] = DenseLayerStore
+) -> RestoredPrefix[A]:
     """An empty restored prefix from position `first`: held as coordinates of a session's own lattice codec where
     its `resident` layers are held so while it generates (a compressed session whose verifier's attention reads
-    them), else dense."""
+    them), else in `dense` layers."""
     codecs = [store.codec() for store in resident if isinstance(store, PackedLayerStore) and store.reads_held]
     if len(codecs) != len(resident):
-        return RestoredPrefix(ops, len(resident), first)
-    return RestoredPrefix(ops, len(resident), first, lambda i: HeldPrefixLayer(ops, *codecs[i]))
+        return RestoredPrefix(ops, len(resident), first, lambda _: dense(ops), coded=False)
+    return RestoredPrefix(ops, len(resident), first, lambda i: HeldPrefixLayer(ops, *codecs[i]), coded=True)
 
 
 class LayerForward(Protocol[A]):

@@ -48,6 +48,7 @@ class RestorationState(Generic[A]):
         chunk_tokens: int,
         kept_store: LayerStoreFactory[A],
         session_store: LayerStoreFactory[A] | None,
+        dense_store: LayerStoreFactory[A],
     ) -> None:
         self.plan = plan
         self._sink = sink
@@ -57,6 +58,7 @@ class RestorationState(Generic[A]):
         self._commit = commit  # the verifier's commit of a rebuild's prefix chunk
         self._chunk_tokens = chunk_tokens  # the most tokens a rebuild forward takes
         self._session_store = session_store  # codes a rebuild's prefix forward when the restored K/V are coded
+        self._dense_store = dense_store  # holds restored K/V and a rebuild's prefix forward otherwise
         self.kept: dict[int, LayerStore[A]] = {layer: kept_store(ops) for layer in plan.kept_layers}
         self._kept_capacity = 0
         self.tokens = np.zeros(0, dtype=np.int32)  # committed token ids, when a layer is rebuilt from them
@@ -151,6 +153,10 @@ class RestorationState(Generic[A]):
             raise InvariantViolation("inv1", f"{self.tokens.size} token ids kept for {committed} positions")
 
     # -- restored K/V ------------------------------------------------------------------------------------------
+    def new_prefix(self, resident: Sequence[LayerStore[A]]) -> RestoredPrefix[A]:
+        """An empty restored prefix for a session whose residents are `resident` (`rebuild.new_prefix`)."""
+        return new_prefix(self._ops, resident, self._sink, self._dense_store)
+
     def rebuild(self, evicted: int, resident: Sequence[LayerStore[A]]) -> RestoredPrefix[A]:
         """Restored K/V of every evicted position, from the state alone, one layer at a time: a layer forwarded over
         the prefix lets go of its scratch K/V once restored. A coded prefix (`resident` layers held as lattice
@@ -159,7 +165,7 @@ class RestorationState(Generic[A]):
         at once."""
         sink = self._sink
         end = sink + evicted
-        restored = new_prefix(self._ops, resident, sink)
+        restored = self.new_prefix(resident)
         restored.reserve(evicted)
         layers = self.plan.forward_layers
         scratch: PrefixCache[A] | None = None
@@ -172,7 +178,7 @@ class RestorationState(Generic[A]):
                 self.tokens[:end].tolist(),
                 last_layer=max(layers),
                 chunk_tokens=self._chunk_tokens,
-                layer_store=self._session_store if restored.coded else None,
+                layer_store=self._session_store if restored.coded else self._dense_store,
             )
         elif layers:
             tokens = self.tokens[sink:end].tolist()

@@ -25,12 +25,10 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import compile_cache_d
 from kv_cache_proposer.backends.torch_backend.loader import load_causal_lm, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.torch_backend.sampler import pick_tokens
 from kv_cache_proposer.backends.torch_backend.weights import pack_linears
-from kv_cache_proposer.cache import DenseLayerStore, LayerStoreFactory, SessionCache, visible_keys
+from kv_cache_proposer.cache import DenseLayerStore, SessionCache, visible_keys
 from kv_cache_proposer.cache.protocol import KeyPart
 from kv_cache_proposer.errors import ModelLoadError
-from kv_cache_proposer.restoration.setup import RestorationSetup
 from kv_cache_proposer.sampling import SamplingParams
-from kv_cache_proposer.strategies import DlmRestoreStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 
 log = logging.getLogger(__name__)
@@ -107,9 +105,8 @@ class TorchVerifier(BackendModel[torch.Tensor]):
             raise ModelLoadError(f"K/V held at bfloat16 need the direct forward; this one runs {self.forward_path}")
         if kv_dtype == "auto":
             kv_dtype = "bfloat16" if self._direct is not None and weights in ("int8", "int4") else "model"
-        self._dense_store: LayerStoreFactory[torch.Tensor] | None = None
         if kv_dtype == "bfloat16" and dtype != torch.bfloat16:
-            self._dense_store = functools.partial(DenseLayerStore, dtype=torch.bfloat16)
+            self.dense_store = functools.partial(DenseLayerStore, dtype=torch.bfloat16)
             self.model_spec = dataclasses.replace(spec, kv_dtype="bfloat16")
         if compile == "on":
             self._compile_steps()
@@ -147,19 +144,6 @@ class TorchVerifier(BackendModel[torch.Tensor]):
     def description(self) -> str:
         held = f", weights: {self.weights}" if self.weights != "float32" else ""
         return f"{super().description}{held}, forward: {self.forward_path}"
-
-    def new_cache(
-        self,
-        strategy: KVStrategy,
-        *,
-        layer_store: LayerStoreFactory[torch.Tensor] | None = None,
-        restoration: RestorationSetup | None = None,
-    ) -> SessionCache[torch.Tensor]:
-        """As `BackendModel.new_cache`; a cache of dense layers, under a strategy that keeps its K/V resident,
-        holds them at `kv_dtype`."""
-        if layer_store is None and not isinstance(strategy, DlmRestoreStrategy):
-            layer_store = self._dense_store
-        return super().new_cache(strategy, layer_store=layer_store, restoration=restoration)
 
     @property
     def compiled(self) -> bool:

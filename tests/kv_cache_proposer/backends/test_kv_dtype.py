@@ -86,8 +86,8 @@ def test_bfloat16_is_refused_where_it_cannot_be_held(checkpoints):
         load_verifier("mlx", checkpoints["llama"], device="cpu", kv_dtype="bfloat16")
 
 
-def test_only_dense_sessions_that_keep_their_kv_resident_hold_bfloat16(held):
-    for strategy in STRATEGIES.values():
+def test_dense_sessions_hold_bfloat16_and_compressed_ones_their_codecs_forms(held):
+    for strategy in (*STRATEGIES.values(), DlmRestoreStrategy(sink=4, window=24)):
         cache = held.new_cache(strategy)
         held.verify(cache, _tokens(0, 6), 1)
         assert {str(array.dtype) for array in cache.arrays()} == {"torch.bfloat16"}
@@ -95,9 +95,26 @@ def test_only_dense_sessions_that_keep_their_kv_resident_hold_bfloat16(held):
     held.verify(packed, _tokens(0, 6), 1)
     held.commit(packed, 6)
     assert "torch.bfloat16" not in {str(array.dtype) for array in packed.arrays()}
-    restoring = held.new_cache(DlmRestoreStrategy(sink=4, window=24))
-    held.verify(restoring, _tokens(0, 6), 1)
-    assert {str(array.dtype) for array in restoring.arrays()} == {"torch.float32"}
+
+
+def test_a_restoring_session_restores_bfloat16_kv_and_gives_the_values_of_a_full_one(checkpoints, held):
+    """Past its window a `dlm_restore` session (the `recompute` plan) restores every evicted position at bfloat16,
+    from a prefix forward that reads bfloat16 K/V as the full session's forwards did: the same values, bit for
+    bit, however the history arrives."""
+    tokens = _tokens(5, 72)
+    restoring = DlmRestoreStrategy(sink=4, window=24)
+    full = _logits(held, FullStrategy(), tokens, [72])
+    for chunks in ([72], [30, 1, 1, 17, 23], [1] * 72):
+        np.testing.assert_array_equal(_logits(held, restoring, tokens, chunks), full)
+    plain = TorchVerifier.load(checkpoints["llama"], device="cpu", weights="int4", kv_dtype="model")
+    restored = []
+    for verifier in (held, plain):
+        cache = verifier.new_cache(restoring)
+        verifier.verify(cache, tokens[:60], 1)
+        verifier.commit(cache, 60)
+        verifier.verify(cache, tokens[60:], 1)  # restores the 32 evicted positions for this forward
+        restored.append(cache.footprint().restored_bytes)
+    assert restored[0] > 0 and restored[0] * 2 == restored[1]
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
