@@ -1,4 +1,5 @@
-"""Server configuration: one validated dataclass, filled from defaults < TOML file < environment < flags.
+"""Server configuration: one validated dataclass, filled from defaults < TOML file < environment < flags
+(`config_sources.py`).
 
 Every field documents itself (help text, environment variable, default), and `cli.py` builds the `serve` flags
 from these fields, so `--help`, the TOML keys and the environment variables can never drift apart.
@@ -7,10 +8,7 @@ from these fields, so `--help`, the TOML keys and the environment variables can 
 from __future__ import annotations
 
 import ipaddress
-import os
-import tomllib
-from collections.abc import Mapping
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -382,62 +380,6 @@ def model_drafter(model_dir: Path) -> Path | None:
     """The DFlash drafter a model directory ships in its `dflash/` subdirectory (the bundled model does)."""
     drafter = model_dir / "dflash"
     return drafter if (drafter / "config.json").is_file() else None
-
-
-def option_help() -> list[tuple[str, type, Any, str, tuple[str, ...] | None]]:
-    """(name, type, default, help, choices) of every option, in declaration order."""
-    out = []
-    for f in fields(ServerConfig):
-        default = f.default if f.default is not MISSING else None
-        kind = type(default)
-        out.append((f.name, kind, default, f.metadata["help"], f.metadata.get("choices")))
-    return out
-
-
-def env_var(name: str) -> str:
-    return ENV_PREFIX + name.upper()
-
-
-def _coerce(name: str, kind: type, raw: Any, source: str) -> Any:
-    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
-        return raw
-    if kind is float and isinstance(raw, int) and not isinstance(raw, bool):
-        return float(raw)
-    if isinstance(raw, str):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    raise ConfigError(f"{name} from {source}: expected {kind.__name__}, got {raw!r}")
-
-
-def load_config(
-    overrides: Mapping[str, Any], *, config_file: str | None = None, environ: Mapping[str, str] | None = None
-) -> ServerConfig:
-    """Merge defaults, an optional TOML file, `KAKEYA_*` environment variables and explicit overrides (flags)."""
-    environ = os.environ if environ is None else environ
-    kinds = {name: kind for name, kind, _, _, _ in option_help()}
-    values: dict[str, Any] = {}
-    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
-    if config_file:
-        try:
-            with open(config_file, "rb") as handle:
-                table = tomllib.load(handle)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"cannot read config file {config_file}: {exc}") from exc
-        for key, raw in table.items():
-            name = key.replace("-", "_")
-            if name not in kinds:
-                raise ConfigError(f"unknown option {key!r} in {config_file}")
-            values[name] = _coerce(name, kinds[name], raw, config_file)
-    for name, kind in kinds.items():
-        raw_env = environ.get(env_var(name))
-        if raw_env is not None:
-            values[name] = _coerce(name, kind, raw_env, env_var(name))
-    for name, raw in overrides.items():
-        if raw is not None:
-            values[name] = _coerce(name, kinds[name], raw, f"--{name.replace('_', '-')}")
-    return ServerConfig(**values)
 
 
 def is_loopback(host: str) -> bool:

@@ -163,7 +163,7 @@ def generate_reference() -> str:
 
 def generate_config_reference() -> str:
     """Markdown table of every `serve` option: flag, environment variable, default, meaning."""
-    from inference_engine.config import env_var, option_help
+    from inference_engine.config_sources import env_var, option_help
 
     lines = [
         "# Configuration reference",

@@ -7,7 +7,7 @@ import subprocess
 import grpc
 import pytest
 
-from inference_engine.config import option_help
+from inference_engine.config_sources import option_help
 from inference_engine.generated import runtime_pb2 as pb
 from inference_engine.generated import runtime_pb2_grpc
 from tests.support.daemon import CONSOLE_SCRIPT, Daemon

@@ -1,6 +1,7 @@
 import pytest
 
-from inference_engine.config import BUNDLED_MODEL_DIR, ConfigError, ServerConfig, is_loopback, load_config
+from inference_engine.config import BUNDLED_MODEL_DIR, ConfigError, ServerConfig, is_loopback
+from inference_engine.config_sources import load_config
 
 
 def test_defaults_bind_loopback_on_the_standard_port_and_serve_smollm2():

@@ -10,7 +10,8 @@ import grpc
 import kakeya
 import pytest
 
-from inference_engine.config import ConfigError, load_config
+from inference_engine.config import ConfigError
+from inference_engine.config_sources import load_config
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.compression import PackedLayerStore
 from tests.support.backends import BACKENDS
