@@ -230,8 +230,8 @@ class ServerConfig:
         "on",
         "with --state-dir: on writes a session's new K/V under DIR/kv as each generation ends, so after a restart "
         "or crash its next turn reads them back instead of prefilling its history (full strategy, no KV compressor, "
-        "a proposer without per-position state; float32 on disk: 46 KB per token on the default model); off: "
-        "prefill",
+        "a proposer without per-position state; on disk in the dtype the K/V are held: 23 KB per token on the default "
+        "model); off: prefill",
         choices=("on", "off"),
     )
     state_kv_max_bytes: int = _opt(

@@ -3,7 +3,8 @@ of prefilling its whole history again.
 
 When a generation ends, before its Done is sent, the K/V of the positions its session committed since the last write
 are written as one chunk file (`kv/<session>/<first position>.npz`: the positions' token ids and every layer's keys
-and values, float32), to a temporary name then renamed, so a killed process leaves whole chunks only; a generation
+and values, as float32, or as the bit patterns of their bfloat16 values where the session holds them so), to a
+temporary name then renamed, so a killed process leaves whole chunks only; a generation
 that ends without Done (cancelled, failed) writes when its session parks. After a restart a session's first
 generation reads its chunks back in order, as far as their token ids agree with the journaled history, and prefills
 only what follows. A session whose chunks are missing, damaged or from another model prefills as before: the chunks
@@ -129,7 +130,7 @@ class DurableKV:
             directory.mkdir(mode=0o700, exist_ok=True)
             with open(scratch, "wb") as out:
                 tokens = np.asarray(seq.tokens[start:end], dtype=np.int64)
-                np.savez(out, tokens=tokens, keys=np.stack(keys), values=np.stack(values))  # [L, H, n, D]
+                np.savez(out, tokens=tokens, keys=_compact(np.stack(keys)), values=_compact(np.stack(values)))
             os.replace(scratch, directory / f"{start:012d}.npz")
             written = (directory / f"{start:012d}.npz").stat().st_size
         except OSError as exc:  # a full disk, or the session closed meanwhile: a restart prefills these positions
@@ -165,7 +166,7 @@ class DurableKV:
                 break
             try:
                 with np.load(path, allow_pickle=False) as chunk:
-                    tokens, keys, values = chunk["tokens"], chunk["keys"], chunk["values"]
+                    tokens, keys, values = chunk["tokens"], _expanded(chunk["keys"]), _expanded(chunk["values"])
             except (OSError, ValueError, KeyError) as exc:
                 log.warning("a K/V file cannot be read", extra={"session_id": session_id, "error": str(exc)})
                 break
@@ -281,9 +282,28 @@ class DurableKV:
 
 
 def _position_bytes(cache: KVSessionCache[Any], position: int) -> int:
-    """Bytes one position takes in a file: its token id, and its keys and values in every layer as float32."""
+    """Bytes one position takes in a file, at most: its token id, and its keys and values in every layer in the
+    dtype the cache holds them (float32 or bfloat16)."""
     keys, _ = cache.positions_kv(0, np.array([position], dtype=np.int64))  # [1, H, 1, D]
-    return 8 + cache.num_layers * 2 * int(np.prod(keys.shape)) * 4
+    return 8 + cache.num_layers * 2 * cache.ops.nbytes(keys)
+
+
+def _compact(kv: np.ndarray) -> np.ndarray:
+    """Float32 K/V `[L, H, n, D]` as the upper halves of their bit patterns (uint16) where the lower halves are all
+    zero, as K/V held at bfloat16 give them (half the bytes, nothing lost); else as they are."""
+    halves = kv.view("<u2").reshape(*kv.shape, 2)  # little-endian float32 bits: [lower, upper]
+    return kv if halves[..., 0].any() else np.ascontiguousarray(halves[..., 1])
+
+
+def _expanded(stored: np.ndarray) -> np.ndarray:
+    """What `_compact` was given."""
+    if stored.dtype == np.uint16:
+        halves = np.zeros((*stored.shape, 2), dtype="<u2")
+        halves[..., 1] = stored
+        return halves.view("<f4").reshape(stored.shape)
+    if stored.dtype != np.float32:
+        raise ValueError(f"K/V stored as {stored.dtype}")
+    return stored
 
 
 def _dir_name(session_id: str) -> str:

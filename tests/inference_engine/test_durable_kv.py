@@ -8,8 +8,9 @@ import pytest
 
 from inference_engine.durable_kv import KV_DIR
 from inference_engine.generated import runtime_pb2 as pb
+from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from tests.support.backends import BACKENDS
-from tests.support.server import create, generate, info
+from tests.support.server import create, generate, info, start_server
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
@@ -70,6 +71,35 @@ def test_a_restarted_session_reads_its_kv_back_and_prefills_only_its_new_tokens(
     assert after.done is not None and after.done.prefill_token_count == 1 + len(TURN)
     assert _counter(second.metrics_text(), "kakeya_session_kv_read_back_positions_total") == held
     assert len(_chunks(tmp_path, session)) == 2, "the second park wrote only the positions it added"
+
+
+def test_kv_held_at_bfloat16_are_written_in_two_bytes_a_value_and_read_back_exactly(checkpoints, tmp_path):
+    verifier = TorchVerifier.load(checkpoints["qwen3"], device="cpu", dtype="float32", weights="int4")
+    assert verifier.model_spec.kv_dtype == "bfloat16"  # auto, under int4 weights
+    reference = start_server(verifier, model_dir=checkpoints["qwen3"])
+    session = create(reference.stub, initial=HISTORY)
+    first_ref = generate(reference.stub, session, max_tokens=10).tokens
+    _append(reference.stub, session, TURN)
+    second_ref = generate(reference.stub, session, max_tokens=10).tokens
+    reference.stop()
+
+    first = start_server(verifier, model_dir=checkpoints["qwen3"], state_dir=str(tmp_path))
+    session = create(first.stub, initial=HISTORY)
+    assert generate(first.stub, session, max_tokens=10).tokens == first_ref
+    first.stop()
+    [path] = _chunks(tmp_path, session)
+    with np.load(path) as chunk:
+        assert chunk["keys"].dtype == chunk["values"].dtype == np.uint16  # the bfloat16 values' bit patterns
+        assert chunk["keys"].shape[2] == len(HISTORY) + 10 - 1
+
+    second = start_server(verifier, model_dir=checkpoints["qwen3"], state_dir=str(tmp_path))
+    try:
+        _append(second.stub, session, TURN)
+        after = generate(second.stub, session, max_tokens=10)
+    finally:
+        second.stop()
+    assert after.tokens == second_ref  # the K/V read back are the ones held, bit for bit
+    assert after.done is not None and after.done.prefill_token_count == 1 + len(TURN)
 
 
 def test_files_that_disagree_with_the_journal_are_read_back_only_as_far_as_they_agree(serve, tmp_path):
