@@ -55,7 +55,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         """`layer_store`: what holds the session's K/V (a compressor's store, say); `dense_store`: what holds K/V
         kept or restored dense (None: `DenseLayerStore` in the model's dtype), the residents too without a
         `layer_store`."""
-        dense = dense_store or DenseLayerStore
+        dense: LayerStoreFactory[A] = dense_store or DenseLayerStore
         super().__init__(
             strategy, num_layers=num_layers, ops=ops, layer_store=layer_store or dense, key_block=key_block
         )
@@ -65,7 +65,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._chunk_tokens = chunk_tokens
         self._setup = setup
         self._session_store = layer_store  # the session's own store (None: dense), which a clone gets too
-        self._dense_store = dense_store
+        self._dense_store = dense
         self._plan = setup.plan_for(num_layers)
         self._state: RestorationState[A] = RestorationState(
             self._plan,

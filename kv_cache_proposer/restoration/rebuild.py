@@ -11,7 +11,7 @@ from typing import Any, Generic, Protocol
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
-from kv_cache_proposer.cache.layer_store import DenseLayerStore, LayerStore, LayerStoreFactory
+from kv_cache_proposer.cache.layer_store import LayerStore, LayerStoreFactory
 from kv_cache_proposer.cache.protocol import KeyPart, SessionCache
 from kv_cache_proposer.cache.session import KVSessionCache
 from kv_cache_proposer.compression.codec import LatticeCodec, StagedCoding
@@ -187,7 +187,7 @@ def _load(layer: PrefixLayer[A], slots: np.ndarray, entries: Entries[A]) -> None
 
 
 def new_prefix(
-    ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int, dense: LayerStoreFactory[A] = DenseLayerStore
+    ops: ArrayOps[A], resident: Sequence[LayerStore[A]], first: int, dense: LayerStoreFactory[A]
 ) -> RestoredPrefix[A]:
     """An empty restored prefix from position `first`: held as coordinates of a session's own lattice codec where
     its `resident` layers are held so while it generates (a compressed session whose verifier's attention reads
