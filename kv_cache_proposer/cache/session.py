@@ -17,7 +17,6 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.key_layout import BlockedLayout
 from kv_cache_proposer.cache.layer_store import (
-    CommitPlan,
     DenseLayerStore,
     LayerStore,
     LayerStoreFactory,
@@ -26,6 +25,7 @@ from kv_cache_proposer.cache.layer_store import (
     start_stages,
 )
 from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, KeyPart, ModelCall
+from kv_cache_proposer.cache.slot_table import SlotTable
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
@@ -59,9 +59,7 @@ class KVSessionCache(Generic[A]):
         self._layout_block = key_block if strategy.bounded_slots is not None and not self._lossy else None
         self._layout: BlockedLayout | None = None  # where the model call in flight reads its keys, if blocked
         self._next_position = 0
-        self._capacity = 0
-        self._positions = np.full(0, -1, dtype=np.int64)  # [capacity]: slot positions, then stage positions
-        self._steps = np.arange(0, dtype=np.int64)  # 0, 1, 2, ...: block positions relative to the block start
+        self._slots = SlotTable()  # resident slots' positions, then the stage's
         self._staged = 0  # positions in the stage
         self._query_start = self._query_end = 0  # the part of the stage the model call in flight processes
         self._staged_counts = [0] * num_layers  # staged K/V written per layer since the stage began
@@ -97,7 +95,7 @@ class KVSessionCache(Generic[A]):
 
     @property
     def nbytes(self) -> int:
-        return int(self._positions.nbytes) + sum(layer.nbytes for layer in self._layers)
+        return self._slots.nbytes + sum(layer.nbytes for layer in self._layers)
 
     def footprint(self) -> CacheFootprint:
         used = self._parked_slots()
@@ -134,14 +132,12 @@ class KVSessionCache(Generic[A]):
         used = self._parked_slots()
         for layer in self._layers:
             layer.park(used)
-        if self._capacity > used:
-            self._positions = self._positions[:used].copy()
-            self._capacity = used
+        self._slots.shrink(used)
 
     def _parked_slots(self) -> int:
         """The slots a parked cache keeps room for: its resident slots, or all of them when the strategy bounds
         the slots (a bounded cache's room is its window and one block)."""
-        return self._capacity if self._strategy.bounded_slots is not None else max(self.stage_offset, 1)
+        return self._slots.capacity if self._strategy.bounded_slots is not None else max(self.stage_offset, 1)
 
     @property
     def stage_offset(self) -> int:
@@ -157,10 +153,10 @@ class KVSessionCache(Generic[A]):
     def _locate_call(self) -> None:
         """The geometry of the model call just selected (`call`)."""
         offset = self.stage_offset
-        queries = self._positions[offset + self._query_start : offset + self._query_end]
+        queries = self._slots.positions[offset + self._query_start : offset + self._query_end]
         count = self._query_end - self._query_start
         own = count if self._lossy and count > 1 else 0  # a lossy cache's call over several queries reads them
-        parts = [self._positions[: offset + self._query_end]]
+        parts = [self._slots.positions[: offset + self._query_end]]
         prefix = 0
         if self._prefix is not None:
             parts.insert(0, self._prefix.positions)
@@ -202,16 +198,13 @@ class KVSessionCache(Generic[A]):
             self._finish_stage()
         kept = self._staged if extend else 0
         offset = self.stage_offset
-        needed = offset + kept + block_len
-        if needed > self._capacity:
+        needed, capacity = offset + kept + block_len, self._slots.capacity
+        if needed > capacity:
             if self._strategy.bounded_slots is None:
                 # Unbounded caches grow geometrically so appends stay amortised O(1).
-                needed = max(needed, self._capacity + max(self._capacity // 2, _GROWTH_TOKENS))
+                needed = max(needed, capacity + max(capacity // 2, _GROWTH_TOKENS))
             self._grow(needed)
-        if kept + block_len > self._steps.size:  # a commit indexes every staged position, extended ones too
-            self._steps = np.arange(max(kept + block_len, 2 * self._steps.size), dtype=np.int64)
-        start = offset + kept
-        np.add(self._steps[:block_len], self._next_position + kept, out=self._positions[start : start + block_len])
+        self._slots.stage(offset + kept, self._next_position + kept, block_len)
         self._staged = kept + block_len
         if not extend:
             self._staged_counts = [0] * len(self._layers)
@@ -260,12 +253,12 @@ class KVSessionCache(Generic[A]):
             raise InvariantViolation("inv1", f"layers {missing} did not receive the K/V of the whole block")
         if count:
             self._finish_stage()
-        plan = self._commit_plan(count)
+        plan = self._slots.commit_plan(self._strategy, self.stage_offset, self._next_position, count)
         for layer in self._layers:
             if layer.active:
                 layer.commit(plan)
         if plan.slots is not None and plan.sources is not None:
-            self._positions[plan.slots] = plan.sources + self._next_position
+            self._slots.positions[plan.slots] = plan.sources + self._next_position
         self._next_position += count
         self._staged = self._query_start = self._query_end = 0
         self._call = NO_CALL
@@ -279,18 +272,6 @@ class KVSessionCache(Generic[A]):
         if self._lossy and self._staged:
             finish_stages(self._layers)
 
-    def _commit_plan(self, count: int) -> CommitPlan:
-        offset = self.stage_offset
-        if self._strategy.bounded_slots is None:
-            return CommitPlan(offset, count, None, None, count)
-        positions = self._steps[:count] + self._next_position
-        targets = self._strategy.slots_of(positions)  # [count]
-        # A later position wins a slot that an earlier one of the same commit also maps to.
-        reversed_unique, first_from_end = np.unique(targets[::-1], return_index=True)
-        sources = (count - 1 - first_from_end).astype(np.int64)
-        newly_held = int((self._positions[reversed_unique] < 0).sum())
-        return CommitPlan(offset, count, reversed_unique.astype(np.int64), sources, newly_held, sources + offset)
-
     def check_invariants(self) -> None:
         """INV-1: every layer that stores K/V holds exactly the strategy's resident count, as does the slot table."""
         expected = self.resident_count
@@ -299,17 +280,14 @@ class KVSessionCache(Generic[A]):
                 raise InvariantViolation(
                     "inv1", f"layer {layer_idx} holds {layer.held} K/V but {expected} positions are resident"
                 )
-        occupied = int((self._positions[: self.stage_offset] >= 0).sum())
+        occupied = self._slots.occupied(self.stage_offset)
         if occupied != expected:
             raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
 
     def _grow(self, capacity: int) -> None:
-        positions = np.full(capacity, -1, dtype=np.int64)
-        positions[: self._capacity] = self._positions
-        self._positions = positions
+        self._slots.grow(capacity)
         for layer in self._layers:
             layer.reserve(capacity)
-        self._capacity = capacity
 
     def arrays(self) -> list[A]:
         return [array for layer in self._layers for array in layer.arrays()]
@@ -317,9 +295,7 @@ class KVSessionCache(Generic[A]):
     # -- inspection and state ----------------------------------------------------------------------------------
     def _resident_slots(self) -> np.ndarray:
         """Occupied resident slots ordered by position."""
-        positions = self._positions[: self.stage_offset]
-        slots = np.flatnonzero(positions >= 0)
-        return slots[np.argsort(positions[slots], kind="stable")]
+        return self._slots.resident_slots(self.stage_offset)
 
     def resident_kv(self, layer_idx: int) -> tuple[A, A, np.ndarray]:
         layer = self._layers[layer_idx]
@@ -327,12 +303,12 @@ class KVSessionCache(Generic[A]):
             raise ValueError(f"layer {layer_idx} holds no K/V")
         slots = self._resident_slots()
         keys, values = layer.gather(slots)
-        return keys, values, self._positions[slots].copy()
+        return keys, values, self._slots.positions[slots].copy()
 
     def positions_kv(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
         """Keys and values `[B, H, n, D]` of resident `positions` of one layer, in that order (dense copies)."""
         slots = self._strategy.slots_of(positions)
-        held = self._positions[: self.stage_offset]
+        held = self._slots.positions[: self.stage_offset]
         if slots.size and (int(slots.max()) >= held.size or not np.array_equal(held[slots], positions)):
             raise ValueError(f"positions {positions[:5].tolist()}... are not all resident")
         layer = self._layers[layer_idx]
@@ -363,7 +339,7 @@ class KVSessionCache(Generic[A]):
             "strategy": self._strategy.name,
             **strategy_options(self._strategy),
             "next_position": self._next_position,
-            "positions": self._positions[self._resident_slots()].tolist(),
+            "positions": self._slots.positions[self._resident_slots()].tolist(),
         }
 
     @classmethod
@@ -391,7 +367,7 @@ class KVSessionCache(Generic[A]):
         if not 0 <= length <= self._next_position:
             raise ValueError(f"cannot clone {length} positions of a cache holding {self._next_position}")
         slots = self._resident_slots()
-        positions = self._positions[slots]
+        positions = self._slots.positions[slots]
         wanted = strategy.resident_positions(length)
         present = np.isin(wanted, positions)
         if not present.all():
@@ -412,7 +388,7 @@ class KVSessionCache(Generic[A]):
             partial(twin_layer.load_from, layer, keep) if layer.active else None
             for twin_layer, layer in zip(twin._layers, self._layers, strict=True)
         ]
-        twin._fill(loads, self._positions[keep], length)
+        twin._fill(loads, self._slots.positions[keep], length)
         return twin
 
     def _restore(self, state: Sequence[tuple[A, A] | None], positions: np.ndarray, next_position: int) -> None:
@@ -431,7 +407,7 @@ class KVSessionCache(Generic[A]):
             raise ValueError(f"{positions.size} resident positions given, the strategy keeps {self.resident_count}")
         slots = self._strategy.slots_of(positions)
         self._grow(max(self.stage_offset, 1))
-        self._positions[slots] = positions
+        self._slots.positions[slots] = positions
         for layer, load in zip(self._layers, loads, strict=True):
             if load is not None:
                 load(slots)
@@ -442,8 +418,7 @@ class KVSessionCache(Generic[A]):
     def release(self) -> None:
         for layer in self._layers:
             layer.release()
-        self._positions = np.full(0, -1, dtype=np.int64)
-        self._capacity = 0
+        self._slots.release()
         self._prefix = None
         self._released = True
 

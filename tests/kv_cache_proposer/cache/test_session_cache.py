@@ -138,7 +138,7 @@ def test_a_layer_store_defined_in_a_test_serves_a_session_with_the_dense_stores_
     half = verifier.new_cache(strategy, layer_store=partial(HalfPrecisionStore, half=_float16(backend)))
     assert _greedy(verifier, half, prompt, 24) == _greedy(verifier, dense, prompt, 24)
     # The session really ran on the half-precision store: it holds half the bytes of float32 K/V.
-    positions = dense._positions.nbytes
+    positions = dense._slots.nbytes
     assert half.nbytes - positions == (dense.nbytes - positions) // 2
 
 
@@ -294,8 +294,8 @@ def test_a_parked_dense_cache_holds_its_resident_kv_and_no_growth_room_and_conti
         for start in range(0, 300, 100):  # appends grow the buffers geometrically: room beyond 300 slots
             verifier.verify(cache, prompt[start : start + 100], 1)
             verifier.commit(cache, 100)
-    per_slot = sum(layer.nbytes for layer in parked._layers) // parked._capacity
-    assert parked._capacity > 300
+    per_slot = sum(layer.nbytes for layer in parked._layers) // parked._slots.capacity
+    assert parked._slots.capacity > 300
     parked.park()
     # Read from the arrays themselves: K and V of exactly the 300 resident positions in every layer.
     assert {int(array.shape[2]) for array in parked.arrays()} == {300}

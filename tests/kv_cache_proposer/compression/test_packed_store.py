@@ -120,13 +120,13 @@ def test_a_parked_session_holds_the_bit_budget_and_no_dense_copy(verifiers, back
     scales = 2 if name == "kakeya_d4s" else 4  # fp16 qmax alone, or fp16 norm + qmax
     per_layer = 2 * slots * rows * (spec.code_bytes + scales)  # K and V codes and scales
     escapes = sum(layer.packed.escape_keys.nbytes + layer.packed.escape_points.nbytes for layer in layers)
-    assert cache.nbytes == cache._positions.nbytes + len(layers) * per_layer + escapes
+    assert cache.nbytes == cache._slots.nbytes + len(layers) * per_layer + escapes
     assert (
         cache.footprint().escaped_vectors == sum(layer.packed.escape_keys.shape[0] for layer in layers) == 0
     )  # D4: none here
     # The packed arrays live in host memory that numpy reports to tracemalloc: what the cache claims it holds
     # is what was measured (minus small Python objects).
-    packed = cache.nbytes - cache._positions.nbytes
+    packed = cache.nbytes - cache._slots.nbytes
     assert packed <= held_on_host <= packed + 64 * 1024
     lattice_bits = spec.blocks * spec.bits_per_block
     assert spec.code_bytes * 8 - lattice_bits < 8  # per vector, at most 7 bits pad the codes to whole bytes
@@ -245,7 +245,7 @@ def test_a_generating_session_holds_one_form_of_its_history_and_packs_the_same_c
     layers = cache._layers
     held = backend == "torch"  # the torch direct forward reads coordinates; MLX keeps a decoded copy and the codes
     assert all(layer.codes_dropped is held for layer in layers)
-    generating, footprint = cache.nbytes - cache._positions.nbytes, cache.footprint()
+    generating, footprint = cache.nbytes - cache._slots.nbytes, cache.footprint()
     if held:
         assert all(layer.packed_nbytes == 0 for layer in layers)
         assert generating == footprint.working_bytes  # all it holds is what park frees
