@@ -16,11 +16,14 @@ from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
     INT4,
     INT8,
+    INT8_SPLIT,
     PackedLinear,
     held_values,
     int4_codes,
     int4_values,
+    linear,
     pack_linears,
+    quantize_int8,
 )
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers import ProposerOptions
@@ -128,11 +131,31 @@ def test_a_q4_1_block_is_held_at_its_own_codes_scale_and_offset():
 def test_int4_holds_the_lm_head_at_int8(checkpoints):
     model = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4").model
     head = model.get_output_embeddings()
-    assert isinstance(head, PackedLinear) and head.kind == INT8
+    assert isinstance(head, PackedLinear) and head.kind == INT8_SPLIT
     assert (
         isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
         and model.model.layers[0].mlp.down_proj.kind == INT4
     )
+
+
+def test_the_split_int8_product_gives_a_row_the_same_values_among_any_rows_and_meets_its_codes_exactly():
+    generator = torch.Generator().manual_seed(0)
+    codes, scale = quantize_int8(torch.randn(300, 96, generator=generator))
+    x = torch.randn(40, 96, generator=generator)
+    x[:, 7] *= 40  # an outlier input, as a trained model's hidden states have
+    x[5] = 0.0  # a row of zeros
+    held = codes.float() * scale.float()[:, None]  # [out, in]: what the codes stand for
+    split = linear(x, codes, None, scale.float(), INT8_SPLIT, 0)  # [40, 300]
+    for start, count in ((0, 1), (3, 2), (5, 5), (11, 9), (2, 1), (0, 40)):
+        rows = linear(x[start : start + count], codes, None, scale.float(), INT8_SPLIT, 0)
+        assert torch.equal(rows, split[start : start + count]), (start, count)
+    assert torch.equal(split[5], torch.zeros(300))
+    exact = x.double() @ held.double().t()
+    # the inputs meet the codes within 2^-14 of each row's largest input; the packed kernel rounds them to bfloat16
+    packed = linear(x, codes, None, scale, INT8, 0)
+    split_error = float((split.double() - exact).abs().max())
+    assert split_error < 2e-3 * float(exact.abs().max())
+    assert split_error * 10 < float((packed.double() - exact).abs().max())
 
 
 def test_int8_and_int4_refuse_a_device_their_kernels_do_not_run_on():
