@@ -35,10 +35,11 @@ DENSE, BF16, INT8, INT4 = 0, 1, 2, 3
 # on how many tokens share its forward (a decode step alone, a batched step, a prefill chunk).
 DENSE_EXACT = 4
 # int8 codes whose product takes each input row as two int8 parts (the row at a scale of its own, then what that
-# left over at another) and sums them in int32 with oneDNN's integer product (`split_int8_product`): exact sums,
-# so a row's values never depend on the rows beside it, and the inputs meet the codes at about 2^-14 of a row's
-# largest value where the packed kernel rounds them to bfloat16. It pays on a wide layer (the LM head: 1.2-3x
-# faster at 5-40 rows, the same at one) and costs more than the packed kernel on a transformer block's layers.
+# leaves at a finer one) and sums them in int32 with oneDNN's integer product (`split_int8_product`): exact sums,
+# so a row's values never depend on the rows beside it, and the inputs meet the codes within about 2^-14 of a
+# row's largest value where the packed kernel rounds them to bfloat16. It pays on a wide layer (the LM head, whose
+# packed product costs almost as much per row as for one) and costs more than the packed kernel on the narrower
+# layers of a transformer block.
 INT8_SPLIT = 5
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
@@ -106,12 +107,7 @@ def linear(
     else:
         assert qparams is not None
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
-    shape = list(x.shape[:-1])
-    shape.append(y.shape[-1])
-    y = y.to(x.dtype).reshape(shape)
-    if bias is not None:
-        y = y + bias
-    return y
+    return _as_output(y, x, bias)
 
 
 def split_int8_product(
@@ -127,7 +123,11 @@ def split_int8_product(
     parts = torch.cat([high, torch.round(rest / low_scale).clamp(-127, 127)]).to(torch.int8)  # [2M, in]
     sums = torch._int_mm(parts, codes.t()).float()  # [2M, out]: exact integers
     count = rows.shape[0]
-    y = (sums[:count] * high_scale + sums[count:] * low_scale) * scale
+    return _as_output((sums[:count] * high_scale + sums[count:] * low_scale) * scale, x, bias)
+
+
+def _as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A product's rows `y` [M, out] in `x`'s shape [..., out] and dtype, plus `bias`."""
     shape = list(x.shape[:-1])
     shape.append(y.shape[-1])
     y = y.to(x.dtype).reshape(shape)
