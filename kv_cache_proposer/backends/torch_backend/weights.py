@@ -205,7 +205,7 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
     """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
-    by, up to the bfloat16 rounding of its inputs."""
+    by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts)."""
     dense = weight.detach().float()
     if weights == "bfloat16":
         return dense.to(torch.bfloat16).float()
