@@ -21,6 +21,19 @@ DECODE_STRATEGIES: dict[str, KVStrategy] = {
 # Greedy, and seeded sampling.
 SAMPLINGS = (SamplingParams(), SamplingParams(temperature=0.8, seed=7))
 
+# Ways to deliver 1,100 tokens: one block, prefill chunks of several sizes, mixed blocks, and token by token.
+DELIVERIES = {
+    "one block": [1100],
+    "chunks of 512": [512, 512, 76],
+    "chunks of 300": [300, 300, 300, 200],
+    "mixed": [7, 1, 64, 3, 513, 1, 1, 5, 400, 105],
+    "token by token": [1] * 1100,
+}
+
+# Strategies whose caches hold the history in other layouts: a ring that wraps at a position no key block of 512
+# starts at, and the same ring behind the restored K/V of every evicted position.
+BOUNDED = {"sink_window": SinkWindowStrategy(sink=4, window=600), "dlm_restore": DlmRestoreStrategy(sink=4, window=600)}
+
 
 def random_tokens(seed: int, n: int) -> list[int]:
     rng = random.Random(seed)
@@ -46,3 +59,18 @@ def decode(
         produced += decoder.step(seq, params, GenerationBudget(24), len(produced)).tokens
     seq.draft_session.release()
     return produced
+
+
+def delivered_values(verifier: Any, strategy: KVStrategy, sizes: list[int]) -> tuple[Any, Any, Any, Any]:
+    """A 1,100-token history delivered to a fresh cache in blocks of `sizes`, then a 5-token block verified: its
+    logits and the features of the first and last layers, and the last layer's resident K/V."""
+    history, block = random_tokens(1, sum(sizes)), random_tokens(2, 5)
+    cache = verifier.new_cache(strategy)
+    start = 0
+    for size in sizes:
+        verifier.verify(cache, history[start : start + size], 1)
+        verifier.commit(cache, size)
+        start += size
+    out = verifier.verify(cache, block, len(block), feature_layers=(0, verifier.num_layers - 1))
+    keys, values, _ = cache.resident_kv(verifier.num_layers - 1)
+    return out.logits, out.features, keys, values

@@ -27,6 +27,12 @@ from kv_cache_proposer.verifier import BatchBlock, VerifyOutput
 # test models on a CPU, where the crossover lies between 64 and 128; larger vocabularies save more per row).
 _KV_ONLY_MIN_TOKENS = 64
 
+# On a Linux CPU with the wheel's own BLAS, whose products sum in plain loops, a row's values do not depend on the
+# rows beside it, and attention gives a query the same values when whole blocks of 512 masked keys lie before,
+# between or after the keys it reads (tests check both). So a bounded cache that hands it keys at places set by their
+# positions (`key_block`) gives the same values however the history arrived, as an unbounded one does by itself.
+_CPU_KEY_BLOCK = 512
+
 
 class MlxVerifier(BackendModel[mx.array]):
     """An mlx-lm causal LM serving per-session caches.
@@ -76,6 +82,15 @@ class MlxVerifier(BackendModel[mx.array]):
     def input_major(self) -> bool:
         """Whether the model's linear layers and embeddings are stored input-major (`layout.input_major`)."""
         return self._input_major > 0
+
+    @property
+    def key_block(self) -> int | None:
+        """`_CPU_KEY_BLOCK` on a Linux CPU with the bundled BLAS. An optimised BLAS (`--mlx-blas auto` with a system
+        OpenBLAS), Accelerate and the GPU's kernels sum a row in orders that depend on the shape around it, so there
+        the layout's copy would buy nothing: a bounded cache keeps its ring's order and agrees within float
+        rounding."""
+        exact = self.device.type == mx.cpu and sys.platform == "linux" and active_mlx_blas().bundled
+        return _CPU_KEY_BLOCK if exact else None
 
     @property
     def description(self) -> str:

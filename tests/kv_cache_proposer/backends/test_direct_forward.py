@@ -13,10 +13,20 @@ from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, 
 from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.backends.torch_backend import direct as direct_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, KVStrategy, SinkWindowStrategy
+from kv_cache_proposer.strategies import FullStrategy, KVStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
 from tests.support.checkpoints import COMMON_SHAPE
-from tests.support.decoding import DECODE_STRATEGIES, PROPOSERS, SAMPLINGS, decode, proposer_options, random_tokens
+from tests.support.decoding import (
+    BOUNDED,
+    DECODE_STRATEGIES,
+    DELIVERIES,
+    PROPOSERS,
+    SAMPLINGS,
+    decode,
+    delivered_values,
+    proposer_options,
+    random_tokens,
+)
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
@@ -139,21 +149,6 @@ def test_decoding_gives_the_same_tokens_through_either_forward(model_dirs, tmp_p
         assert len(set(tokens)) > 3
 
 
-# Ways to deliver 1,100 tokens: one block, prefill chunks of several sizes, mixed blocks, and token by token.
-DELIVERIES = {
-    "one block": [1100],
-    "chunks of 512": [512, 512, 76],
-    "chunks of 300": [300, 300, 300, 200],
-    "mixed": [7, 1, 64, 3, 513, 1, 1, 5, 400, 105],
-    "token by token": [1] * 1100,
-}
-
-
-# Strategies whose caches hold the history in other layouts: a ring that wraps at a position no key block of 512
-# starts at, and the same ring behind the restored K/V of every evicted position.
-BOUNDED = {"sink_window": SinkWindowStrategy(sink=4, window=600), "dlm_restore": DlmRestoreStrategy(sink=4, window=600)}
-
-
 @pytest.mark.parametrize("weights", ["float32", "int4"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_history_gives_the_same_values_however_it_was_delivered(model_dirs, weights, threads):
@@ -170,21 +165,10 @@ def _assert_delivery_invariant(model_dir: Path, strategy: KVStrategy, weights: s
     """Every way of `DELIVERIES` leaves the same resident K/V and gives the next block the same logits and
     features, bit for bit."""
     verifier = TorchVerifier.load(model_dir, device="cpu", dtype="float32", weights=weights)
-    history, block = random_tokens(1, 1100), random_tokens(2, 5)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        results = {}
-        for name, sizes in DELIVERIES.items():
-            cache = verifier.new_cache(strategy)
-            start = 0
-            for size in sizes:
-                verifier.verify(cache, history[start : start + size], 1)
-                verifier.commit(cache, size)
-                start += size
-            out = verifier.verify(cache, block, len(block), feature_layers=(0, verifier.num_layers - 1))
-            keys, values, _ = cache.resident_kv(verifier.num_layers - 1)
-            results[name] = (out.logits, out.features, keys, values)
+        results = {name: delivered_values(verifier, strategy, sizes) for name, sizes in DELIVERIES.items()}
     finally:
         torch.set_num_threads(previous)
     expected = results["one block"]
