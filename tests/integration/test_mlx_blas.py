@@ -77,7 +77,7 @@ def test_auto_makes_mlx_call_the_system_openblas_with_the_same_logits_and_greedy
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-4)
     assert len(openblas["tokens"]) == NEW_TOKENS and openblas["tokens"] == bundled["tokens"]
     # Only the bundled BLAS sums a row alone, so only there does a bounded cache lay its keys out for exactness.
-    assert bundled["key_block"] == 512 and openblas["key_block"] is None
+    assert bundled["key_block"] == 64 and openblas["key_block"] is None
 
 
 def test_the_daemon_serves_with_openblas_and_names_it_in_its_model_description():

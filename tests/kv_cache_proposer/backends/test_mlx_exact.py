@@ -58,36 +58,36 @@ def test_a_block_gives_the_same_values_alone_and_among_other_sessions(verifier_p
 @pytest.mark.parametrize("dim", [16, 64])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (4, 2), (9, 3)])
 def test_attention_on_a_cpu_reads_whole_masked_key_blocks_as_nothing(dim, heads, kv_heads):
-    """What `key_block` stands on: MLX's attention gives a query the same values when whole blocks of 512 masked
-    keys lie before, between or after the keys it reads."""
-    size = _CPU_KEY_BLOCK
+    """What `key_block` stands on: MLX's attention gives a query the same values when whole blocks of masked keys
+    lie before, between or after the keys it reads."""
+    size, count, cut = _CPU_KEY_BLOCK, 1536, 512  # blocks go in at a block boundary
     with mx.stream(mx.cpu):
         mx.random.seed(dim + heads)
-        keys, values = (mx.random.normal((1, kv_heads, 3 * size, dim)) for _ in range(2))
+        keys, values = (mx.random.normal((1, kv_heads, count, dim)) for _ in range(2))
         queries = mx.random.normal((1, heads, 8, dim))
-        visible = np.zeros((8, 3 * size), dtype=bool)
+        visible = np.zeros((8, count), dtype=bool)
         visible[:, :4] = True  # a sink
         visible[:, 700:1300] = np.tril(np.ones((8, 600), dtype=bool), k=592)  # a window, causal at its end
 
         def attend(inserted: int, appended: int) -> np.ndarray:
-            def laid(x: mx.array, fill: float) -> mx.array:
-                gap = mx.full((1, x.shape[1], inserted * size, x.shape[3]), fill)
-                tail = mx.full((1, x.shape[1], appended * size, x.shape[3]), fill)
-                return mx.concatenate([x[:, :, :size], gap, x[:, :, size:], tail], axis=2)
+            def laid(x: mx.array) -> mx.array:
+                gap = mx.zeros((1, x.shape[1], inserted * size, x.shape[3]))
+                tail = mx.zeros((1, x.shape[1], appended * size, x.shape[3]))
+                return mx.concatenate([x[:, :, :cut], gap, x[:, :, cut:], tail], axis=2)
 
             hidden = (np.zeros((8, inserted * size), bool), np.zeros((8, appended * size), bool))
-            mask = np.concatenate([visible[:, :size], hidden[0], visible[:, size:], hidden[1]], axis=1)
+            mask = np.concatenate([visible[:, :cut], hidden[0], visible[:, cut:], hidden[1]], axis=1)
             out = mx.fast.scaled_dot_product_attention(
-                queries, laid(keys, 0.0), laid(values, 0.0), scale=dim**-0.5, mask=mx.array(mask)
+                queries, laid(keys), laid(values), scale=dim**-0.5, mask=mx.array(mask)
             )
             return np.array(out)
 
         expected = attend(0, 0)
-        for inserted, appended in ((1, 0), (0, 1), (3, 2), (6, 0)):
+        for inserted, appended in ((1, 0), (0, 1), (3, 2), (6, 0), (17, 5)):
             assert np.array_equal(attend(inserted, appended), expected), (inserted, appended)
 
 
 def test_a_cpu_verifier_lays_a_bounded_cache_s_keys_out_in_blocks(verifier_pool):
     assert active_mlx_blas().bundled
     verifier = MlxVerifier.load(verifier_pool.model_dir("mlx", "qwen3"), device="cpu")
-    assert verifier.key_block == _CPU_KEY_BLOCK == 512
+    assert verifier.key_block == _CPU_KEY_BLOCK == 64
