@@ -14,6 +14,7 @@ from kv_cache_proposer.backends.mlx_backend.verifier import _CPU_KEY_BLOCK, MlxV
 from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
 from kv_cache_proposer.strategies import FullStrategy, KVStrategy
 from kv_cache_proposer.verifier import BatchBlock
+from tests.support.backends import to_numpy
 from tests.support.decoding import BOUNDED, DELIVERIES, delivered_values, random_tokens
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
@@ -21,19 +22,15 @@ pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not sl
 STRATEGIES: dict[str, KVStrategy] = {"full": FullStrategy(), **BOUNDED}
 
 
-def _host(values: tuple) -> list[np.ndarray]:
-    return [np.array(value) for value in values]
-
-
 @pytest.mark.parametrize("weights", ["float32", "int4"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
 def test_a_history_gives_the_same_values_however_it_was_delivered(verifier_pool, arch, strategy, weights):
     verifier = MlxVerifier.load(verifier_pool.model_dir("mlx", arch), device="cpu", weights=weights)
-    results = {name: _host(delivered_values(verifier, strategy, sizes)) for name, sizes in DELIVERIES.items()}
+    results = {name: delivered_values(verifier, strategy, sizes) for name, sizes in DELIVERIES.items()}
     expected = results["one block"]
     for name, got in results.items():
-        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True)), name
+        assert all(np.array_equal(to_numpy(a), to_numpy(b)) for a, b in zip(got, expected, strict=True)), name
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
