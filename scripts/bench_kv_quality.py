@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.corpus import manual_sections, read_text, split_sources, stdlib_sources
 from lib.format_attention import ATTENTION, FormatAttention
 from lib.kv_distortion import distortion, nll_and_kl, verdicts
 from lib.kv_formats import kv_format
@@ -113,13 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # -- texts --------------------------------------------------------------------------------------------------------
 
 
-def _manual_sections() -> list[tuple[str, str]]:
-    import pydoc_data.topics
-
-    topics = pydoc_data.topics.topics
-    return [(key, topics[key]) for key in sorted(topics)]
-
-
 def _held_out_modules() -> list[tuple[str, str]]:
     _, held_out = split_sources(stdlib_sources())
     return [(path.stem, read_text(path)) for path in held_out]
@@ -127,7 +120,7 @@ def _held_out_modules() -> list[tuple[str, str]]:
 
 def chat_transcript(tokenizer: Any, rng: random.Random) -> str:
     """Turns that ask about a manual section or a module and answer with it, rendered by the chat template."""
-    sections, modules = _manual_sections(), _held_out_modules()
+    sections, modules = manual_sections(), _held_out_modules()
     messages = [{"role": "system", "content": "You are a helpful assistant who knows Python well."}]
     for _ in range(24):
         if rng.random() < 0.5:
@@ -142,7 +135,7 @@ def chat_transcript(tokenizer: Any, rng: random.Random) -> str:
 
 def text_windows(tokenizer: Any, contexts: list[int], windows: int, seed: int) -> dict[str, list[list[int]]]:
     """`windows` windows of every length in `contexts` per text kind, the same for every arm."""
-    prose = "\n\n".join(body for _, body in _manual_sections())
+    prose = "\n\n".join(body for _, body in manual_sections())
     code = "\n\n".join(body for _, body in _held_out_modules())
     kinds = {"prose": prose, "code": code}
     if getattr(tokenizer, "chat_template", None):
@@ -187,7 +180,7 @@ def needle_documents(tokenizer: Any, args: argparse.Namespace) -> list[Needle]:
     rng = random.Random(args.seed + 1)
     depths = [(i + 0.5) / args.needles for i in range(args.needles)]
     if args.needle_kind == "chat":
-        filler = [body for _, body in _manual_sections()]
+        filler = [body for _, body in manual_sections()]
         chats = [build_chat_document(tokenizer, filler, args.needle_tokens, depth, rng) for depth in depths]
         return [Needle(doc.prompt, doc.value) for doc in chats]
     _, held_out = split_sources(stdlib_sources())

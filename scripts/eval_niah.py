@@ -2,12 +2,18 @@
 
 For every KV strategy (`--kv-strategies`, side by side in one run: each session picks its own strategy), every
 context length of the ladder (`--lengths`) and every needle depth (`--depths`, spread from the start to the end
-of the filler), it builds documents of that many tokens: held-out standard-library source with the line
-`# The secret code for KEY is VALUE.` inserted at that depth, ending with the question and the answer prefix
-`# Answer: the secret code for KEY is`. Each document is one session created with it as initial history; the
-daemon generates `--max-tokens` greedy tokens, and the sample recalls the needle when VALUE appears in their
-decoded text. `--samples` documents per rung (context length) are spread evenly over the depths; the same
-documents are used for every strategy.
+of the filler), it builds documents of that many tokens (`--documents`):
+- `chat`: prose paragraphs of the Python reference manual (`pydoc_data`, which no training script reads) with the
+  sentence `The secret code for KEY is VALUE.` as a paragraph at that depth, and the question in the same user
+  turn, rendered with the model's chat template up to where the assistant answers;
+- `code` (the default): held-out standard-library source with the line `# The secret code for KEY is VALUE.`
+  inserted at that depth, ending with the question and the answer prefix `# Answer: the secret code for KEY is`
+  (what a model without chat skills, like the bundled one, can answer).
+Each document is one session created with it as initial history; the daemon generates `--max-tokens` greedy
+tokens, and the sample recalls the needle when VALUE appears in their decoded text. `--samples` documents per rung
+(context length) are spread evenly over the depths; the same documents are used for every strategy. A document
+with its answer must fit the model's context: a rung at the context length itself (8,192 for SmolLM2) is asked
+as that length less `--max-tokens`.
 
 An arm of `--kv-strategies` is a strategy name, optionally with a restoration plan and a KV compressor:
 `dlm_restore:recompute` (every evicted layer recomputed: the exact reference), `dlm_restore:model` (the plan the
@@ -25,17 +31,19 @@ generated tokens/s) and a heat-map PNG with one panel per arm.
 Usage:
     python scripts/eval_niah.py [--address HOST:PORT] [--model NAME|DIR|GGUF] [--lengths 512,1024,2048] [--depths 5]
         [--samples 20] [--kv-strategies full,sink_window,dlm_restore:recompute,dlm_restore:model] [--sink 4]
-        [--window 512]
+        [--window 512] [--documents code|chat]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import sys
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +52,10 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.corpus import manual_sections, read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
 from lib.model_option import add_model_option
-from lib.niah import build_document
+from lib.niah import build_chat_document, build_document
 from lib.results import RESULTS_DIR, write_results
 
 from kv_cache_proposer.restoration import RestorationPlan, find_plan
@@ -68,7 +76,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--sink", type=int, default=4)
     p.add_argument("--window", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=10)
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        help="greedy tokens generated per document (default: 10 for code, whose answer prefix already names the "
+        "key; 32 for chat, where the model restates the question before the code)",
+    )
+    p.add_argument(
+        "--documents",
+        choices=("code", "chat"),
+        default="code",
+        help="code: source code with the question and an answer prefix at its end (default); chat: a prose document "
+        "and the question in a user turn, in the model's chat template",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
@@ -119,18 +139,48 @@ def plan_manifest(plan: str, model: Path, scratch: Path) -> str:
     return str(source.with_kept_compressor(compressor).save(target))
 
 
-def documents_for(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[tuple[int, float, Any]]:
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """One needle document of a rung: its prompt and the fact it asks for."""
+
+    length: int
+    depth: float
+    prompt: list[int]
+    key: str
+    value: str
+
+
+def context_tokens(model: Path) -> int | None:
+    """The model's context length (config.json's `max_position_embeddings`), if it states one."""
+    config = model / "config.json"
+    if not config.is_file():
+        return None
+    value = json.loads(config.read_text()).get("max_position_embeddings")
+    return int(value) if value else None
+
+
+def documents_for(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[Probe]:
     """The needle documents of every rung, the same for every arm."""
-    lines = heldout_lines(tokenizer)
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     rng = random.Random(args.seed)
     depths = [i / (args.depths - 1) if args.depths > 1 else 0.5 for i in range(args.depths)]
-    documents = [
-        (length, depths[i % len(depths)], build_document(lines, encode, length, [depths[i % len(depths)]], rng))
-        for length in args.lengths
-        for i in range(args.samples)
-    ]
-    return documents
+    context = context_tokens(Path(args.model))
+    probes = []
+    if args.documents == "chat":
+        filler = [text for _, text in manual_sections()]
+        for length in args.lengths:
+            size = length if context is None else min(length, context - args.max_tokens)
+            for i in range(args.samples):
+                chat = build_chat_document(tokenizer, filler, size, depths[i % len(depths)], rng)
+                probes.append(Probe(length, chat.depth, chat.prompt, chat.key, chat.value))
+        return probes
+    lines = heldout_lines(tokenizer)
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    for length in args.lengths:
+        size = length if context is None else min(length, context - args.max_tokens)
+        for i in range(args.samples):
+            doc = build_document(lines, encode, size, [depths[i % len(depths)]], rng)
+            probes.append(Probe(length, doc.depths[0], doc.prompt, doc.needles[0].key, doc.needles[0].value))
+    return probes
 
 
 def run_arm(
@@ -138,11 +188,11 @@ def run_arm(
     arm: str,
     client: kakeya.Client,
     tokenizer: PreTrainedTokenizerBase,
-    documents: list[tuple[int, float, Any]],
+    documents: list[Probe],
 ) -> list[dict[str, Any]]:
     _, create = arm_settings(arm, args.sink, args.window)
     samples = []
-    for length, depth, doc in tqdm(documents, desc=f"niah {arm}", unit="doc", file=sys.stderr):
+    for doc in tqdm(documents, desc=f"niah {arm}", unit="doc", file=sys.stderr):
         started = time.perf_counter()
         with client.create_session(initial_tokens=doc.prompt, label="eval-niah", **create) as session:
             generation = session.generate(args.max_tokens)
@@ -153,13 +203,13 @@ def run_arm(
         samples.append(
             {
                 "kv_strategy": arm,
-                "length": length,
+                "length": doc.length,
                 "prompt_tokens": len(doc.prompt),
-                "depth": depth,
-                "key": doc.needles[0].key,
-                "value": doc.needles[0].value,
+                "depth": doc.depth,
+                "key": doc.key,
+                "value": doc.value,
                 "output": text,
-                "recalled": doc.needles[0].value in text,
+                "recalled": doc.value in text,
                 "seconds": time.perf_counter() - started,
                 "tokens_per_s": len(tokens) / generate_s,
                 "kv_live_bytes": info.kv_live_bytes,  # parked: what the session holds between generations
@@ -240,6 +290,10 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    if args.documents == "chat" and not getattr(tokenizer, "chat_template", None):
+        raise SystemExit(f"{args.model_name} has no chat template: chat documents need one")
+    if args.max_tokens is None:
+        args.max_tokens = 32 if args.documents == "chat" else 10
     documents = documents_for(args, tokenizer)
     by_plan: dict[str | None, list[str]] = defaultdict(list)
     for arm in args.kv_strategies:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.corpus import read_text, split_sources, stdlib_sources
+from lib.corpus import manual_sections, read_text, split_sources, stdlib_sources
 from lib.results import RESULTS_DIR, write_results
 from lib.tokens import shared_prefix
 
@@ -67,9 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def texts(tokenizer: Any, context: int, windows: int) -> dict[str, list[list[int]]]:
     """Token windows of held-out prose and code, the same for every arm."""
-    import pydoc_data.topics
-
-    prose = "\n\n".join(pydoc_data.topics.topics[key] for key in sorted(pydoc_data.topics.topics))
+    prose = "\n\n".join(text for _, text in manual_sections())
     _, held_out = split_sources(stdlib_sources())
     code = "\n\n".join(read_text(path) for path in held_out)
     out: dict[str, list[list[int]]] = {}

@@ -1,7 +1,8 @@
 """The offline text corpus: the Python standard library's own source, which ships with every interpreter.
 
 Files are taken in sorted order; every `HOLDOUT_EVERY`-th file is held out (never trained on) for evaluation.
-GUI and demo packages are left out.
+GUI and demo packages are left out. Prose (`manual_sections`): the topics of the Python reference manual that ship
+with the interpreter (`pydoc_data`), which no training script reads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ def split_sources(paths: list[Path]) -> tuple[list[Path], list[Path]]:
     held = paths[HOLDOUT_EVERY - 1 :: HOLDOUT_EVERY]
     held_set = set(held)
     return [p for p in paths if p not in held_set], held
+
+
+def manual_sections() -> list[tuple[str, str]]:
+    """The reference manual's topics as (name, text), sorted by name."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return [(key, topics[key]) for key in sorted(topics)]
 
 
 def read_text(path: Path) -> str:

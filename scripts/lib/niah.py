@@ -152,27 +152,48 @@ def build_chat_document(
 ) -> ChatDocument:
     """A document of prose paragraphs from `filler` (starting at a random one) with the sentence `The secret code
     for KEY is VALUE.` as a paragraph at `depth` (0 = first, 1 = last), then the question, all in one user turn
-    rendered with the model's chat template; about `length` tokens in all."""
+    rendered with the model's chat template: at most `length` tokens, and within a line of prose of it (the last
+    paragraph is cut at a line to fill the budget, and lines come off the end while the rendered prompt is over)."""
     needle = random_needle(rng)
     fact = f"The secret code for {needle.key} is {needle.value}."
     question = f"What is the secret code for {needle.key}? Answer with the code only."
 
-    def render(document: str) -> list[int]:
-        messages = [{"role": "user", "content": f"{document}\n\n{question}"}]
+    def render(parts: list[str]) -> list[int]:
+        messages = [{"role": "user", "content": "\n\n".join([*parts, question])}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def cost(text: str) -> int:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
     paragraphs = [p.strip() for text in filler for p in text.split("\n\n") if p.strip()]
-    budget = length - len(render(fact))
+    budget = length - len(render([fact]))
     start = rng.randrange(len(paragraphs))
     chosen: list[str] = []
     used = 0
-    while True:
+    while used < budget:
         paragraph = paragraphs[(start + len(chosen)) % len(paragraphs)]
-        cost = len(tokenizer(paragraph + "\n\n", add_special_tokens=False)["input_ids"])
-        if used + cost > budget:
-            break
-        chosen.append(paragraph)
-        used += cost
-    chosen.insert(round(depth * len(chosen)), fact)
-    return ChatDocument(render("\n\n".join(chosen)), needle.key, needle.value, depth)
+        spent = cost(paragraph + "\n\n")
+        if used + spent <= budget:
+            chosen.append(paragraph)
+            used += spent
+            continue
+        lines: list[str] = []
+        for line in paragraph.split("\n"):
+            spent = cost(line + "\n")
+            if used + spent > budget:
+                break
+            lines.append(line)
+            used += spent
+        if lines:
+            chosen.append("\n".join(lines))
+        break
+    at = round(depth * len(chosen))
+    parts = [*chosen[:at], fact, *chosen[at:]]
+    prompt = render(parts)
+    while len(prompt) > length and len(parts) > 1:
+        last = len(parts) - 1 if parts[-1] is not fact else len(parts) - 2
+        kept = parts[last].rsplit("\n", 1)[0] if "\n" in parts[last] else ""
+        parts = [*parts[:last], *([kept] if kept else []), *parts[last + 1 :]]
+        prompt = render(parts)
+    return ChatDocument(prompt, needle.key, needle.value, depth)

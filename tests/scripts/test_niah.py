@@ -1,5 +1,6 @@
 """Needle documents (scripts/lib/niah.py) and the NIAH harness (scripts/eval_niah.py) on a live daemon; the
-bundled model's recall under every arm that holds a history in less memory, on both backends."""
+bundled model's recall under every arm that holds a history in less memory, on both backends; the default model's
+recall of a fact in a chat document."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from tests.support.children import run_child
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from lib.niah import build_document  # noqa: E402
+from lib.corpus import manual_sections  # noqa: E402
+from lib.niah import build_chat_document, build_document  # noqa: E402
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
@@ -51,6 +53,29 @@ def test_several_needles_are_each_asked_and_answered_with_their_spans():
     for needle, (start, end) in zip(doc.needles, doc.answer_spans, strict=True):
         assert tokens[start:end] == encode(needle.answer())
         assert encode(needle.fact()) != [] and needle.value in needle.fact()
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir, local_files_only=True)
+
+
+@pytest.mark.parametrize(("length", "depth"), [(300, 0.0), (1500, 0.5), (4000, 1.0)])
+def test_a_chat_document_fills_its_length_and_asks_for_its_fact_in_the_user_turn(chat_tokenizer, length, depth):
+    filler = [text for _, text in manual_sections()]
+    doc = build_chat_document(chat_tokenizer, filler, length, depth, random.Random(length))
+    assert length - 60 <= len(doc.prompt) <= length
+    text = chat_tokenizer.decode(doc.prompt)
+    fact = f"The secret code for {doc.key} is {doc.value}."
+    question = f"What is the secret code for {doc.key}? Answer with the code only."
+    assert text.count(fact) == 1 and text.count(doc.value) == 1
+    user = text[text.index("<|im_start|>user") : text.index("<|im_end|>", text.index("<|im_start|>user"))]
+    assert fact in user and user.rstrip().endswith(question)
+    assert text.endswith("<|im_start|>assistant\n")
+    paragraphs = user[len("<|im_start|>user\n") : user.index(question)].strip().split("\n\n")
+    assert len(paragraphs) > 2 and abs(paragraphs.index(fact) / (len(paragraphs) - 1) - depth) <= 1.5 / len(paragraphs)
 
 
 def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
@@ -125,3 +150,42 @@ def test_the_bundled_models_recall_is_unchanged_under_every_memory_arm(tmp_path,
     # The exact reference restores the very K/V `full` holds: the same tokens, not only the same recall.
     assert [s["output"] for s in by_arm["dlm_restore:recompute"]] == [s["output"] for s in full]
     assert sum(s["recalled"] for s in by_arm["sink_window"]) < len(full)
+
+
+def test_the_default_model_recalls_a_fact_from_a_chat_document_and_restoring_gives_full_s_answers(tmp_path):
+    # Chat documents of 1,024 tokens against a window of 64: `full` reads the fact and answers it; `sink_window`
+    # keeps neither the fact nor most of the document; `recompute` restores every evicted position exactly.
+    command = [
+        sys.executable,
+        "scripts/eval_niah.py",
+        "--model",
+        "smollm2-135m-instruct",
+        "--documents",
+        "chat",
+        "--lengths",
+        "1024",
+        "--depths",
+        "3",
+        "--samples",
+        "3",
+        "--window",
+        "64",
+        "--kv-strategies",
+        "full,sink_window,dlm_restore:recompute",
+        "--results-dir",
+        str(tmp_path),
+    ]
+    result = run_child(command, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = tmp_path.glob("eval_niah_*.json")
+    payload = json.loads(path.read_text())
+    assert payload["config"]["documents"] == "chat" and payload["config"]["max_tokens"] == 32
+    by_arm: dict[str, list[dict]] = {}
+    for sample in payload["samples"]:
+        by_arm.setdefault(sample["kv_strategy"], []).append(sample)
+    assert all(1024 - 60 <= s["prompt_tokens"] <= 1024 for s in payload["samples"])
+    full = by_arm["full"]
+    assert sum(s["recalled"] for s in full) >= 2, [s["output"] for s in full]
+    assert sum(s["recalled"] for s in by_arm["sink_window"]) < sum(s["recalled"] for s in full)
+    assert [s["output"] for s in by_arm["dlm_restore:recompute"]] == [s["output"] for s in full]
+    assert all(s["evicted_tokens"] > 0 for s in by_arm["dlm_restore:recompute"])
