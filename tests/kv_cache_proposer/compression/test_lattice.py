@@ -117,10 +117,11 @@ def test_a_forwards_block_coding_decodes_to_the_reference_roundtrip_ties_and_zer
         for one in range(0, 2 * half, 37)
     ]
     coded = codec.code_blocks(steps, torch.float32)
-    for (k, v), (step_keys, step_values, step_coding) in zip(steps, coded, strict=True):
+    for (k, _), (step_keys, step_values, step_coding) in zip(steps, coded, strict=True):
         one = int(torch.nonzero((vectors == k.reshape(64)).all(dim=1))[0])
         assert torch.equal(step_keys.reshape(64), reference[one])
-        assert torch.equal(step_values.reshape(64), codec.reference.roundtrip(v.reshape(1, 64))[0])
+        # The reference over the whole batch: a one-row product may round otherwise on some CPUs (MKL's GEMV).
+        assert torch.equal(step_values.reshape(64), reference[(one + 1) % (2 * half)])
         assert torch.equal(step_coding.doubled[0].reshape(64), coding.doubled.reshape(-1, 64)[one])
 
 
