@@ -78,27 +78,26 @@ def test_a_chat_document_fills_its_length_and_asks_for_its_fact_in_the_user_turn
     assert len(paragraphs) > 2 and abs(paragraphs.index(fact) / (len(paragraphs) - 1) - depth) <= 1.5 / len(paragraphs)
 
 
-def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
-    command = [
-        sys.executable,
-        "scripts/eval_niah.py",
-        "--lengths",
-        "128,192",
-        "--depths",
-        "2",
-        "--samples",
-        "2",
-        "--window",
-        "48",
-        "--max-tokens",
-        "4",
-        "--results-dir",
-        str(tmp_path),
-    ]
-    result = run_child(command, cwd=ROOT)
+def _harness(tmp_path: Path, *args: str) -> dict:
+    """Run scripts/eval_niah.py with `args`, writing into `tmp_path`; its results JSON."""
+    result = run_child([sys.executable, "scripts/eval_niah.py", *args, "--results-dir", str(tmp_path)], cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = tmp_path.glob("eval_niah_*.json")
-    payload = json.loads(path.read_text())
+    assert path.with_suffix(".png").is_file()
+    return json.loads(path.read_text())
+
+
+def _by_arm(samples: list[dict]) -> dict[str, list[dict]]:
+    by_arm: dict[str, list[dict]] = {}
+    for sample in samples:
+        by_arm.setdefault(sample["kv_strategy"], []).append(sample)
+    return by_arm
+
+
+def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
+    payload = _harness(
+        tmp_path, "--lengths", "128,192", "--depths", "2", "--samples", "2", "--window", "48", "--max-tokens", "4"
+    )
     summary = payload["summary"]
     assert set(summary["recall"]) == {"full", "sink_window"}
     assert all(0.0 <= v <= 1.0 for rungs in summary["recall"].values() for v in rungs.values())
@@ -106,7 +105,6 @@ def test_the_harness_writes_recall_per_strategy_length_and_depth(tmp_path):
     assert set(summary["recall_by_depth"]["full"]["128"]) == {"0.00", "1.00"}
     recalled = [s for s in payload["samples"] if s["recalled"]]
     assert all(s["value"] in s["output"] for s in recalled)
-    assert path.with_suffix(".png").is_file()
 
 
 ARMS = ("full", "full@kakeya_d4", "dlm_restore:recompute", "dlm_restore:model", "dlm_restore:recompute@kakeya_d4")
@@ -116,30 +114,12 @@ ARMS = ("full", "full@kakeya_d4", "dlm_restore:recompute", "dlm_restore:model", 
 def test_the_bundled_models_recall_is_unchanged_under_every_memory_arm(tmp_path, backend):
     # Documents of 512 and 1,024 tokens against a window of 128: the needle leaves the window in most of them, so
     # the restoring and compressed arms must hand it back; `sink_window` shows that it left.
-    command = [
-        sys.executable,
-        "scripts/eval_niah.py",
-        f"--serve-flag=--backend={backend}",
-        "--lengths",
-        "512,1024",
-        "--depths",
-        "3",
-        "--samples",
-        "3",
-        "--window",
-        "128",
-        "--kv-strategies",
-        ",".join([*ARMS, "sink_window"]),
-        "--results-dir",
-        str(tmp_path),
-    ]
-    result = run_child(command, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = tmp_path.glob("eval_niah_*.json")
-    samples = json.loads(path.read_text())["samples"]
-    by_arm: dict[str, list[dict]] = {}
-    for sample in samples:
-        by_arm.setdefault(sample["kv_strategy"], []).append(sample)
+    arms = ",".join([*ARMS, "sink_window"])
+    payload = _harness(
+        tmp_path, f"--serve-flag=--backend={backend}", "--lengths", "512,1024", "--depths", "3", "--samples", "3",
+        "--window", "128", "--kv-strategies", arms,
+    )  # fmt: skip
+    by_arm = _by_arm(payload["samples"])
     full = by_arm["full"]
     assert len(full) == 6 and all(s["recalled"] for s in full)
     for arm in ARMS[1:]:
@@ -155,34 +135,12 @@ def test_the_bundled_models_recall_is_unchanged_under_every_memory_arm(tmp_path,
 def test_the_default_model_recalls_a_fact_from_a_chat_document_and_restoring_gives_full_s_answers(tmp_path):
     # Chat documents of 1,024 tokens against a window of 64: `full` reads the fact and answers it; `sink_window`
     # keeps neither the fact nor most of the document; `recompute` restores every evicted position exactly.
-    command = [
-        sys.executable,
-        "scripts/eval_niah.py",
-        "--model",
-        "smollm2-135m-instruct",
-        "--documents",
-        "chat",
-        "--lengths",
-        "1024",
-        "--depths",
-        "3",
-        "--samples",
-        "3",
-        "--window",
-        "64",
-        "--kv-strategies",
-        "full,sink_window,dlm_restore:recompute",
-        "--results-dir",
-        str(tmp_path),
-    ]
-    result = run_child(command, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    (path,) = tmp_path.glob("eval_niah_*.json")
-    payload = json.loads(path.read_text())
+    payload = _harness(
+        tmp_path, "--model", "smollm2-135m-instruct", "--documents", "chat", "--lengths", "1024", "--depths", "3",
+        "--samples", "3", "--window", "64", "--kv-strategies", "full,sink_window,dlm_restore:recompute",
+    )  # fmt: skip
     assert payload["config"]["documents"] == "chat" and payload["config"]["max_tokens"] == 32
-    by_arm: dict[str, list[dict]] = {}
-    for sample in payload["samples"]:
-        by_arm.setdefault(sample["kv_strategy"], []).append(sample)
+    by_arm = _by_arm(payload["samples"])
     assert all(1024 - 60 <= s["prompt_tokens"] <= 1024 for s in payload["samples"])
     full = by_arm["full"]
     assert sum(s["recalled"] for s in full) >= 2, [s["output"] for s in full]
