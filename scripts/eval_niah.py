@@ -37,7 +37,6 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import tempfile
@@ -50,6 +49,8 @@ from typing import Any
 import kakeya
 from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from inference_engine.model_dir_info import ModelDirInfo
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.corpus import manual_sections, read_text, split_sources, stdlib_sources
@@ -94,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     args.kv_strategies = [s.strip() for s in args.kv_strategies.split(",")]
+    if args.max_tokens is None:
+        args.max_tokens = 32 if args.documents == "chat" else 10
     if args.depths < 1 or args.samples < 1 or min(args.lengths) < 64:
         p.error("--depths and --samples must be >= 1, every length >= 64")
     model_plans = {arm for arm in args.kv_strategies if arm_plan(arm).partition("+")[0] == "model"}
@@ -150,33 +153,23 @@ class Probe:
     value: str
 
 
-def context_tokens(model: Path) -> int | None:
-    """The model's context length (config.json's `max_position_embeddings`), if it states one."""
-    config = model / "config.json"
-    if not config.is_file():
-        return None
-    value = json.loads(config.read_text()).get("max_position_embeddings")
-    return int(value) if value else None
-
-
 def documents_for(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase) -> list[Probe]:
     """The needle documents of every rung, the same for every arm."""
     rng = random.Random(args.seed)
     depths = [i / (args.depths - 1) if args.depths > 1 else 0.5 for i in range(args.depths)]
-    context = context_tokens(Path(args.model))
+    context = ModelDirInfo.read(Path(args.model)).trained_context_tokens
+    sizes = {length: min(length, context - args.max_tokens) if context else length for length in args.lengths}
     probes = []
     if args.documents == "chat":
         filler = [text for _, text in manual_sections()]
-        for length in args.lengths:
-            size = length if context is None else min(length, context - args.max_tokens)
+        for length, size in sizes.items():
             for i in range(args.samples):
                 chat = build_chat_document(tokenizer, filler, size, depths[i % len(depths)], rng)
                 probes.append(Probe(length, chat.depth, chat.prompt, chat.key, chat.value))
         return probes
     lines = heldout_lines(tokenizer)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
-    for length in args.lengths:
-        size = length if context is None else min(length, context - args.max_tokens)
+    for length, size in sizes.items():
         for i in range(args.samples):
             doc = build_document(lines, encode, size, [depths[i % len(depths)]], rng)
             probes.append(Probe(length, doc.depths[0], doc.prompt, doc.needles[0].key, doc.needles[0].value))
@@ -292,8 +285,6 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     if args.documents == "chat" and not getattr(tokenizer, "chat_template", None):
         raise SystemExit(f"{args.model_name} has no chat template: chat documents need one")
-    if args.max_tokens is None:
-        args.max_tokens = 32 if args.documents == "chat" else 10
     documents = documents_for(args, tokenizer)
     by_plan: dict[str | None, list[str]] = defaultdict(list)
     for arm in args.kv_strategies:
