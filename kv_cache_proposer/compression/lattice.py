@@ -182,16 +182,16 @@ def _d4_indices(spec: LatticeSpec, doubled: np.ndarray) -> tuple[np.ndarray, np.
     within = (blocks >= -2 * q) & (blocks <= 2 * q)
     inside = within.view(np.uint32)[:, 0] == 0x01010101
     integral = (blocks.view(np.uint64)[:, 0] & np.uint64(0x0001000100010001)) == 0  # half-integers are off D4
-    digits = (blocks.astype(np.int32) >> 1) + q
-    number = digits[:, 0] * base  # wraps harmlessly outside the range: those blocks escape
-    for column in (1, 2):
-        number += digits[:, column]
+    digits = (np.ascontiguousarray(blocks.T).astype(np.int32) >> 1) + q  # [4, N·K]: each digit one long row
+    number = digits[0] * base  # wraps harmlessly outside the range: those blocks escape
+    for digit in digits[1:3]:
+        number += digit
         number *= base
-    number += digits[:, 3]
+    number += digits[3]
     escaped = ~(inside & integral & ((number & 1) == 0))  # the number has the parity of the coordinate sum
-    index = (number >> 1).astype(np.int64)
-    index[escaped] = 0
-    return index.reshape(count, spec.blocks), escaped.reshape(count, spec.blocks)
+    number >>= 1
+    number[escaped] = 0
+    return number.astype(np.int64).reshape(count, spec.blocks), escaped.reshape(count, spec.blocks)
 
 
 @lru_cache(maxsize=8)
@@ -208,12 +208,13 @@ def _d4_points(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
     from a table."""
     count = indices.shape[0]
     square = (2 * spec.q_range + 1) ** 2
-    number = indices.reshape(-1).astype(np.int32) * 2
+    number = indices.reshape(-1).astype(np.int32)
+    number <<= 1
     high = number // square
     pairs = _d4_pairs(spec.q_range)
     out = np.empty((number.shape[0], 2), dtype=np.int32)
-    out[:, 0] = pairs[high]
-    out[:, 1] = pairs[number - high * square]
+    out[:, 0] = np.take(pairs, high)  # `take` reads int32 positions as they are; `pairs[high]` converts them first
+    out[:, 1] = np.take(pairs, number - high * square)
     return out.view(np.int16).reshape(count, spec.head_dim)
 
 
@@ -221,17 +222,17 @@ def pack_codes(spec: LatticeSpec, indices: np.ndarray) -> np.ndarray:
     """`indices` `[N, blocks]` as `[N, code_bytes]` uint8: `bits_per_block` bits per block, little-endian.
 
     The blocks are written into little-endian 64-bit words, one shift per block (a block spans at most two
-    words)."""
+    words), block-major so that each shift runs over one contiguous row."""
     bits = spec.bits_per_block
-    words = np.zeros((indices.shape[0], _words(spec)), dtype="<u8")
-    values = indices.astype("<u8")
+    values = np.ascontiguousarray(indices.T).astype("<u8")  # [blocks, N]
+    words = np.zeros((_words(spec), indices.shape[0]), dtype="<u8")
     for block in range(spec.blocks):
         word, shift = divmod(block * bits, 64)
-        column = values[:, block]
-        words[:, word] |= column << np.uint64(shift)
+        row = values[block]
+        words[word] |= row << np.uint64(shift)
         if shift + bits > 64:
-            words[:, word + 1] |= column >> np.uint64(64 - shift)
-    return np.ascontiguousarray(words.view(np.uint8)[:, : spec.code_bytes])
+            words[word + 1] |= row >> np.uint64(64 - shift)
+    return np.ascontiguousarray(np.ascontiguousarray(words.T).view(np.uint8)[:, : spec.code_bytes])
 
 
 def unpack_codes(spec: LatticeSpec, packed: np.ndarray) -> np.ndarray:
@@ -240,16 +241,16 @@ def unpack_codes(spec: LatticeSpec, packed: np.ndarray) -> np.ndarray:
     count = packed.shape[0]
     padded = np.zeros((count, 8 * _words(spec)), dtype=np.uint8)
     padded[:, : spec.code_bytes] = packed
-    words = padded.view("<u8")
+    words = np.ascontiguousarray(padded.view("<u8").T)  # [words, N]
     mask = np.uint64((1 << bits) - 1)
-    out = np.empty((count, spec.blocks), dtype="<u8")
+    out = np.empty((spec.blocks, count), dtype="<u8")
     for block in range(spec.blocks):
         word, shift = divmod(block * bits, 64)
-        column = words[:, word] >> np.uint64(shift)
+        row = words[word] >> np.uint64(shift)
         if shift + bits > 64:
-            column |= words[:, word + 1] << np.uint64(64 - shift)
-        out[:, block] = column & mask
-    return out.view(np.int64)
+            row |= words[word + 1] << np.uint64(64 - shift)
+        np.bitwise_and(row, mask, out=out[block])
+    return np.ascontiguousarray(out.T).view(np.int64)
 
 
 def _words(spec: LatticeSpec) -> int:
