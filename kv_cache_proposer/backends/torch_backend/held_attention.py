@@ -46,7 +46,8 @@ def _held_attention(
     qmax: torch.Tensor,
     tail_keys: torch.Tensor,
     tail_values: torch.Tensor,
-    allowed: Optional[torch.Tensor],  # noqa: UP045 (TorchScript reads `Optional`)
+    held_allowed: Optional[torch.Tensor],  # noqa: UP045 (TorchScript reads `Optional`)
+    tail_allowed: Optional[torch.Tensor],  # noqa: UP045
     hadamard: torch.Tensor,
     scale: float,
     q_range: int,
@@ -54,7 +55,8 @@ def _held_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of the queries `q` `[B, H, n, D]` over held keys (doubled coordinates `[2B, H_kv, c, D]`, K rows
     then V rows, and their fp16 norms and qmax `[2B, H_kv, c, 1]`) followed by dense `tail` K/V `[B, H_kv, t, D]`
-    (`allowed`: `[n, c + t]`, None: every key), as a `Partial`: output `[B, H_kv, g·n, D]` and log-sum-exp.
+    (`held_allowed` `[n, c]` and `tail_allowed` `[n, t]`, None: every one of those keys), as a `Partial`: output
+    `[B, H_kv, g·n, D]` and log-sum-exp.
 
     A softmax kept online over chunks of `chunk` held keys, then the tail: a chunk's coordinates are converted to
     float32, scored against the rotated queries and scaled by their s·n/2 (see `TorchHeldKeys`)."""
@@ -64,9 +66,9 @@ def _held_attention(
     grouped = q.reshape(batch, kv_heads, groups * n, dim).float()
     rotated = torch.matmul(grouped, hadamard.t()) * scale
     factors = (qmax.float() * norms.float() * (0.5 / q_range)).transpose(-1, -2)  # [2B, H_kv, 1, c]
-    rows: Optional[torch.Tensor] = None  # noqa: UP045
-    if allowed is not None:
-        rows = allowed.repeat(groups, 1)  # [g·n, c + t]: each query head's rows
+    held_rows: Optional[torch.Tensor] = None  # noqa: UP045
+    if held_allowed is not None:
+        held_rows = ~held_allowed.repeat(groups, 1)  # [g·n, c]: the keys each query head's rows may not read
     top = torch.full((batch, kv_heads, groups * n, 1), float("-inf"), device=q.device)
     sums = torch.zeros_like(top)
     held = torch.zeros_like(grouped)  # in the rotated space
@@ -75,8 +77,8 @@ def _held_attention(
         end = min(count, start + chunk)
         keys = doubled[:batch, :, start:end].float()
         scores = torch.matmul(rotated, keys.transpose(-1, -2)).mul_(factors[:batch, :, :, start:end])
-        if rows is not None:
-            scores = scores.masked_fill_(~rows[:, start:end], float("-inf"))
+        if held_rows is not None:
+            scores = scores.masked_fill_(held_rows[:, start:end], float("-inf"))
         new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
         safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
         weights = scores.sub_(safe).exp_()  # in place: a chunk's scores are its largest buffer
@@ -89,8 +91,8 @@ def _held_attention(
     out = torch.matmul(held, hadamard)
     if tail_keys.shape[2] > 0:
         scores = torch.matmul(grouped, tail_keys.float().transpose(-1, -2)) * scale
-        if rows is not None:
-            scores = scores.masked_fill(~rows[:, count:], float("-inf"))
+        if tail_allowed is not None:
+            scores = scores.masked_fill(~tail_allowed.repeat(groups, 1), float("-inf"))
         new_top = torch.maximum(top, scores.amax(dim=-1, keepdim=True))
         safe = torch.where(torch.isinf(new_top), torch.zeros_like(new_top), new_top)
         weights = torch.exp(scores - safe)
@@ -196,7 +198,7 @@ class TorchHeldKeys:
             end = min(count, start + DECODED_CHUNK)
             chunk = StagedCoding(*(array[:, :, start:end] for array in self.coding.arrays()))
             keys, values = self._dense(chunk, torch.float32)
-            columns = None if allowed is None else allowed[:, start:end]
+            columns, _ = _split_columns(None if allowed is None else allowed[:, start:end], end - start)
             merged = merge(merged, flash_partial(q, keys, values, columns, scale=scale))
         if tail is not None and tail[0].shape[2] > 0:
             columns = None if allowed is None else allowed[:, count:]
@@ -209,6 +211,7 @@ class TorchHeldKeys:
         self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]
     ) -> Partial:
         doubled = self.coding.doubled
+        held_allowed, tail_allowed = _split_columns(allowed, self.length)
         return _compiled_attention()(
             q,
             doubled,
@@ -216,9 +219,20 @@ class TorchHeldKeys:
             self.coding.qmax,
             tail[0],
             tail[1],
-            allowed,
+            held_allowed,
+            tail_allowed,
             self._hadamard,
             scale,
             self._q_range,
             self._chunk(q),
         )
+
+
+def _split_columns(allowed: torch.Tensor | None, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """`allowed` `[n, count + t]` as the columns of the first `count` keys and those of the rest; the first part is
+    None when every query may read every one of those keys (a resident history, as a rule), so no mask is applied
+    to their scores: the same values, without a pass over every score."""
+    if allowed is None:
+        return None, None
+    held, rest = allowed[:, :count], allowed[:, count:]
+    return (None if bool(held.all()) else held), rest
