@@ -229,10 +229,11 @@ class TorchHeldKeys:
 
 
 def _split_columns(allowed: torch.Tensor | None, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`allowed` `[n, count + t]` as the columns of the first `count` keys and those of the rest; the first part is
-    None when every query may read every one of those keys (a resident history, as a rule), so no mask is applied
-    to their scores: the same values, without a pass over every score."""
+    """`allowed` `[n, count + t]` as the columns of the first `count` keys and those of the rest; on the CPU the first
+    part is None when every query may read every one of those keys (a resident history, as a rule), so no mask is
+    applied to their scores: the same values, without a pass over every score. Elsewhere the check would wait for
+    the device, so the mask stays."""
     if allowed is None:
         return None, None
     held, rest = allowed[:, :count], allowed[:, count:]
-    return (None if bool(held.all()) else held), rest
+    return (None if allowed.device.type == "cpu" and bool(held.all()) else held), rest
