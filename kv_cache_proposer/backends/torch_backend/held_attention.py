@@ -198,7 +198,7 @@ class TorchHeldKeys:
             end = min(count, start + DECODED_CHUNK)
             chunk = StagedCoding(*(array[:, :, start:end] for array in self.coding.arrays()))
             keys, values = self._dense(chunk, torch.float32)
-            columns, _ = _split_columns(None if allowed is None else allowed[:, start:end], end - start)
+            columns = None if allowed is None else _unless_all(allowed[:, start:end])
             merged = merge(merged, flash_partial(q, keys, values, columns, scale=scale))
         if tail is not None and tail[0].shape[2] > 0:
             columns = None if allowed is None else allowed[:, count:]
@@ -211,7 +211,9 @@ class TorchHeldKeys:
         self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]
     ) -> Partial:
         doubled = self.coding.doubled
-        held_allowed, tail_allowed = _split_columns(allowed, self.length)
+        count = self.length
+        held_allowed = None if allowed is None else _unless_all(allowed[:, :count])
+        tail_allowed = None if allowed is None else allowed[:, count:]
         return _compiled_attention()(
             q,
             doubled,
@@ -228,12 +230,8 @@ class TorchHeldKeys:
         )
 
 
-def _split_columns(allowed: torch.Tensor | None, count: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """`allowed` `[n, count + t]` as the columns of the first `count` keys and those of the rest; on the CPU the first
-    part is None when every query may read every one of those keys (a resident history, as a rule), so no mask is
-    applied to their scores: the same values, without a pass over every score. Elsewhere the check would wait for
-    the device, so the mask stays."""
-    if allowed is None:
-        return None, None
-    held, rest = allowed[:, :count], allowed[:, count:]
-    return (None if allowed.device.type == "cpu" and bool(held.all()) else held), rest
+def _unless_all(columns: torch.Tensor) -> torch.Tensor | None:
+    """`columns` (which keys each query may read), or None on the CPU when every query may read every one of them (a
+    resident history, as a rule): no mask is then applied to their scores, the same values without a pass over
+    every score. Elsewhere the check would wait for the device, so the mask stays."""
+    return None if columns.device.type == "cpu" and bool(columns.all()) else columns
