@@ -204,13 +204,14 @@ class Decoder:
             raise ValueError("the session has no pending token to continue from")
         layers = seq.draft_session.feature_layers
         start = seq.committed
+        room = budget.max_new_tokens - generated
+        if budget.max_history_tokens is not None:
+            room = min(room, budget.max_history_tokens - len(seq.tokens))
+        seq.cache.expect(pending + max(room, 0))  # no room for more: the session's peak is what it can fill
         if pending > self.prefill_chunk_tokens:
             chunk = self.prefill_chunk_tokens
             return _Plan(request, seq.tokens[start : start + chunk], 1, layers, pending, 0, [], prefill=True)
 
-        room = budget.max_new_tokens - generated
-        if budget.max_history_tokens is not None:
-            room = min(room, budget.max_history_tokens - len(seq.tokens))
         if room < 1:
             raise ValueError("no room left for another token")
         limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit

@@ -107,6 +107,11 @@ class SessionCache(Protocol[A]):
         """The session stops generating for now: drop working copies so it holds only its resident storage."""
         ...
 
+    def expect(self, positions: int) -> None:
+        """Until it parks the cache takes at most `positions` more positions (a generation's pending tokens and
+        those it may still generate): growing, it reserves no room beyond them."""
+        ...
+
     @property
     def restoration_feature_layers(self) -> tuple[int, ...]:
         """Model layers whose outputs every forward over this cache hands to `take_features` (empty: none)."""

@@ -66,6 +66,7 @@ class KVSessionCache(Generic[A]):
         self._prefix: AttentionPrefix[A] | None = None
         self._call = NO_CALL
         self._released = False
+        self._horizon: int | None = None  # the slots this generation may fill at most (`expect`); None: unknown
 
     # -- counters ----------------------------------------------------------------------------------------------
     @property
@@ -133,6 +134,10 @@ class KVSessionCache(Generic[A]):
         for layer in self._layers:
             layer.park(used)
         self._slots.shrink(used)
+        self._horizon = None
+
+    def expect(self, positions: int) -> None:
+        self._horizon = self.stage_offset + positions
 
     def _parked_slots(self) -> int:
         """The slots a parked cache keeps room for: its resident slots, or all of them when the strategy bounds
@@ -201,8 +206,10 @@ class KVSessionCache(Generic[A]):
         needed, capacity = offset + kept + block_len, self._slots.capacity
         if needed > capacity:
             if self._strategy.bounded_slots is None:
-                # Unbounded caches grow geometrically so appends stay amortised O(1).
-                needed = max(needed, capacity + max(capacity // 2, _GROWTH_TOKENS))
+                # Unbounded caches grow geometrically so appends stay amortised O(1), but never past what the
+                # generation can fill: room beyond it would only count against the session's peak.
+                grown = capacity + max(capacity // 2, _GROWTH_TOKENS)
+                needed = max(needed, grown if self._horizon is None else min(grown, self._horizon))
             self._grow(needed)
         self._slots.stage(offset + kept, self._next_position + kept, block_len)
         self._staged = kept + block_len

@@ -303,3 +303,31 @@ def test_a_parked_dense_cache_holds_its_resident_kv_and_no_growth_room_and_conti
     assert sum(layer.nbytes for layer in parked._layers) == 300 * per_slot
     expected = to_numpy(verifier.verify(kept, more, len(more)).logits)
     np.testing.assert_array_equal(to_numpy(verifier.verify(parked, more, len(more)).logits), expected)
+
+
+def test_a_generation_reserves_room_for_what_it_can_fill_not_half_the_history_again(verifiers):
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(FullStrategy())
+    seq = SequenceState(cache=cache, tokens=_tokens(9, 300))
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+
+    def slots() -> int:
+        """The slots every K/V buffer has room for (read from the arrays themselves)."""
+        (room,) = {int(array.shape[2]) for array in cache.arrays()}
+        return room
+
+    def generate(count: int, *, bound: int) -> None:
+        budget, generated = GenerationBudget(max_new_tokens=count), 0
+        while generated < count:
+            generated += len(decoder.step(seq, SamplingParams(), budget, generated).tokens)
+            # What the history and this generation can fill: not geometric growth's half of the history again.
+            assert slots() <= bound
+
+    generate(4, bound=300 + 4)
+    cache.park()
+    assert slots() == 303  # every position but the last generated token's, which is pending
+    seq.tokens += _tokens(10, 4)
+    generate(6, bound=308 + 6)
+    cache.park()
+    cache.begin_stage(1)  # outside a generation nothing bounds it: appends grow geometrically
+    assert slots() >= 313 + 313 // 2
