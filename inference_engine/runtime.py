@@ -114,7 +114,14 @@ class Runtime:
         self.sessions_journal = SessionJournal(
             config, self.checks, self.store, verifier.vocab_size, ClusterMetrics(metrics.registry), self._open_session
         )
-        self.streams = GenerationStreams(self.engine, self.store, self.admission, self.sessions_journal, metrics)
+        self.streams = GenerationStreams(
+            self.engine,
+            self.store,
+            self.admission,
+            self.sessions_journal,
+            metrics,
+            resting_sessions=config.kv_resting_sessions,
+        )
         self.grammars = ModelGrammars(config.model_dir, verifier.vocab_size, cache_size=config.grammar_cache_size)
         self.restoration = restoration_setup(config, verifier.num_layers, self.model_dir_info.restore_plan)
 

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
 from functools import partial
@@ -38,14 +39,25 @@ class GenerationStreams:
     """Runs generations on the engine loop for the runtime and checks what each step gives them."""
 
     def __init__(
-        self, engine: EngineLoop, store: SessionStore, admission: Admission, journal: SessionJournal, metrics: Metrics
+        self,
+        engine: EngineLoop,
+        store: SessionStore,
+        admission: Admission,
+        journal: SessionJournal,
+        metrics: Metrics,
+        *,
+        resting_sessions: int = 0,
     ) -> None:
+        """`resting_sessions`: how many sessions that generated last keep their generating form between generations
+        (`SessionCache.rest`); the others park."""
         self.engine = engine
         self.store = store
         self.admission = admission
         self.journal = journal
         self.metrics = metrics
         self.prefix_reuse = PrefixReuse(store, engine, metrics)
+        self.resting_sessions = resting_sessions
+        self._resting: OrderedDict[str, Session] = OrderedDict()  # sessions that rested, least recent first
 
     @asynccontextmanager
     async def turn(self, session: Session) -> AsyncIterator[None]:
@@ -121,21 +133,49 @@ class GenerationStreams:
     async def _park(self, session: Session) -> None:
         """Between generations the session holds only its resident storage, and the memory it freed goes back to
         the system (`release_free_memory`). A compressed session that attended its history as lattice coordinates
-        packs them again (tenths of a second at 8k tokens), so this runs on the engine thread between two steps,
-        not on the event loop; the session keeps its turn meanwhile, so nothing else reads or evicts it."""
-        park = session.seq.cache.park
+        packs them again (tenths of a second at 8k tokens) unless it is one of the `resting_sessions` that generated
+        last: it rests, keeping them (`SessionCache.rest`), and the session that falls out of those parks. This runs
+        on the engine thread between two steps, not on the event loop; each session keeps its turn meanwhile, so
+        nothing else reads or evicts it."""
+        cache = session.seq.cache
         kv = self.journal.kv
+        self._resting.pop(session.session_id, None)
 
-        def parked() -> None:
-            park()
+        def parked() -> bool:
+            rested = False
+            if self.resting_sessions:
+                rested = cache.rest()
+            else:
+                cache.park()
             if kv is not None:  # a generation that ended without Done (cancelled, failed) writes its K/V here
                 self._write_kv(kv, session)
             release_free_memory()
+            return rested
 
         try:
-            await self.engine.call(parked)
+            if await self.engine.call(parked):
+                self._resting[session.session_id] = session
+            await self._park_resting()
         except ShuttingDown:
-            park()  # the engine takes no more calls, and is done with this session's cache
+            cache.park()  # the engine takes no more calls, and is done with this session's cache
+
+    async def _park_resting(self) -> None:
+        """Park the sessions that rested beyond the `resting_sessions` that generated last (their coordinates packed,
+        on the engine thread), each holding its turn; one that is busy now parks or rests when its turn ends."""
+        overflow = len(self._resting) - self.resting_sessions
+        for session in list(self._resting.values())[: max(0, overflow)]:
+            if session.closed:
+                self._resting.pop(session.session_id, None)
+            elif not session.busy:
+                self._resting.pop(session.session_id, None)
+                async with self.admission.session_turn(session):
+                    await self.engine.call(self._park_now, session)
+                self.store.charge(session)
+
+    @staticmethod
+    def _park_now(session: Session) -> None:
+        session.seq.cache.park()
+        release_free_memory()
 
     def _write_kv(self, kv: DurableKV, session: Session) -> None:
         """Write the K/V the session committed since its last write (`DurableKV.save`); on the engine thread."""

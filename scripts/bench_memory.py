@@ -16,7 +16,10 @@ sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation)
 decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s. Also the medians of
 the time to first token (`ttft_s`: a fork's first generation unpacks what its arm holds parked) and of the wait for
 the park after the generation (`park_wait_s`: an empty AppendTokens sent the moment the generation ended returns
-when the session's turn is free, as a client's next turn would start).
+when the session's turn is free, as a client's next turn would start), and the time to first token of that next
+turn (`next_turn_ttft_s`: `NEXT_TURN_TOKENS` more tokens appended to the same session, then a generation): it
+starts from what the session holds between turns, packed codes or, for the one that rests
+(`--kv-resting-sessions`), its lattice coordinates. `kakeya_d4_packing` is `kakeya_d4` with every session packing.
 
 Writes `results/bench_memory_<stamp>.json` and a PNG plot next to it.
 
@@ -48,10 +51,12 @@ ARMS: dict[str, list[str]] = {
     "sink_window": ["--kv-strategy", "sink_window"],
     "dlm_restore": ["--kv-strategy", "dlm_restore", "--restore-plan", "recompute"],
     "kakeya_d4": ["--kv-compressor", "kakeya_d4"],
+    "kakeya_d4_packing": ["--kv-compressor", "kakeya_d4", "--kv-resting-sessions", "0"],
 }
 ARMS["dlm_restore+kakeya_d4"] = ARMS["dlm_restore"] + ARMS["kakeya_d4"]  # restored K/V coded as the residents are
 EXACT_ARMS = ("full", "dlm_restore")  # arms whose tokens must equal full's
 SAMPLE_S = 0.02
+NEXT_TURN_TOKENS = 16  # appended before a session's next turn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,6 +111,8 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                         fork.append([])  # waits for the session's turn: the park after the generation
                         park_wait = time.perf_counter() - done_at
                     described = fork.info()  # parked now; its kv_peak_bytes counts every step's
+                    fork.append(text[history : history + NEXT_TURN_TOKENS])
+                    next_turn = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
                 samples.append(
                     {
                         "arm": arm,
@@ -120,6 +127,7 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                         "peak_rss_growth_bytes": max(0, sampler.peak_rss - before),
                         "byte_samples": sampler.samples,
                         "park_wait_s": park_wait,
+                        "next_turn_ttft_s": next_turn["ttft_s"],
                         **result,
                     }
                 )
@@ -150,6 +158,7 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
                 "decode_tokens_per_s": round(statistics.median(s["decode_tokens_per_s"] for s in runs), 2),
                 "ttft_s": round(statistics.median(s["ttft_s"] for s in runs), 3),
                 "park_wait_s": round(statistics.median(s["park_wait_s"] for s in runs), 3),
+                "next_turn_ttft_s": round(statistics.median(s["next_turn_ttft_s"] for s in runs), 3),
                 "tokens_equal_full": all(s["tokens"] == f["tokens"] for s, f in zip(runs, full, strict=True)),
             }
             full_peak = max(s["peak_session_bytes"] for s in full)
@@ -191,7 +200,7 @@ def plot(png: Path, summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    text = history_tokens(args.model, max(args.histories))
+    text = history_tokens(args.model, max(args.histories) + NEXT_TURN_TOKENS)
     samples = [sample for arm in args.arms for sample in measure_arm(arm, args, text)]
     summary = summarise(samples, args.arms, args.histories)
     config = {**vars(args), "model": str(args.model), "out": str(args.out)}

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol
+from typing import Any, Generic, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -140,6 +140,18 @@ class LayerStore(Protocol[A]):
 
     def release(self) -> None:
         """Drop everything held."""
+        ...
+
+
+@runtime_checkable
+class RestingStore(Protocol):
+    """A store whose residents a generation holds in a form that is also a resident form (a packed store's lattice
+    coordinates): between generations it may keep that form, trading bytes for the next generation's start and
+    this one's end."""
+
+    def rest(self, slots: int) -> bool:
+        """As `park`, but the residents stay in the form the generation held them in; whether the store kept
+        anything that `park` would have turned into another form."""
         ...
 
 

@@ -107,6 +107,12 @@ class SessionCache(Protocol[A]):
         """The session stops generating for now: drop working copies so it holds only its resident storage."""
         ...
 
+    def rest(self) -> bool:
+        """As `park`, but a layer that holds its residents in a form that is also a resident form while the session
+        generates (a compressed layer's lattice coordinates) keeps them so: the next generation starts without
+        unpacking, at more bytes than `park` leaves. Whether any layer did; `park` later turns them back."""
+        ...
+
     def expect(self, positions: int) -> None:
         """Until it parks the cache takes at most `positions` more positions (a generation's pending tokens and
         those it may still generate): growing, it reserves no room beyond them."""

@@ -20,6 +20,7 @@ from kv_cache_proposer.cache.layer_store import (
     DenseLayerStore,
     LayerStore,
     LayerStoreFactory,
+    RestingStore,
     finish_stages,
     joined_parts,
     start_stages,
@@ -130,11 +131,23 @@ class KVSessionCache(Generic[A]):
     def park(self) -> None:
         """Between generations: every layer drops what only speeds up forwards and, unless the strategy bounds
         the slots, the cache its spare capacity (the next forward grows it again)."""
+        self._settle(rest=False)
+
+    def rest(self) -> bool:
+        return self._settle(rest=True)
+
+    def _settle(self, *, rest: bool) -> bool:
+        """`park`, or `rest`: whether a layer rested."""
         used = self._parked_slots()
+        rested = False
         for layer in self._layers:
-            layer.park(used)
+            if rest and isinstance(layer, RestingStore):
+                rested = layer.rest(used) or rested
+            else:
+                layer.park(used)
         self._slots.shrink(used)
         self._horizon = None
+        return rested
 
     def expect(self, positions: int) -> None:
         self._horizon = self.stage_offset + positions

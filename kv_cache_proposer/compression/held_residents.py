@@ -72,6 +72,15 @@ class HeldResidents(Generic[A]):
         head = StagedCoding(*(self._ops.head(array, end) for array in self._held().arrays()))
         return self._codec.held_keys(head, self._dtype)
 
+    def trim(self, slots: int) -> None:
+        """Drop the room beyond the first `slots` slots (every entry is in them)."""
+        if self._arrays is None or self._capacity <= slots:
+            return
+        kept = np.arange(slots, dtype=np.int64)
+        self._arrays = StagedCoding(*(self._ops.take(array, kept) for array in self._arrays.arrays()))
+        self._ops.settle(self._arrays.arrays())  # the old buffers are freed now
+        self._capacity = slots
+
     def release(self) -> None:
         self._arrays = None
         self._capacity = 0

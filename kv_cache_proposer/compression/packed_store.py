@@ -7,7 +7,8 @@ lattice coordinates that attention reads without decoding where it can (`HeldWor
 (`DecodedWorking`). Held coordinates stand for the packed codes until the session parks: the codes are dropped when
 the generation begins and packed again from the coordinates at `park`, so a generating layer holds one form of its
 history, not two. A decoded copy is lossy to pack again from, so beside it the codes stay. `park` packs what is
-left and drops the working form. The store is lossy (see `layer_store`): a query
+left and drops the working form; `rest` keeps held coordinates as they are until the next generation (or a park,
+or a fork, which reads codes). The store is lossy (see `layer_store`): a query
 reads its own K/V as computed and every other position decoded. A one-token forward's entry is coded late, with
 every layer's in one codec pass (`deferred_coding`); a longer forward codes its block at once, stages what the codes
 decode to and appends the block as computed after the stage. Codings not yet packed are kept in a `CodingLedger`. See
@@ -81,6 +82,7 @@ class PackedLayerStore(Generic[A]):
         self._begun: BegunCoding[A] | None = None  # the codec pass begun for it
         self._own = 0  # entries appended after the stage as computed: the last forward's queries (n > 1)
         self._unpacked_escapes = 0  # escaped blocks the packed codes held when they were dropped for held ones
+        self._resting = False  # between generations, the held coordinates kept in place of the codes (`rest`)
         self.held = 0
 
     # -- what is held --------------------------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class PackedLayerStore(Generic[A]):
             self._work.reserve(capacity)
 
     def stage(self, slot: int, keys: A, values: A) -> None:
+        self._resting = False
         layout = self._start(keys)
         work = self._working(keys, values)
         if self._pending is not None and self._pending.slot >= slot:
@@ -258,7 +261,23 @@ class PackedLayerStore(Generic[A]):
         if self._packed is not None:
             self._packed.trim()
 
+    def rest(self, slots: int) -> bool:
+        """As `park`, but held coordinates that stand for the codes stay, trimmed to the slots in use: the next
+        generation reads them as they are. They are packed when the session parks or when its codes are read (a
+        fork copies codes)."""
+        held = self._standing_in()
+        if held is None:
+            self.park(slots)
+            return False
+        self._drop_staged()
+        held.trim(slots)
+        if self._packed is not None:
+            self._packed.trim()
+        self._resting = True
+        return True
+
     def release(self) -> None:
+        self._resting = False
         self._work = None
         self._unpacked_escapes = 0
         self._codings.clear()
@@ -276,6 +295,9 @@ class PackedLayerStore(Generic[A]):
             slots = held.resident_slots()
             self._packed_of().write_staged(slots, *codec.to_host(held.take(slots)))
             held.stands_for_codes = False
+            if self._resting:  # between generations the codes are the one form to hold
+                self._work = None
+                self._resting = False
             return
         taken = self._codings.take_unpacked()
         if taken is not None:

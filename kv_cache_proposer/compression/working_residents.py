@@ -131,6 +131,13 @@ class HeldWorking(Generic[A]):
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
         return self._codec.held_keys(self._residents.take(slots), self._dtype).dense()
 
+    def trim(self, slots: int) -> None:
+        """Keep the residents of the first `slots` slots, without room or a stage: between generations."""
+        self._residents.trim(slots)
+        self._stage.release()
+        self._room = 0
+        self._base = None
+
     def load(self, slots: np.ndarray, keys: LatticeCoding, values: LatticeCoding) -> None:
         if slots.size:
             self._residents.put_host(slots, keys, values, self._batch)

@@ -138,6 +138,11 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._state.park(self.evicted_count)
         super().park()
 
+    def rest(self) -> bool:
+        """A restoring cache parks: its kept layers' state is what its plan keeps."""
+        self.park()
+        return False
+
     def release(self) -> None:
         self._drop_restored()
         self._state.release()

@@ -52,16 +52,22 @@ def test_a_compressed_session_reports_packed_bytes_in_session_info_and_metrics(s
     assert _value(text, "kakeya_kv_escaped_blocks") == packed_info.kv_escaped_blocks
 
 
-def test_session_info_asked_the_moment_a_generation_ends_reports_the_parked_session(serve, monkeypatch):
-    server = serve("qwen3")
+@pytest.mark.parametrize("resting", [0, 1])
+def test_session_info_asked_the_moment_a_generation_ends_reports_the_parked_session(serve, monkeypatch, resting):
+    server = serve("qwen3", kv_resting_sessions=resting)
     slow = 0.3  # a park as slow as a long history's (it packs the held coordinates again), so a reply can race it
-    park = PackedLayerStore.park
+    park, rest = PackedLayerStore.park, PackedLayerStore.rest
 
     def slow_park(self, slots):
         time.sleep(slow / 4)  # four layers
         park(self, slots)
 
+    def slow_rest(self, slots):
+        time.sleep(slow / 4)
+        return rest(self, slots)
+
     monkeypatch.setattr(PackedLayerStore, "park", slow_park)
+    monkeypatch.setattr(PackedLayerStore, "rest", slow_rest)
     with kakeya.Client(server.address) as client:
         session = client.create_session(initial_tokens=PROMPT, kv_compressor="kakeya_d4")
         for _ in range(2):  # the second generation begins from the packed codes the first park wrote
@@ -70,6 +76,30 @@ def test_session_info_asked_the_moment_a_generation_ends_reports_the_parked_sess
             assert not described.generating
             assert described.kv_compressed_bytes < described.kv_live_bytes < described.kv_compressed_bytes + 4096
             assert described.kv_peak_bytes > described.kv_live_bytes
+
+
+def test_the_session_that_generated_last_rests_on_its_coordinates_until_another_generates(serve):
+    servers = serve("qwen3"), serve("qwen3", kv_resting_sessions=0)  # the default (1), and every session packing
+    first = [create(server.stub, initial=PROMPT, kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4) for server in servers]
+    tokens = [list(generate(server.stub, sid, max_tokens=6).tokens) for server, sid in zip(servers, first, strict=True)]
+    rested, parked = (info(server.stub, sid) for server, sid in zip(servers, first, strict=True))
+    # Resting, it holds int8 coordinates and fp16 scales (head_dim 16: 20 bytes per vector, packed 17) and nothing
+    # else: no stage, no room. Its next generation starts from them, with the tokens of a session that packed.
+    assert rested.kv_compressed_bytes == pytest.approx(parked.kv_compressed_bytes * 20 / 17, rel=0.02)
+    assert rested.kv_compressed_bytes < rested.kv_live_bytes < rested.kv_compressed_bytes + 4096
+    assert rested.kv_dense_equivalent_bytes == parked.kv_dense_equivalent_bytes
+    for index, (server, sid) in enumerate(zip(servers, first, strict=True)):
+        tokens[index] += generate(server.stub, sid, max_tokens=6).tokens
+    assert tokens[0] == tokens[1]
+    # Another session generates: the one that rested parks, and holds the codes of the session that packed.
+    resting, packing = servers
+    other = create(resting.stub, initial=[token + 1 for token in PROMPT], kv_compressor=pb.KV_COMPRESSOR_KAKEYA_D4)
+    generate(resting.stub, other, max_tokens=2)
+    now, packed, last = info(resting.stub, first[0]), info(packing.stub, first[1]), info(resting.stub, other)
+    assert now.kv_compressed_bytes == packed.kv_compressed_bytes
+    per_dense = last.kv_compressed_bytes / last.kv_dense_equivalent_bytes  # the one resting now
+    assert per_dense == pytest.approx(now.kv_compressed_bytes / now.kv_dense_equivalent_bytes * 20 / 17, rel=0.02)
+    assert now.kv_escaped_blocks == packed.kv_escaped_blocks
 
 
 def test_the_server_default_compressor_applies_to_new_sessions_and_the_sdk_can_override_it(serve):
@@ -88,7 +118,7 @@ def test_the_server_default_compressor_applies_to_new_sessions_and_the_sdk_can_o
 
 
 def test_a_one_scale_session_holds_two_bytes_fewer_per_vector_and_reports_its_compressor(serve):
-    server = serve("qwen3")
+    server = serve("qwen3", kv_resting_sessions=0)  # each session packs when it parks
     with kakeya.Client(server.address) as client:
         held = {}
         for name in ("kakeya_d4", "kakeya_d4s"):

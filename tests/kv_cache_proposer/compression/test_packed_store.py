@@ -279,6 +279,46 @@ def test_a_fork_of_a_generating_session_copies_the_codes_its_parent_parks(verifi
     assert fork.footprint().compressed_bytes == parent.footprint().compressed_bytes > 0
 
 
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=STRATEGY_IDS)
+def test_a_resting_session_keeps_its_coordinates_continues_as_a_parked_one_and_packs_the_same_codes(
+    verifiers, backend, strategy
+):
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    prompt = _tokens(15, 30)
+    caches = {way: _cache(verifier, backend, strategy, compressor) for way in ("parked", "rested")}
+    seqs = {way: SequenceState(cache=cache, tokens=list(prompt)) for way, cache in caches.items()}
+    decoder = Decoder(verifier, prefill_chunk_tokens=7)
+    generated: dict[str, list[int]] = {way: [] for way in caches}
+    for turn in range(2):
+        for way in caches:
+            budget, count = GenerationBudget(max_new_tokens=8), 0
+            while count < 8:
+                step = decoder.step(seqs[way], SamplingParams(), budget, count)
+                generated[way] += step.tokens
+                count += len(step.tokens)
+        caches["parked"].park()
+        rested = caches["rested"].rest()
+        parked, resting = (caches[way].footprint() for way in ("parked", "rested"))
+        # The torch direct forward reads coordinates while generating, and they stay; MLX decodes: it parks.
+        assert rested is (backend == "torch"), turn
+        if rested:
+            assert resting.compressed_bytes > parked.compressed_bytes  # int8 coordinates, not packed codes
+            assert all(layer.packed_nbytes == 0 for layer in caches["rested"]._layers)
+            if strategy.bounded_slots is None:  # no room beyond the positions held, no stage
+                assert {int(array.shape[2]) for array in caches["rested"].arrays()} == {caches["rested"].next_position}
+        else:
+            assert resting == parked
+    assert generated["rested"] == generated["parked"]
+    fork = caches["rested"].clone(caches["rested"].next_position)  # a fork copies codes: the parent packs
+    for cache in (caches["rested"], fork):
+        assert cache.footprint().compressed_bytes == caches["parked"].footprint().compressed_bytes
+        for mine, theirs in zip(cache._layers, caches["parked"]._layers, strict=True):
+            assert np.array_equal(mine.packed.codes, theirs.packed.codes)
+            assert np.array_equal(mine.packed.escape_keys, theirs.packed.escape_keys)
+    assert caches["rested"].arrays() == [] and not any(layer.codes_dropped for layer in caches["rested"]._layers)
+
+
 def _layer_bytes(cache: Any) -> int:
     return sum(layer.nbytes for layer in cache._layers)
 
