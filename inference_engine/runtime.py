@@ -50,7 +50,6 @@ from inference_engine.sessions import Session, SessionStore
 from inference_engine.streaming import GenerationStreams
 from inference_engine.validation import RequestChecks
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
-from kv_cache_proposer.controls import DecodeControls
 from kv_cache_proposer.decoding import Decoder, DraftPolicy, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.base import NoProposer, Proposer
 from kv_cache_proposer.strategies import KVStrategy
@@ -170,11 +169,7 @@ class Runtime:
         """
         self._check_accepting()
         sampling, budget_stops = self.checks.generate(params)
-        controls = DecodeControls(
-            penalties=self.checks.penalties(params),
-            stop_sequences=self.checks.stop_sequences(params),
-            top_logprobs=self.checks.top_logprobs(params),
-        )
+        controls = self.checks.controls(params)
         if params.grammar is not None:
             controls.grammar, grammar_stops = await asyncio.to_thread(self.grammars.start, params.grammar)
             budget_stops |= grammar_stops
@@ -219,20 +214,11 @@ class Runtime:
             metrics.generate_requests.labels(outcome=outcome).inc()
 
     def _budget(self, session: Session, params: GenerateParams, stops: frozenset[int]) -> GenerationBudget:
-        """The limits of a generation on a session that holds its turn; refused while shutting down, on an empty
-        history or one at the history limit."""
+        """The limits of a generation on a session that holds its turn (`RequestChecks.budget`); refused while
+        shutting down."""
         if self._cancelling:
             raise ShuttingDown("the server shut down before this generation started")
-        tokens = session.seq.tokens
-        if not tokens:
-            raise InvalidArgument("the session history is empty: append tokens before generating")
-        if len(tokens) >= self.config.max_history_tokens:
-            raise ResourceExhausted(f"the session holds {len(tokens)} tokens, the --max-history-tokens limit")
-        return GenerationBudget(
-            max_new_tokens=params.max_tokens,
-            stop_token_ids=session.eos_token_ids | stops,
-            max_history_tokens=self.config.max_history_tokens,
-        )
+        return self.checks.budget(len(session.seq.tokens), params, session.eos_token_ids | stops)
 
     async def fork_session(
         self, session_id: str, prefix_tokens: int | None = None, label: str | None = None

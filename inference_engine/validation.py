@@ -11,7 +11,8 @@ from inference_engine.config import ServerConfig
 from inference_engine.domain import CreateParams, GenerateParams
 from inference_engine.errors import InvalidArgument, ResourceExhausted
 from kv_cache_proposer.compression import KVCompressor
-from kv_cache_proposer.controls import DEFAULT_PENALTY_WINDOW_TOKENS, Penalties
+from kv_cache_proposer.controls import DEFAULT_PENALTY_WINDOW_TOKENS, DecodeControls, Penalties
+from kv_cache_proposer.decoding import GenerationBudget
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
 
@@ -106,6 +107,27 @@ class RequestChecks:
         stops = self.tokens(params.stop_token_ids, "stop_token_ids")
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, min_p=min_p)
         return sampling, frozenset(stops)
+
+    def controls(self, params: GenerateParams) -> DecodeControls:
+        """A generation's penalties, stop sequences and log-probabilities (its grammar is compiled apart)."""
+        return DecodeControls(
+            penalties=self.penalties(params),
+            stop_sequences=self.stop_sequences(params),
+            top_logprobs=self.top_logprobs(params),
+        )
+
+    def budget(self, history: int, params: GenerateParams, stop_token_ids: frozenset[int]) -> GenerationBudget:
+        """The limits of a generation over a history of `history` tokens; refused on an empty history or one at
+        the history limit."""
+        if not history:
+            raise InvalidArgument("the session history is empty: append tokens before generating")
+        if history >= self.config.max_history_tokens:
+            raise ResourceExhausted(f"the session holds {history} tokens, the --max-history-tokens limit")
+        return GenerationBudget(
+            max_new_tokens=params.max_tokens,
+            stop_token_ids=stop_token_ids,
+            max_history_tokens=self.config.max_history_tokens,
+        )
 
     def stop_sequences(self, params: GenerateParams) -> tuple[tuple[int, ...], ...]:
         """The generation's stop sequences: within the count and length limits, every id in the vocabulary."""

@@ -1,24 +1,22 @@
 """The session cache: one session's K/V under a KV strategy, written once for every backend.
 
-A slot table (the global position of every slot) plus one `LayerStore` per layer: resident slots, then the stage
-of the forward in flight; a commit makes a prefix of the stage resident and evicts per strategy, and rejected
-drafts never overwrite a resident entry. The layout of each strategy, the reads of lossy stores and attention
-prefixes are described in docs/architecture.md ("Session caches").
+A slot table (the global position of every slot) plus one `LayerStore` per layer (`ResidentCache`): resident
+slots, then the stage of the forward in flight; a commit makes a prefix of the stage resident and evicts per
+strategy, and rejected drafts never overwrite a resident entry. The layout of each strategy, the reads of lossy
+stores and attention prefixes are described in docs/architecture.md ("Session caches").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import Any, Generic
+from typing import Any
 
 import numpy as np
 
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.key_layout import BlockedLayout
 from kv_cache_proposer.cache.layer_store import (
-    DenseLayerStore,
-    LayerStore,
     LayerStoreFactory,
     RestingStore,
     finish_stages,
@@ -26,15 +24,15 @@ from kv_cache_proposer.cache.layer_store import (
     start_stages,
 )
 from kv_cache_proposer.cache.protocol import NO_CALL, AttentionPrefix, CacheFootprint, KeyPart, ModelCall
-from kv_cache_proposer.cache.slot_table import SlotTable
+from kv_cache_proposer.cache.resident import ResidentCache
 from kv_cache_proposer.errors import InvariantViolation
-from kv_cache_proposer.strategies import KVStrategy, make_strategy, strategy_options
+from kv_cache_proposer.strategies import KVStrategy, make_strategy
 
 _GROWTH_TOKENS = 256
 
 
-class KVSessionCache(Generic[A]):
-    """The session cache of every backend: slot table, stage, commit and eviction over per-layer stores."""
+class KVSessionCache(ResidentCache[A]):
+    """The session cache of every backend: stage, model call, commit and eviction over the resident slots."""
 
     def __init__(
         self,
@@ -49,19 +47,12 @@ class KVSessionCache(Generic[A]):
         values for the same keys at the same places in its blocks; a bounded cache of dense layers then hands
         attention its keys in position order at places set by position alone (`BlockedLayout`), not in the
         ring's order, at the cost of a copy per layer and forward."""
-        factory: LayerStoreFactory[A] = layer_store or DenseLayerStore
-        self._strategy = strategy
-        self._ops = ops
-        self._layer_store = factory
-        self._layers: list[LayerStore[A]] = [factory(ops) for _ in range(num_layers)]
+        super().__init__(strategy, num_layers=num_layers, ops=ops, layer_store=layer_store)
         self._lossy = any(layer.lossy for layer in self._layers)
         self._key_block = key_block  # as given, for a copy under another strategy
         # what the model calls lay their keys out by: bounded caches of dense layers
         self._layout_block = key_block if strategy.bounded_slots is not None and not self._lossy else None
         self._layout: BlockedLayout | None = None  # where the model call in flight reads its keys, if blocked
-        self._next_position = 0
-        self._slots = SlotTable()  # resident slots' positions, then the stage's
-        self._staged = 0  # positions in the stage
         self._query_start = self._query_end = 0  # the part of the stage the model call in flight processes
         self._staged_counts = [0] * num_layers  # staged K/V written per layer since the stage began
         self._prefix: AttentionPrefix[A] | None = None
@@ -69,36 +60,7 @@ class KVSessionCache(Generic[A]):
         self._released = False
         self._horizon: int | None = None  # the slots this generation may fill at most (`expect`); None: unknown
 
-    # -- counters ----------------------------------------------------------------------------------------------
-    @property
-    def strategy(self) -> KVStrategy:
-        return self._strategy
-
-    @property
-    def num_layers(self) -> int:
-        return len(self._layers)
-
-    @property
-    def ops(self) -> ArrayOps[A]:
-        """The backend's array operations on this cache's K/V."""
-        return self._ops
-
-    @property
-    def next_position(self) -> int:
-        return self._next_position
-
-    @property
-    def resident_count(self) -> int:
-        return self._strategy.resident_count(self._next_position)
-
-    @property
-    def evicted_count(self) -> int:
-        return self._next_position - self.resident_count
-
-    @property
-    def nbytes(self) -> int:
-        return self._slots.nbytes + sum(layer.nbytes for layer in self._layers)
-
+    # -- what is held --------------------------------------------------------------------------------------------
     def footprint(self) -> CacheFootprint:
         used = self._parked_slots()
         compressed = dense = escaped = working = 0
@@ -156,12 +118,6 @@ class KVSessionCache(Generic[A]):
         """The slots a parked cache keeps room for: its resident slots, or all of them when the strategy bounds
         the slots (a bounded cache's room is its window and one block)."""
         return self._slots.capacity if self._strategy.bounded_slots is not None else max(self.stage_offset, 1)
-
-    @property
-    def stage_offset(self) -> int:
-        """First slot of the stage; slots before it are resident."""
-        bounded = self._strategy.bounded_slots
-        return self._next_position if bounded is None else bounded
 
     # -- the model call in flight ------------------------------------------------------------------------------
     @property
@@ -292,76 +248,7 @@ class KVSessionCache(Generic[A]):
         if self._lossy and self._staged:
             finish_stages(self._layers)
 
-    def check_invariants(self) -> None:
-        """INV-1: every layer that stores K/V holds exactly the strategy's resident count, as does the slot table."""
-        expected = self.resident_count
-        for layer_idx, layer in enumerate(self._layers):
-            if layer.active and layer.held != expected:
-                raise InvariantViolation(
-                    "inv1", f"layer {layer_idx} holds {layer.held} K/V but {expected} positions are resident"
-                )
-        occupied = self._slots.occupied(self.stage_offset)
-        if occupied != expected:
-            raise InvariantViolation("inv1", f"slot table holds {occupied} positions, expected {expected}")
-
-    def _grow(self, capacity: int) -> None:
-        self._slots.grow(capacity)
-        for layer in self._layers:
-            layer.reserve(capacity)
-
-    def arrays(self) -> list[A]:
-        return [array for layer in self._layers for array in layer.arrays()]
-
-    # -- inspection and state ----------------------------------------------------------------------------------
-    def _resident_slots(self) -> np.ndarray:
-        """Occupied resident slots ordered by position."""
-        return self._slots.resident_slots(self.stage_offset)
-
-    def resident_kv(self, layer_idx: int) -> tuple[A, A, np.ndarray]:
-        layer = self._layers[layer_idx]
-        if not layer.active:
-            raise ValueError(f"layer {layer_idx} holds no K/V")
-        slots = self._resident_slots()
-        keys, values = layer.gather(slots)
-        return keys, values, self._slots.positions[slots].copy()
-
-    def positions_kv(self, layer_idx: int, positions: np.ndarray) -> tuple[A, A]:
-        """Keys and values `[B, H, n, D]` of resident `positions` of one layer, in that order (dense copies)."""
-        slots = self._strategy.slots_of(positions)
-        held = self._slots.positions[: self.stage_offset]
-        if slots.size and (int(slots.max()) >= held.size or not np.array_equal(held[slots], positions)):
-            raise ValueError(f"positions {positions[:5].tolist()}... are not all resident")
-        layer = self._layers[layer_idx]
-        if not layer.active:
-            raise ValueError(f"layer {layer_idx} holds no K/V")
-        return layer.gather(slots)
-
-    def load_resident(self, state: Sequence[tuple[A, A]], positions: np.ndarray) -> None:
-        """An empty cache takes `state` (every layer's K/V `[B, H, n, D]` of `positions`, in order) as what it
-        holds after committing positions `[0, positions[-1] + 1)`; `positions` are those the strategy keeps."""
-        if self._next_position or self._staged:
-            raise ValueError("only an empty cache loads resident K/V")
-        next_position = int(positions[-1]) + 1 if positions.size else 0
-        if not np.array_equal(positions, self._strategy.resident_positions(next_position)):
-            raise ValueError(f"the {self._strategy.name} strategy does not keep exactly these positions")
-        self._restore(state, positions, next_position)
-
-    @property
-    def state(self) -> list[tuple[A, A] | None]:
-        """Resident K/V of every layer in position order (None for a layer that holds none)."""
-        slots = self._resident_slots()
-        return [layer.gather(slots) if layer.active else None for layer in self._layers]
-
-    @property
-    def meta_state(self) -> dict[str, Any]:
-        """What `state` needs to be rebuilt: the strategy, the next position and the resident positions."""
-        return {
-            "strategy": self._strategy.name,
-            **strategy_options(self._strategy),
-            "next_position": self._next_position,
-            "positions": self._slots.positions[self._resident_slots()].tolist(),
-        }
-
+    # -- copies --------------------------------------------------------------------------------------------------
     @classmethod
     def from_state(
         cls,
@@ -411,37 +298,9 @@ class KVSessionCache(Generic[A]):
         twin._fill(loads, self._slots.positions[keep], length)
         return twin
 
-    def _restore(self, state: Sequence[tuple[A, A] | None], positions: np.ndarray, next_position: int) -> None:
-        loads = [
-            None if kv is None else partial(_load_state, layer, kv)
-            for layer, kv in zip(self._layers, state, strict=True)
-        ]
-        self._fill(loads, positions, next_position)
-
-    def _fill(
-        self, loads: Sequence[Callable[[np.ndarray], None] | None], positions: np.ndarray, next_position: int
-    ) -> None:
-        """Hold `positions` as resident, each layer's entries written by its `loads` callable (given the slots)."""
-        self._next_position = next_position
-        if positions.size != self.resident_count:
-            raise ValueError(f"{positions.size} resident positions given, the strategy keeps {self.resident_count}")
-        slots = self._strategy.slots_of(positions)
-        self._grow(max(self.stage_offset, 1))
-        self._slots.positions[slots] = positions
-        for layer, load in zip(self._layers, loads, strict=True):
-            if load is not None:
-                load(slots)
-                layer.held = positions.size
-        self._ops.settle(self.arrays())
-        self.check_invariants()
-
     def release(self) -> None:
         for layer in self._layers:
             layer.release()
         self._slots.release()
         self._prefix = None
         self._released = True
-
-
-def _load_state(layer: LayerStore[A], kv: tuple[A, A], slots: np.ndarray) -> None:
-    layer.load(slots, *kv)

@@ -18,7 +18,6 @@ docs/kv-compression.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Generic
 
 import numpy as np
@@ -30,36 +29,13 @@ from kv_cache_proposer.compression.codec import CodedBlock, LatticeCodec, Staged
 from kv_cache_proposer.compression.coding_ledger import CodingLedger, select
 from kv_cache_proposer.compression.deferred_coding import BegunCoding, PendingEntry, finish_codings, start_codings
 from kv_cache_proposer.compression.packed_codes import PackedCodes
-from kv_cache_proposer.compression.working_residents import DecodedWorking, HeldWorking, WorkingResidents
+from kv_cache_proposer.compression.working_residents import HeldWorking, PackedLayout, WorkingResidents, new_working
 
 CodecFactory = Callable[[A], LatticeCodec[A]]
 """Builds the codec for a layer from its first K/V `[B, H, n, D]` (head dimension, device)."""
 
 PACK_EVERY = 256
 """Committed entries a layer keeps as unpacked lattice coordinates (int16, on the backend) before packing them."""
-
-
-@dataclass(frozen=True, slots=True)
-class PackedLayout(Generic[A]):
-    """What a packed layer learns from its first K/V: the codec and the K/V's shape and dtype."""
-
-    codec: LatticeCodec[A]
-    batch: int
-    heads: int
-    itemsize: int  # bytes of one value in the model's dtype
-    model_dtype: Any
-
-    @property
-    def rows(self) -> int:
-        return self.batch * self.heads
-
-    @property
-    def entry_coding_bytes(self) -> int:
-        """Bytes of one entry's coding: the K and V rows' int16 coordinates and fp16 norm and qmax."""
-        return 2 * self.rows * (2 * self.codec.spec.head_dim + 4)
-
-    def shape(self, count: int) -> tuple[int, int, int, int]:
-        return (self.batch, self.heads, count, self.codec.spec.head_dim)
 
 
 class PackedLayerStore(Generic[A]):
@@ -379,16 +355,7 @@ class PackedLayerStore(Generic[A]):
         (`held`), otherwise decoded."""
         if self._work is not None:
             return self._work
-        layout = self._layout_of()
-        work: WorkingResidents[A]
-        if self._held_allowed and layout.codec.reads_held:
-            one = np.zeros(1, dtype=np.int64)
-            first = [(self._ops.take(keys, one), self._ops.take(values, one))]
-            sample = layout.codec.code_blocks(first, layout.model_dtype)[0][2]  # shows the codings' arrays
-            work = HeldWorking(self._ops, layout.codec, sample, layout.model_dtype, layout.batch)
-        else:
-            shape = (layout.batch, layout.heads, layout.codec.spec.head_dim)
-            work = DecodedWorking(self._ops, layout.codec, layout.model_dtype, shape)
+        work = new_working(self._ops, self._layout_of(), keys, values, held=self._held_allowed)
         work.reserve(self._capacity)
         self.pack()
         packed = self._packed_of()

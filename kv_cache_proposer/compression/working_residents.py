@@ -7,11 +7,13 @@ unpacked, so nothing packed is decoded per step, and the dense stage of the forw
   reads dense K/V only (MLX, transformers' modules).
 
 Both take resident entries as host codings (`load`) or as a commit's staged coding, and hand attention what it
-reads (`read_parts`). The packed layer store (`packed_store`) chooses the form when a generation begins.
+reads (`read_parts`). The packed layer store (`packed_store`) chooses the form when a generation begins
+(`new_working`), from what it learnt of its first K/V (`PackedLayout`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Generic, Protocol
 
 import numpy as np
@@ -25,6 +27,29 @@ from kv_cache_proposer.compression.held_residents import HeldResidents
 STAGE_ROOM = 64
 """Dense stage slots `HeldWorking` keeps between forwards: room for a decode step or a speculative block read
 twice; a larger stage (a prefill chunk's) is dropped at its commit."""
+
+
+@dataclass(frozen=True, slots=True)
+class PackedLayout(Generic[A]):
+    """What a packed layer learns from its first K/V: the codec and the K/V's shape and dtype."""
+
+    codec: LatticeCodec[A]
+    batch: int
+    heads: int
+    itemsize: int  # bytes of one value in the model's dtype
+    model_dtype: Any
+
+    @property
+    def rows(self) -> int:
+        return self.batch * self.heads
+
+    @property
+    def entry_coding_bytes(self) -> int:
+        """Bytes of one entry's coding: the K and V rows' int16 coordinates and fp16 norm and qmax."""
+        return 2 * self.rows * (2 * self.codec.spec.head_dim + 4)
+
+    def shape(self, count: int) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, count, self.codec.spec.head_dim)
 
 
 class WorkingResidents(Protocol[A]):
@@ -195,3 +220,15 @@ class DecodedWorking(Generic[A]):
         if slots > self._room:
             self._room = max(slots, self._room + self._room // 2)
             self._dense.reserve(self._room)
+
+
+def new_working(ops: ArrayOps[A], layout: PackedLayout[A], keys: A, values: A, *, held: bool) -> WorkingResidents[A]:
+    """The working form a generation begins with (`keys`, `values`: its first forward's, which show the backend's
+    arrays): coordinates where the codec can be read so and `held` allows it, otherwise decoded."""
+    if held and layout.codec.reads_held:
+        one = np.zeros(1, dtype=np.int64)
+        first = [(ops.take(keys, one), ops.take(values, one))]
+        sample = layout.codec.code_blocks(first, layout.model_dtype)[0][2]  # shows the codings' arrays
+        return HeldWorking(ops, layout.codec, sample, layout.model_dtype, layout.batch)
+    shape = (layout.batch, layout.heads, layout.codec.spec.head_dim)
+    return DecodedWorking(ops, layout.codec, layout.model_dtype, shape)
