@@ -23,6 +23,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "platform": platform.platform(),
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
+        "cpu": _cpu_name(),
     }
     try:
         info["git_commit"] = subprocess.run(
@@ -35,9 +36,21 @@ def environment(**extra: Any) -> dict[str, Any]:
 
         info["torch"] = torch.__version__
         info["torch_threads"] = torch.get_num_threads()
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()  # the vector ISA its kernels use
         if torch.cuda.is_available():
             info["cuda_device"] = torch.cuda.get_device_name()
     return {**info, **extra}
+
+
+def _cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def new_stamp() -> str:

@@ -3,7 +3,8 @@ PyTorch's packed CPU kernels.
 
 A CPU decodes at the speed it reads weights, so these are its first lever; K/V, norms, attention and the residual
 stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
-path), except the int8 LM head's, whose inputs meet its codes as integers (`INT8_SPLIT`). int8 holds one
+path), except the int8 LM head's: its inputs meet its codes as integers (`INT8_SPLIT`) on a CPU with int8 dot
+products, and its codes in float32 elsewhere (`DENSE_EXACT`; `integer_head_product`). int8 holds one
 symmetric scale per output channel; int4 holds asymmetric 4-bit codes in groups of 32 inputs (a scale and a zero
 point per group), the layout of a GGUF Q4_1 block, whose dequantized weights it represents exactly up to the
 bfloat16 rounding of the block's scale and offset. The token embedding stays in the model's dtype
@@ -39,7 +40,7 @@ DENSE_EXACT = 4
 # so a row's values never depend on the rows beside it, and the inputs meet the codes within about 2^-14 of a
 # row's largest value where the packed kernel rounds them to bfloat16. It pays on a wide layer (the LM head, whose
 # packed product costs almost as much per row as for one) and costs more than the packed kernel on the narrower
-# layers of a transformer block.
+# layers of a transformer block; and only on a CPU with int8 dot products (`integer_head_product`).
 INT8_SPLIT = 5
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
@@ -74,6 +75,15 @@ def exact_dense(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 @functools.cache
+def integer_head_product() -> bool:
+    """Whether this CPU multiplies int8 by int8 with dot-product instructions (AVX-512 VNNI, AVX-VNNI, AMX), where
+    oneDNN's integer product is fast; without them it runs a generic loop, slower than the float32 product of the
+    same codes (docs/models.md, "The LM head's product")."""
+    capabilities = torch.cpu.get_capabilities()
+    return any(capabilities.get(name, False) for name in ("avx512_vnni", "avx_vnni", "amx_int8"))
+
+
+@functools.cache
 def _warn_inexact() -> None:
     log.warning(
         "this PyTorch has no oneDNN linear operator: float32 products run PyTorch's default kernel, and a token's "
@@ -93,8 +103,8 @@ def linear(
     # literal kinds: TorchScript compiles this function and reads no module constants
     if kind == 0:  # DENSE
         return F.linear(x, weight, bias)
-    if kind == 4:  # DENSE_EXACT
-        return _exact_product(x, weight, bias)
+    if kind == 4:  # DENSE_EXACT (float32 weights; an int8 head's inputs may be in another dtype)
+        return _exact_product(x.float(), weight, bias).to(x.dtype)
     if kind == 5:  # INT8_SPLIT
         assert qparams is not None
         return split_int8_product(x, weight, bias, qparams)
@@ -138,7 +148,9 @@ def _as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> t
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight is held as bfloat16, int8 or int4 (`linear` computes it); `wide`: an int8 weight
-    is multiplied by `split_int8_product` (`INT8_SPLIT`) where this PyTorch has oneDNN."""
+    is multiplied by `split_int8_product` (`INT8_SPLIT`) where this PyTorch has oneDNN and the CPU int8 dot
+    products, and held as the float32 values of its codes for oneDNN's float32 product (`DENSE_EXACT`, 4x the
+    bytes) where it has oneDNN only: both give a row the same values whatever rows share its forward."""
 
     def __init__(self, source: nn.Linear, weights: str, *, wide: bool = False) -> None:
         super().__init__()
@@ -152,7 +164,12 @@ class PackedLinear(nn.Module):
         elif self.kind == INT8:
             packed, qparams = quantize_int8(dense)
             if wide and torch.backends.mkldnn.is_available():
-                self.kind, qparams = INT8_SPLIT, qparams.float()  # the same bfloat16-rounded scales
+                values = packed.float() * qparams.float()[:, None]  # exact: 7-bit codes times bfloat16 scales
+                reordered = None if integer_head_product() else exact_dense(values)
+                if reordered is not None:
+                    self.kind, packed, qparams = DENSE_EXACT, reordered, None
+                else:
+                    self.kind, qparams = INT8_SPLIT, qparams.float()  # the same bfloat16-rounded scales
         else:
             packed, qparams = quantize_int4(dense)
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -205,7 +222,8 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
     """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
-    by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts)."""
+    by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts; an int8 head as
+    `DENSE_EXACT`: none)."""
     dense = weight.detach().float()
     if weights == "bfloat16":
         return dense.to(torch.bfloat16).float()
@@ -218,8 +236,8 @@ def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
 
 def pack_linears(model: nn.Module, weights: str) -> int:
     """Replace every linear layer of `model` (the LM head included, untied from the embedding) by a `PackedLinear`
-    holding `weights` (bfloat16, int8 or int4; the LM head int8 under int4, multiplied as `INT8_SPLIT`); returns how
-    many were replaced."""
+    holding `weights` (bfloat16, int8 or int4; the LM head int8 under int4, multiplied as `INT8_SPLIT` or held as
+    `DENSE_EXACT`, see `PackedLinear`); returns how many were replaced."""
     if weights not in _KINDS:
         raise ValueError(f"pack_linears takes bfloat16, int8 or int4, not {weights!r}")
     device = next(model.parameters()).device

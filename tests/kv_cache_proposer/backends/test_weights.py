@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference_engine.model_source import resolve_model
+from kv_cache_proposer.backends.torch_backend import weights as weights_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
+    DENSE_EXACT,
     INT4,
     INT8,
     INT8_SPLIT,
@@ -21,6 +23,7 @@ from kv_cache_proposer.backends.torch_backend.weights import (
     held_values,
     int4_codes,
     int4_values,
+    integer_head_product,
     linear,
     pack_linears,
     quantize_int8,
@@ -131,7 +134,7 @@ def test_a_q4_1_block_is_held_at_its_own_codes_scale_and_offset():
 def test_int4_holds_the_lm_head_at_int8(checkpoints):
     model = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4").model
     head = model.get_output_embeddings()
-    assert isinstance(head, PackedLinear) and head.kind == INT8_SPLIT
+    assert isinstance(head, PackedLinear) and head.kind == (INT8_SPLIT if integer_head_product() else DENSE_EXACT)
     assert (
         isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
         and model.model.layers[0].mlp.down_proj.kind == INT4
@@ -156,6 +159,26 @@ def test_the_split_int8_product_gives_a_row_the_same_values_among_any_rows_and_m
     split_error = float((split.double() - exact).abs().max())
     assert split_error < 2e-3 * float(exact.abs().max())
     assert split_error * 10 < float((packed.double() - exact).abs().max())
+
+
+@pytest.mark.parametrize("integer", [True, False], ids=["int8-dot-products", "none"])
+def test_an_int8_head_holds_its_codes_and_gives_a_row_the_same_logits_among_any_rows_on_either_cpu(
+    monkeypatch, integer
+):
+    monkeypatch.setattr(weights_module, "integer_head_product", lambda: integer)
+    generator = torch.Generator().manual_seed(1)
+    source = torch.nn.Linear(96, 300, bias=False)
+    with torch.no_grad():
+        source.weight.copy_(torch.randn(300, 96, generator=generator))
+    head = PackedLinear(source, "int8", wide=True)
+    assert head.kind == (INT8_SPLIT if integer else DENSE_EXACT)
+    x = torch.randn(40, 96, generator=generator)
+    x[:, 7] *= 40  # an outlier input
+    logits = head(x)
+    for start, count in ((0, 1), (3, 2), (5, 5), (11, 9), (0, 40)):
+        assert torch.equal(head(x[start : start + count]), logits[start : start + count]), (start, count)
+    exact = x.double() @ held_values(source.weight, "int8").double().t()
+    assert float((logits.double() - exact).abs().max()) < 2e-3 * float(exact.abs().max())
 
 
 def test_int8_and_int4_refuse_a_device_their_kernels_do_not_run_on():
