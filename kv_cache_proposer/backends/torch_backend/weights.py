@@ -164,8 +164,9 @@ class PackedLinear(nn.Module):
         elif self.kind == INT8:
             packed, qparams = quantize_int8(dense)
             if wide and torch.backends.mkldnn.is_available():
-                values = packed.float() * qparams.float()[:, None]  # exact: 7-bit codes times bfloat16 scales
-                reordered = None if integer_head_product() else exact_dense(values)
+                reordered = None
+                if not integer_head_product():  # the codes' values: 7-bit codes times bfloat16 scales, exact
+                    reordered = exact_dense(packed.float() * qparams.float()[:, None])
                 if reordered is not None:
                     self.kind, packed, qparams = DENSE_EXACT, reordered, None
                 else:
