@@ -179,8 +179,6 @@ class KVSessionCache(ResidentCache[A]):
                 # generation can fill: room beyond it would only count against the session's peak.
                 grown = capacity + max(capacity // 2, _GROWTH_TOKENS)
                 needed = max(needed, grown if self._horizon is None else min(grown, self._horizon))
-                if self._key_block and not self._lossy:  # attention reads whole key blocks from the buffers' room
-                    needed += -needed % self._key_block
             self._grow(needed)
         self._slots.stage(offset + kept, self._next_position + kept, block_len)
         self._staged = kept + block_len
