@@ -26,6 +26,20 @@ class ArrayOps(Protocol[A]):
         """`buffer` extended with zero slots to `capacity`, its contents kept."""
         ...
 
+    def alloc_pair(self, keys: A, values: A, capacity: int, room: int = 0) -> tuple[A, A]:
+        """Zero buffers for one layer's keys and values, each as `alloc`. `room`: how many slots past a buffer's
+        end attention may read (values it masks out); a backend may then place both buffers and zeroed room after
+        them in one allocation, so that such a read stays in it (`pair_nbytes` counts the room)."""
+        ...
+
+    def grow_pair(self, keys: A, values: A, capacity: int, room: int = 0) -> tuple[A, A]:
+        """`keys` and `values` extended with zero slots to `capacity`, their contents kept (as `alloc_pair`)."""
+        ...
+
+    def pair_nbytes(self, keys: A, values: A) -> int:
+        """Bytes one layer's keys and values hold, with any room `alloc_pair` placed after them."""
+        ...
+
     def write(self, buffer: A, start: int, values: A) -> A:
         """Write `values` `[B, H, n, D]` into slots `[start, start + n)` of `buffer`; returns the buffer."""
         ...
@@ -81,6 +95,18 @@ class ArrayOps(Protocol[A]):
 
 class IndexedArrayOps(Generic[A]):
     """The part of `ArrayOps` every backend writes alike, for arrays that index and slice like numpy's."""
+
+    def alloc_pair(self, keys: A, values: A, capacity: int, room: int = 0) -> tuple[A, A]:
+        ops: Any = self
+        return ops.alloc(keys, capacity), ops.alloc(values, capacity)
+
+    def grow_pair(self, keys: A, values: A, capacity: int, room: int = 0) -> tuple[A, A]:
+        ops: Any = self
+        return ops.grow(keys, capacity), ops.grow(values, capacity)
+
+    def pair_nbytes(self, keys: A, values: A) -> int:
+        ops: Any = self
+        return int(ops.nbytes(keys) + ops.nbytes(values))
 
     def write(self, buffer: A, start: int, values: A) -> A:
         target: Any = buffer

@@ -195,6 +195,7 @@ class DenseLayerStore(Generic[A]):
     def __init__(self, ops: ArrayOps[A], dtype: Any = None) -> None:
         self._ops = ops
         self._dtype = dtype
+        self.read_past = 0  # slots past the buffers' end attention may read (masked): room for it (`alloc_pair`)
         self._keys: A | None = None
         self._values: A | None = None
         self._capacity = 0
@@ -216,17 +217,23 @@ class DenseLayerStore(Generic[A]):
     def nbytes(self) -> int:
         if self._keys is None or self._values is None:
             return 0
+        return self._ops.pair_nbytes(self._keys, self._values)
+
+    def _slot_bytes(self) -> int:
+        """Bytes of the buffers' slots, without room `alloc_pair` placed after them."""
+        if self._keys is None or self._values is None:
+            return 0
         return self._ops.nbytes(self._keys) + self._ops.nbytes(self._values)
 
     def working_nbytes(self, slots: int) -> int:
         if self._capacity <= slots:
-            return 0
-        return self.nbytes - self.nbytes * slots // self._capacity
+            return self.nbytes - self._slot_bytes()
+        return self.nbytes - self._slot_bytes() * slots // self._capacity
 
     def footprint(self) -> StoreFootprint:
         if self._keys is None or self._capacity == 0:
             return StoreFootprint(0, 0, 0)
-        return StoreFootprint(0, self.nbytes * self.held // self._capacity, 0)
+        return StoreFootprint(0, self._slot_bytes() * self.held // self._capacity, 0)
 
     def arrays(self) -> list[A]:
         if self._keys is None or self._values is None:
@@ -237,14 +244,12 @@ class DenseLayerStore(Generic[A]):
         if capacity <= self._capacity:
             return
         if self._keys is not None and self._values is not None:
-            self._keys = self._ops.grow(self._keys, capacity)
-            self._values = self._ops.grow(self._values, capacity)
+            self._keys, self._values = self._ops.grow_pair(self._keys, self._values, capacity, self.read_past)
         self._capacity = capacity
 
     def _buffers(self, keys: A, values: A) -> tuple[A, A]:
         if self._keys is None or self._values is None:
-            self._keys = self._ops.alloc(keys, self._capacity)
-            self._values = self._ops.alloc(values, self._capacity)
+            self._keys, self._values = self._ops.alloc_pair(keys, values, self._capacity, self.read_past)
         return self._keys, self._values
 
     def _held(self, array: A) -> A:
@@ -288,9 +293,12 @@ class DenseLayerStore(Generic[A]):
         self.load(slots, *source.gather(source_slots))
 
     def park(self, slots: int) -> None:
-        # One copy per generation, so that a parked session holds its resident entries and no growth room.
-        if self._keys is None or self._values is None or self._capacity <= slots:
+        # One copy per generation, so that a parked session holds its resident entries and no room.
+        if self._keys is None or self._values is None:
             return
+        if self._capacity <= slots and self.nbytes == self._slot_bytes():
+            return
+        slots = min(slots, self._capacity)
         kept = np.arange(slots, dtype=np.int64)
         self._keys, self._values = self._ops.take(self._keys, kept), self._ops.take(self._values, kept)
         self._ops.settle([self._keys, self._values])  # the old buffers are freed now, not at the next forward

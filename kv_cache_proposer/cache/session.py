@@ -17,6 +17,7 @@ import numpy as np
 from kv_cache_proposer.cache.arrays import A, ArrayOps
 from kv_cache_proposer.cache.key_layout import BlockedLayout
 from kv_cache_proposer.cache.layer_store import (
+    DenseLayerStore,
     LayerStoreFactory,
     RestingStore,
     finish_stages,
@@ -52,6 +53,10 @@ class KVSessionCache(ResidentCache[A]):
         self._key_block = key_block  # as given, for a copy under another strategy
         # what the model calls lay their keys out by: bounded caches of dense layers
         self._layout_block = key_block if strategy.bounded_slots is not None and not self._lossy else None
+        if key_block and strategy.bounded_slots is None:  # attention reads a layer's K/V up to a whole key block
+            for layer in self._layers:
+                if isinstance(layer, DenseLayerStore):
+                    layer.read_past = key_block - 1
         self._layout: BlockedLayout | None = None  # where the model call in flight reads its keys, if blocked
         self._query_start = self._query_end = 0  # the part of the stage the model call in flight processes
         self._staged_counts = [0] * num_layers  # staged K/V written per layer since the stage began

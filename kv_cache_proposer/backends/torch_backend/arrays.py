@@ -9,6 +9,8 @@ import torch
 
 from kv_cache_proposer.cache.arrays import IndexedArrayOps
 
+_ROOM_SHARE = 8  # `alloc_pair` places room for reads past the end where it adds at most an eighth of the bytes
+
 
 class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
     """`ArrayOps` over torch tensors; writes happen in place."""
@@ -35,6 +37,35 @@ class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
         grown = self.alloc(buffer, capacity)
         grown[:, :, : buffer.shape[2]] = buffer
         return grown
+
+    def alloc_pair(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, room: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys, then values, then `room` slots of one head in one zeroed allocation (where both have one shape,
+        dtype and device and the room adds at most `1 / _ROOM_SHARE` of their bytes): a read of up to `room` slots
+        past the end of a head lands in the next head's slots, the values' first head or the room."""
+        batch, heads, _, dim = keys.shape
+        paired = keys.shape == values.shape and keys.dtype == values.dtype and keys.device == values.device
+        if not room or not paired or room * _ROOM_SHARE > 2 * batch * heads * capacity:
+            return self.alloc(keys, capacity), self.alloc(values, capacity)
+        size = batch * heads * capacity * dim
+        storage = torch.zeros(2 * size + room * dim, dtype=keys.dtype, device=keys.device)
+        shape = (batch, heads, capacity, dim)
+        return storage[:size].view(shape), storage[size : 2 * size].view(shape)
+
+    def grow_pair(
+        self, keys: torch.Tensor, values: torch.Tensor, capacity: int, room: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        grown = self.alloc_pair(keys, values, capacity, room)
+        for new, old in zip(grown, (keys, values), strict=True):
+            new[:, :, : old.shape[2]] = old
+        return grown
+
+    def pair_nbytes(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        storage = keys.untyped_storage()
+        if storage.data_ptr() == values.untyped_storage().data_ptr():
+            return int(storage.nbytes())
+        return self.nbytes(keys) + self.nbytes(values)
 
     def take(self, buffer: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         return buffer.index_select(2, self._index(slots))

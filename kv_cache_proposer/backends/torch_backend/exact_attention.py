@@ -90,15 +90,16 @@ def joined(parts: list[torch.Tensor], padded: bool) -> torch.Tensor:
 
 
 def _with_room(x: torch.Tensor, length: int) -> torch.Tensor:
-    """`x` `[1, H, K, D]` read up to `length` keys: the view extended into the buffer it is a view of where that
-    buffer has the room (a cache's buffers are allocated zeroed, and every slot holds finite values), else padded
-    with zeros. What lies beyond `K` is masked out, so only its finiteness matters."""
+    """`x` `[1, H, K, D]` read up to `length` keys: the view extended in place where the memory it is a view of
+    goes on that far (a head's read runs into its own spare slots, the next head's slots, or the room a cache's
+    buffers have after them: `ArrayOps.alloc_pair`), else padded with zeros. What lies beyond `K` is masked out, so
+    only its finiteness matters: a cache's buffers are allocated zeroed, and every slot holds finite values."""
     batch, heads, count, dim = x.shape
     if length == count:
         return x
     stride = x.stride()
     end = x.storage_offset() + (heads - 1) * stride[1] + length * stride[2]
-    fits = batch == 1 and stride[3] == 1 and stride[2] == dim and stride[1] >= length * dim
+    fits = batch == 1 and stride[3] == 1 and stride[2] == dim and stride[1] >= count * dim
     if fits and end <= x.untyped_storage().nbytes() // x.element_size():
         return x.as_strided((batch, heads, length, dim), stride)
     return torch.cat([x, x.new_zeros(batch, heads, length - count, dim)], dim=2)

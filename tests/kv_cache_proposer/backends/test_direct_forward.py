@@ -12,6 +12,9 @@ from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, 
 
 from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.backends.torch_backend import direct as direct_module
+from kv_cache_proposer.backends.torch_backend import exact_attention as exact_module
+from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
+from kv_cache_proposer.backends.torch_backend.exact_attention import KEY_BLOCK
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.strategies import FullStrategy, KVStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
@@ -177,13 +180,19 @@ def _assert_delivery_invariant(model_dir: Path, strategy: KVStrategy, weights: s
 
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
-@pytest.mark.parametrize("room", [True, False])
+@pytest.mark.parametrize("room", ["spare slots", "after the pair", "none"])
 def test_a_query_s_attention_does_not_depend_on_its_block(groups, room):
     torch.manual_seed(groups)
     kv_heads, dim, total = 2, 16, 1300
     q = torch.randn(1, total, kv_heads * groups, dim).transpose(1, 2)  # the layout the forward gives
-    buffer = torch.randn(2, 1, kv_heads, 2048 if room else total, dim)
-    keys, values = buffer[0][:, :, :total], buffer[1][:, :, :total]
+    if room == "after the pair":  # a cache's buffers: keys, values and room for whole key blocks in one allocation
+        like = torch.empty(1, kv_heads, 0, dim)
+        keys, values = TorchArrayOps(torch.device("cpu")).alloc_pair(like, like, total, KEY_BLOCK - 1)
+        keys.copy_(torch.randn_like(keys))
+        values.copy_(torch.randn_like(values))
+    else:
+        buffer = torch.randn(2, 1, kv_heads, 2048 if room == "spare slots" else total, dim)
+        keys, values = buffer[0][:, :, :total], buffer[1][:, :, :total]
     layer = direct_module._Layer((), (), "full_attention", groups, dim, dim**-0.5)
 
     def delivered(sizes: list[int]) -> torch.Tensor:
@@ -202,6 +211,27 @@ def test_a_query_s_attention_does_not_depend_on_its_block(groups, room):
     torch.testing.assert_close(expected, reference, rtol=2e-6, atol=2e-6)
     for sizes in ([1] * 40 + [1260], [512, 511, 1, 276], [3, 700, 597], [100] * 13):
         assert torch.equal(delivered(sizes), expected), sizes
+
+
+@pytest.mark.parametrize(("capacity", "in_place"), [(1300, True), (300, False)])
+def test_attention_reads_whole_key_blocks_of_a_pair_of_buffers_in_place_where_their_room_reaches(capacity, in_place):
+    """Keys and values with room after them (`alloc_pair`) are read up to a whole key block as views of their own
+    allocation, every slot past the end zero or another head's; without room (where it would cost more than an
+    eighth of the pair) they are padded copies."""
+    like = torch.empty(1, 3, 0, 8)
+    ops = TorchArrayOps(torch.device("cpu"))
+    keys, values = ops.alloc_pair(like, like, capacity, KEY_BLOCK - 1)
+    keys.copy_(torch.randn_like(keys))
+    values.copy_(torch.randn_like(values))
+    room = (KEY_BLOCK - 1) * 8 * 4 if in_place else 0
+    assert ops.pair_nbytes(keys, values) == 2 * keys.numel() * 4 + room
+    length = capacity + (-capacity) % KEY_BLOCK
+    for buffer in (keys, values):
+        read = exact_module._with_room(buffer, length)
+        assert read.shape == (1, 3, length, 8) and torch.equal(read[:, :, :capacity], buffer)
+        assert (read.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()) == in_place
+        assert torch.isfinite(read).all()
+    assert torch.equal(exact_module._with_room(values, length)[0, 2, capacity:], torch.zeros(length - capacity, 8))
 
 
 @pytest.mark.parametrize("groups", [1, 2, 4])

@@ -16,7 +16,7 @@ from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.backends import BACKENDS, to_numpy
-from tests.support.checkpoints import VOCAB_SIZE
+from tests.support.checkpoints import COMMON_SHAPE, VOCAB_SIZE
 
 pytestmark = pytest.mark.parametrize("backend", BACKENDS)
 
@@ -331,3 +331,48 @@ def test_a_generation_reserves_room_for_what_it_can_fill_not_half_the_history_ag
     cache.park()
     cache.begin_stage(1)  # outside a generation nothing bounds it: appends grow geometrically
     assert slots() >= 313 + 313 // 2
+
+
+def test_a_long_history_s_keys_and_values_share_one_allocation_with_room_for_whole_key_blocks(verifiers, backend):
+    """Where attention reads keys in whole blocks past a buffer's end (the torch direct forward on a CPU), a long
+    unbounded history's K/V are read in place: each layer's keys and values lie in one allocation with zeroed room
+    after them, which the cache's bytes count and parking drops; a short history, or a bounded cache, has none;
+    the values are those of buffers without the room. MLX's attention reads no further than the keys: no room."""
+    verifier = verifiers["qwen3"]
+    assert verifier.key_block  # the direct forward, and MLX on a Linux CPU, read whole key blocks
+    prompt, more = _tokens(11, 1100), _tokens(12, 6)
+    roomy, plain, short = (verifier.new_cache(FullStrategy()) for _ in range(3))
+    bounded = verifier.new_cache(SinkWindowStrategy(sink=4, window=1000))
+    for layer in plain._layers:
+        layer.read_past = 0
+    for cache, tokens in ((roomy, prompt), (plain, prompt), (short, prompt[:300]), (bounded, prompt)):
+        verifier.verify(cache, tokens, 1)
+        verifier.commit(cache, len(tokens))
+
+    def shared(cache: KVSessionCache[Any]) -> set[bool]:
+        if backend != "torch":
+            return {False}
+        return {
+            layer._keys.untyped_storage().data_ptr() == layer._values.untyped_storage().data_ptr()
+            for layer in cache._layers
+        }
+
+    def slot_bytes(cache: KVSessionCache[Any]) -> int:
+        return sum(cache.ops.nbytes(array) for array in cache.arrays())
+
+    paired = backend == "torch"
+    head_dim = COMMON_SHAPE["hidden_size"] // COMMON_SHAPE["num_attention_heads"]
+    room = (verifier.key_block - 1) * head_dim * 4 if paired else 0  # bytes per layer
+    assert shared(roomy) == {paired} and shared(plain) == shared(short) == shared(bounded) == {False}
+    assert sum(layer.nbytes for layer in roomy._layers) == slot_bytes(roomy) + roomy.num_layers * room
+    assert sum(layer.nbytes for layer in short._layers) == slot_bytes(short)
+    held = roomy.footprint().dense_equivalent_bytes
+    assert held == plain.footprint().dense_equivalent_bytes == slot_bytes(plain) * 1100 // plain._slots.capacity
+    assert roomy.footprint().working_bytes >= roomy.num_layers * room
+    expected = to_numpy(verifier.verify(plain, more, len(more)).logits)
+    np.testing.assert_array_equal(to_numpy(verifier.verify(roomy, more, len(more)).logits), expected)
+    for cache in (roomy, plain):
+        verifier.commit(cache, 0)
+        cache.park()
+    assert shared(roomy) == {False}
+    assert sum(layer.nbytes for layer in roomy._layers) == slot_bytes(roomy) == slot_bytes(plain)
