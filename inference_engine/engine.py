@@ -25,6 +25,7 @@ from inference_engine.domain import GenerationStats, StopReason
 from inference_engine.errors import ShuttingDown
 from inference_engine.generation import STOP_REASONS, Generation, StepOutput, call_soon
 from inference_engine.journal import Journal, JournalAppended
+from inference_engine.memory import release_free_memory
 from inference_engine.metrics import Metrics
 from kv_cache_proposer.decoding import Decoder, StepResult
 
@@ -235,10 +236,15 @@ class EngineLoop:
             self._running.remove(generation)
         self._running += batch
         results: Sequence[StepResult | Exception]
+        prefilled = any(generation.seq.pending_count > 1 for generation in batch)
         try:
             results = self.decoder.step_batch([generation.request() for generation in batch])
         except Exception as exc:  # the decoder isolates sessions; this is a failure of the forward itself
             results = [exc] * len(batch)
+        if prefilled:
+            # A prefill forward grows caches (the buffers they outgrew are freed) and frees a chunk's working
+            # storage: what the process keeps should follow what sessions hold, not the last forward's peak.
+            release_free_memory()
         return [self._post_process(g, r) for g, r in zip(batch, results, strict=True)]
 
     def _post_process(self, generation: Generation, result: StepResult | Exception) -> _Delivery:

@@ -5,8 +5,9 @@ allocations, per thread arena, and places large blocks in the heap once the prog
 threshold grows up to 32 MiB), so a generation's working storage, freed when its session parks, can stay in the
 process's resident set long after: the KV budget then bounds what sessions hold but not the memory the daemon
 keeps. `malloc_trim(0)` returns every arena's free pages to the system. The daemon calls it after a session parks
-or closes, on the engine thread between two steps. Where the C library has no `malloc_trim` (macOS,
-musl) nothing is done.
+or closes, and after a forward that prefilled (caches grow then, and a chunk's working storage is largest), on the
+engine thread between two steps; never after a decode step, whose freed storage the next step reuses at once.
+Where the C library has no `malloc_trim` (macOS, musl) nothing is done.
 """
 
 from __future__ import annotations

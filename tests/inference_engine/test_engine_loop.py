@@ -132,6 +132,34 @@ def test_batch_size_one_runs_every_step_alone(verifiers):
     assert _sample(metrics, "kakeya_batch_size_bucket", {"le": "1.0"}) == 3
 
 
+def test_free_memory_goes_back_to_the_system_after_each_forward_that_prefilled_and_only_then(verifiers, monkeypatch):
+    verifier = verifiers["qwen3"]
+    engine, _ = _engine(verifier, max_batch_size=1)
+    events: list[str] = []
+    step_batch = engine.decoder.step_batch
+
+    def recorded_step(requests):
+        events.append("prefill" if any(r.seq.pending_count > 1 for r in requests) else "decode")
+        return step_batch(requests)
+
+    monkeypatch.setattr(engine.decoder, "step_batch", recorded_step)
+    monkeypatch.setattr("inference_engine.engine.release_free_memory", lambda: events.append("trim"))
+
+    async def run() -> None:
+        generation = _generation(_seq(verifier, 3 * CHUNK + 5), 4)
+        engine.begin(generation)
+        await _drain(generation)
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.close()
+    assert events.count("prefill") == 4 and events.count("decode") == 3  # 53 pending tokens in 16-token chunks
+    # each prefill forward is followed by a trim, a decode step never is
+    assert all(events[i + 1] == "trim" for i, event in enumerate(events) if event == "prefill")
+    assert all(i + 1 == len(events) or events[i + 1] != "trim" for i, event in enumerate(events) if event == "decode")
+
+
 def test_a_generation_cancelled_before_its_step_ends_untouched_and_the_others_run(verifiers):
     verifier = verifiers["qwen3"]
     engine, metrics = _engine(verifier, max_batch_size=8)

@@ -1,5 +1,6 @@
 """Memory the daemon freed goes back to the system: glibc keeps freed heap pages below a live block, and
-`release_free_memory` returns them (the daemon calls it after a session parks or closes)."""
+`release_free_memory` returns them (the daemon calls it after a session parks or closes, and after a forward that
+prefilled)."""
 
 from __future__ import annotations
 
