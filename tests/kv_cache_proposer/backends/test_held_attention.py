@@ -107,3 +107,18 @@ def test_held_attention_gives_the_same_values_on_one_thread_or_all_and_leaves_th
     allowed = np.ones((1, HISTORY), dtype=bool)
     expected = _reference(q.numpy(), decoded_keys.numpy(), decoded_values.numpy(), allowed, DIM**-0.5)
     np.testing.assert_allclose(out.numpy(), expected, atol=3e-5, rtol=3e-5)
+
+
+def test_no_held_key_at_all_reads_only_the_tail():
+    rng = np.random.default_rng(13)
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * 2, 1, DIM)).astype(np.float32))
+    own_keys, own_values = (
+        torch.from_numpy(rng.standard_normal((1, KV_HEADS, 3, DIM)).astype(np.float32)) for _ in "kv"
+    )
+    codec = TorchLatticeCodec(LatticeSpec("d4", DIM, 38), torch.device("cpu"))
+    held = _held(codec, own_keys[:, :, :0], own_values[:, :, :0])
+    assert held.length == 0
+    out = attend_parts(q, [held, (own_keys, own_values)], None, scale=DIM**-0.5)
+    allowed = np.ones((1, 3), dtype=bool)
+    expected = _reference(q.numpy(), own_keys.numpy(), own_values.numpy(), allowed, DIM**-0.5)
+    np.testing.assert_allclose(out.numpy(), expected, atol=3e-5, rtol=3e-5)
