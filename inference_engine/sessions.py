@@ -40,7 +40,7 @@ class Session:
     closed: bool = False
     invariant_violations: dict[str, int] = field(default_factory=lambda: {"inv1": 0, "inv2": 0})
     single_shot: bool = False  # an HTTP shim request's session, which ends with its request
-    kv_peak_bytes: int = 0  # the most `kv_bytes` seen at once: after each step of its generations, and when charged
+    kv_peak_bytes: int = 0  # the most it was charged (`SessionStore`): after each step, its forward's high included
 
     @property
     def busy(self) -> bool:
@@ -195,8 +195,13 @@ class SessionStore:
 
     @staticmethod
     def _held_now(session: Session) -> int:
-        """What `session` holds now (`Session.kv_bytes`), noted in its peak."""
-        held = session.kv_bytes
+        """What `session` is charged now, noted in its peak: all it holds (`Session.kv_bytes`) or, while it
+        generates, what it held as its last forward ended if that is more (the whole stage beside everything else:
+        a compressed session's prefill chunk, dense until the commit codes it), which its next forward holds
+        about as much of."""
+        footprint = session.seq.cache.footprint()
+        drafting = int(session.seq.draft_session.nbytes)
+        held = max(footprint.nbytes, footprint.forward_bytes) + drafting
         session.kv_peak_bytes = max(session.kv_peak_bytes, held)
         return held
 

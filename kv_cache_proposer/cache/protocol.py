@@ -42,6 +42,7 @@ class CacheFootprint:
     escaped_vectors: int = 0  # resident vectors a compressed cache holds uncompressed (its code cannot hold them)
     restored_bytes: int = 0  # bytes of restored K/V of evicted positions held now (transient)
     peak_restored_bytes: int = 0  # the most bytes of restored K/V held at once so far
+    forward_bytes: int = 0  # bytes held as its last forward ended, its stage not yet committed (0 once parked)
     restoration_state_bytes: int = 0  # bytes of per-position state kept to restore evicted positions
     history_token_bytes: int = 0  # bytes of history token ids kept to rebuild evicted K/V by a forward
 

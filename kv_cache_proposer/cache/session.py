@@ -64,6 +64,7 @@ class KVSessionCache(ResidentCache[A]):
         self._call = NO_CALL
         self._released = False
         self._horizon: int | None = None  # the slots this generation may fill at most (`expect`); None: unknown
+        self._forward_bytes = 0  # `nbytes` as the last forward ended, its stage whole (`CacheFootprint`)
 
     # -- what is held --------------------------------------------------------------------------------------------
     def footprint(self) -> CacheFootprint:
@@ -85,6 +86,7 @@ class KVSessionCache(ResidentCache[A]):
             compressed_bytes=compressed,
             dense_equivalent_bytes=dense,
             escaped_vectors=escaped,
+            forward_bytes=self._forward_bytes,
         )
 
     @property
@@ -114,6 +116,7 @@ class KVSessionCache(ResidentCache[A]):
                 layer.park(used)
         self._slots.shrink(used)
         self._horizon = None
+        self._forward_bytes = 0
         return rested
 
     def expect(self, positions: int) -> None:
@@ -232,6 +235,10 @@ class KVSessionCache(ResidentCache[A]):
         if count and any(written != staged for written in self._staged_counts):
             missing = [i for i, written in enumerate(self._staged_counts) if written != staged]
             raise InvariantViolation("inv1", f"layers {missing} did not receive the K/V of the whole block")
+        if staged:
+            # The forward's high: everything held, with the whole stage (what a compressed layer then codes and
+            # drops, or the K/V of the positions this commit rejects) not yet committed.
+            self._forward_bytes = self.nbytes
         if count:
             self._finish_stage()
         plan = self._slots.commit_plan(self._strategy, self.stage_offset, self._next_position, count)

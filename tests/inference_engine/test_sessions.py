@@ -117,7 +117,7 @@ def test_the_budget_evicts_memory_holders_least_recent_first_and_spares_the_prot
     assert store.sessions() == [empty, grower]
 
 
-def test_the_budget_charges_a_generating_session_all_it_holds_and_its_peak_outlives_the_generation(verifier):
+def test_the_budget_charges_a_generating_session_its_last_forwards_high_and_its_peak_outlives_the_generation(verifier):
     store, _ = _store(kv_budget_bytes=10**9, max_sessions=10)
     factory = compressor_layer_store("torch", KVCompressor("kakeya_d4", 38))
     cache = verifier.new_cache(FullStrategy(), layer_store=factory)
@@ -126,8 +126,12 @@ def test_the_budget_charges_a_generating_session_all_it_holds_and_its_peak_outli
     session = Session(store.new_id(), "", frozenset(), SequenceState(cache=cache), store.now())
     store.add(session)
     other = _session(store, verifier, 40)
-    generating = session.kv_bytes
-    assert cache.footprint().working_bytes > 0  # the unpacked residents and the stage, held while it generates
+    held = cache.footprint()
+    assert held.working_bytes > 0  # the unpacked residents and the stage, held while it generates
+    # As its forward ended it held more: the 40 staged positions dense, not yet coded by the commit. That is what
+    # it is charged while it generates (its next forward holds about as much), and its peak.
+    assert held.forward_bytes > held.nbytes == session.kv_bytes
+    generating = held.forward_bytes
     store.kv_budget_bytes = generating + other.kv_bytes
     assert store.enforce_budget(protect=session) and len(store) == 2
     assert session.kv_peak_bytes == generating
@@ -135,7 +139,11 @@ def test_the_budget_charges_a_generating_session_all_it_holds_and_its_peak_outli
     assert store.enforce_budget(protect=session) and store.sessions() == [session]
     cache.park()
     store.charge(session)
-    assert cache.footprint().working_bytes == 0 and session.kv_bytes < generating
+    assert cache.footprint().working_bytes == 0 and cache.footprint().forward_bytes == 0
+    assert session.kv_bytes < held.nbytes
+    assert store.enforce_budget(protect=None)  # parked, it is charged what it holds
+    store.kv_budget_bytes = session.kv_bytes
+    assert store.enforce_budget(protect=session) and store.sessions() == [session]
     info = describe_session(session, 0, idle_seconds=0.0)
     assert info.kv_live_bytes == session.kv_bytes and info.kv_peak_bytes == generating
 

@@ -305,6 +305,22 @@ def test_a_parked_dense_cache_holds_its_resident_kv_and_no_growth_room_and_conti
     np.testing.assert_array_equal(to_numpy(verifier.verify(parked, more, len(more)).logits), expected)
 
 
+def test_a_cache_reports_what_it_held_as_its_last_forward_ended_until_it_parks(verifiers):
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(FullStrategy())
+    assert cache.footprint().forward_bytes == 0
+    verifier.verify(cache, _tokens(11, 40), 1)
+    staged = cache.nbytes  # the 40 positions staged, none committed yet
+    verifier.commit(cache, 40)
+    assert cache.footprint().forward_bytes == staged > 0
+    verifier.verify(cache, _tokens(12, 8), 8)  # a block of which the commit keeps 3
+    staged = cache.nbytes
+    verifier.commit(cache, 3)
+    assert cache.footprint().forward_bytes == staged
+    cache.park()
+    assert cache.footprint().forward_bytes == 0 < cache.footprint().nbytes
+
+
 def test_a_generation_reserves_room_for_what_it_can_fill_not_half_the_history_again(verifiers):
     verifier = verifiers["qwen3"]
     cache = verifier.new_cache(FullStrategy())
