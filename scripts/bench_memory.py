@@ -11,7 +11,9 @@ generating is the whole history's K/V in that arm's form. The arms run one after
 so each RSS is its own.
 
 Reported per arm and history: the most bytes the generating session held (`peak_session_bytes`: the larger of the
-sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation), what it holds parked after
+sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation), the most the session held while
+it was prefilled (`prefill_peak_bytes`: its `kv_peak_bytes` after the prefill, each forward's staged block
+included), what it holds parked after
 (`parked_session_bytes`), the daemon's RSS above its RSS before the fork (`peak_rss_growth_bytes`), the median
 decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s. Also the medians of
 the time to first token (`ttft_s`: a fork's first generation unpacks what its arm holds parked) and of the wait for
@@ -102,6 +104,8 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
         for history in args.histories:
             held = client.create_session(initial_tokens=text[:history], eos_token_ids=[])
             list(held.generate(1))  # the prefill
+            held.append([])  # waits for its park
+            prefill_peak = held.info().kv_peak_bytes  # the most it held, its prefill forwards' stages included
             for repeat in range(args.repeats):
                 with held.fork() as fork:
                     before = rss_bytes(pid)
@@ -119,6 +123,7 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                         "history": history,
                         "repeat": repeat,
                         "peak_session_bytes": max(sampler.peak_session, described.kv_peak_bytes),
+                        "prefill_peak_bytes": prefill_peak,
                         "reported_peak_bytes": described.kv_peak_bytes,
                         "sampled_peak_bytes": sampler.peak_session,
                         "parked_session_bytes": described.kv_live_bytes,
@@ -152,6 +157,7 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
             full = [s for s in samples if s["arm"] == "full" and s["history"] == history]
             row = {
                 "peak_session_bytes": max(s["peak_session_bytes"] for s in runs),
+                "prefill_peak_bytes": max(s["prefill_peak_bytes"] for s in runs),
                 "parked_session_bytes": max(s["parked_session_bytes"] for s in runs),
                 "peak_rss_bytes": max(s["peak_rss_bytes"] for s in runs),
                 "peak_rss_growth_bytes": max(s["peak_rss_growth_bytes"] for s in runs),
@@ -164,10 +170,13 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
             full_peak = max(s["peak_session_bytes"] for s in full)
             full_rate = statistics.median(s["decode_tokens_per_s"] for s in full)
             row["peak_vs_full"] = round(row["peak_session_bytes"] / full_peak, 3)
+            full_prefill_peak = max(s["prefill_peak_bytes"] for s in full)
+            row["prefill_peak_vs_full"] = round(row["prefill_peak_bytes"] / full_prefill_peak, 3)
             row["speed_vs_full"] = round(row["decode_tokens_per_s"] / full_rate, 3)
             table[arm][str(history)] = row
     statement = "; ".join(
-        f"{arm} at {h}: peak {row['peak_vs_full']:.2f}x full's, {row['speed_vs_full']:.2f}x its speed"
+        f"{arm} at {h}: peak {row['peak_vs_full']:.2f}x full's, {row['speed_vs_full']:.2f}x its speed, "
+        f"prefill peak {row['prefill_peak_vs_full']:.2f}x full's"
         for arm, rows in table.items()
         if arm != "full"
         for h, row in rows.items()

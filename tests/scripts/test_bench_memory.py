@@ -42,6 +42,9 @@ def test_a_smoke_run_measures_every_arm_against_full(tmp_path):
         # than a dense one.
         assert packed["peak_session_bytes"] > packed["parked_session_bytes"]
         assert packed["peak_session_bytes"] < full["peak_session_bytes"]
+        # Prefilled, a packed session held its forwards' staged blocks dense: more than a fork of it holds parked.
+        assert full["prefill_peak_vs_full"] == 1.0 and full["prefill_peak_bytes"] > 0
+        assert packed["prefill_peak_bytes"] > packed["parked_session_bytes"]
     assert data["summary"]["exact_arms_equal_full"] == {"full": True}
 
 
