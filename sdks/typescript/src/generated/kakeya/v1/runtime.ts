@@ -343,7 +343,9 @@ export interface GetSessionInfoResponse {
   historyTokenBytes: bigint;
   /**
    * The most bytes of KV cache memory the session has held at once (kv_live_bytes after each step of its
-   * generations, and now): what a generating session needs, for every strategy and compressor.
+   * generations, or as a step's forward ended if that was more: its whole block staged beside everything else,
+   * which a compressed session holds dense until the commit codes it; and now): what a generating session needs,
+   * for every strategy and compressor.
    */
   kvPeakBytes: bigint;
 }
