@@ -155,6 +155,18 @@ class RestingStore(Protocol):
         ...
 
 
+@runtime_checkable
+class ReadOnceStage(Protocol):
+    """A store whose stage of a block is read by nothing but that block's attention in its layer once the
+    forward's one model call has passed it (a packed store's dense copies of a prefill chunk, kept beside the
+    chunk's coding, which is all its commit needs)."""
+
+    def stage_read(self) -> None:
+        """The model call in flight, the stage's only one, has read this layer's stage: what only that read needed
+        may go. A later forward that extends this stage then fails instead of reading what went."""
+        ...
+
+
 def joined_parts(ops: ArrayOps[A], parts: Sequence[KeyPart[A]]) -> tuple[A, A]:
     """Keys and values read in parts as one dense pair (a held part decoded; no copy for a single dense part)."""
     dense = [part if isinstance(part, tuple) else part.dense() for part in parts]

@@ -19,6 +19,7 @@ from kv_cache_proposer.cache.key_layout import BlockedLayout
 from kv_cache_proposer.cache.layer_store import (
     DenseLayerStore,
     LayerStoreFactory,
+    ReadOnceStage,
     RestingStore,
     finish_stages,
     joined_parts,
@@ -34,6 +35,9 @@ _GROWTH_TOKENS = 256
 
 class KVSessionCache(ResidentCache[A]):
     """The session cache of every backend: stage, model call, commit and eviction over the resident slots."""
+
+    stage_read_once = True
+    """Whether nothing reads a layer's stage once the forward's attention in that layer has (`ReadOnceStage`)."""
 
     def __init__(
         self,
@@ -213,6 +217,11 @@ class KVSessionCache(ResidentCache[A]):
             raise InvariantViolation(
                 "inv1", f"layer {layer_idx} staged {given} K/V for a model call over {count} positions"
             )
+        if self.stage_read_once and layer_idx and self._query_start == 0 and self._query_end == self._staged:
+            # The layer before has attended (its output is this layer's input), and no other call reads the stage.
+            before = self._layers[layer_idx - 1]
+            if isinstance(before, ReadOnceStage):
+                before.stage_read()
         layer = self._layers[layer_idx]
         offset = self.stage_offset
         layer.stage(offset + self._query_start, keys, values)

@@ -148,6 +148,13 @@ class PackedLayerStore(Generic[A]):
         work.stage(slot + count, keys, values)  # each query's own K/V, as computed
         self._own = count
 
+    def stage_read(self) -> None:
+        """A block's attention has read the stage (`ReadOnceStage`): a prefill chunk's dense copies, decoded and
+        as computed, go now rather than at the commit, which needs only the block's coding. So a forward holds
+        one layer's dense stage at a time, not every layer's."""
+        if self._work is not None and self._own:
+            self._work.stage_read()
+
     @classmethod
     def start_stages(cls, stores: Sequence[LayerStore[A]]) -> None:
         """Begin coding the pending one-token entries of every layer (`deferred_coding.start_codings`)."""

@@ -23,6 +23,7 @@ from kv_cache_proposer.cache.layer_store import CommitPlan, DenseLayerStore
 from kv_cache_proposer.cache.protocol import KeyPart
 from kv_cache_proposer.compression.codec import LatticeCodec, LatticeCoding, StagedCoding
 from kv_cache_proposer.compression.held_residents import HeldResidents
+from kv_cache_proposer.errors import InvariantViolation
 
 STAGE_ROOM = 64
 """Dense stage slots `HeldWorking` keeps between forwards: room for a decode step or a speculative block read
@@ -81,6 +82,10 @@ class WorkingResidents(Protocol[A]):
         """Forget the stage: after a commit, or when nothing was committed."""
         ...
 
+    def stage_read(self) -> None:
+        """The forward's one model call has read the stage (`ReadOnceStage`): drop what the commit does not need."""
+        ...
+
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
         """Dense K/V of resident `slots`."""
         ...
@@ -105,6 +110,7 @@ class HeldWorking(Generic[A]):
         self._stage: DenseLayerStore[A] = DenseLayerStore(ops)
         self._room = 0
         self._base: int | None = None  # the first slot of the stage in flight (None: no stage)
+        self._stage_gone = False  # the stage in flight was dropped once its attention read it (`stage_read`)
         self.stands_for_codes = False  # the packed codes were dropped: these residents are all the layer holds
 
     @property
@@ -130,6 +136,9 @@ class HeldWorking(Generic[A]):
         self._residents.reserve(capacity)
 
     def stage(self, slot: int, keys: A, values: A) -> None:
+        if slot != self._base:  # an extension reads the entries before it; a block staged again replaces them
+            self._check_stage()
+        self._stage_gone = False
         if self._base is None:
             self._base = slot  # a fresh stage starts at the stage's first slot
         at = slot - self._base
@@ -140,6 +149,7 @@ class HeldWorking(Generic[A]):
         self._stage.stage(at, keys, values)
 
     def read_parts(self, stage_offset: int, end: int) -> list[KeyPart[A]]:
+        self._check_stage()
         staged = self._stage.read(0, end - stage_offset)
         return [self._residents.keys(stage_offset), staged] if stage_offset else [staged]
 
@@ -149,9 +159,22 @@ class HeldWorking(Generic[A]):
 
     def drop_stage(self) -> None:
         self._base = None
+        self._stage_gone = False
         if self._room > STAGE_ROOM:  # a prefill chunk's stage is not kept for decoding
             self._stage.release()
             self._room = 0
+
+    def stage_read(self) -> None:
+        """A prefill chunk's stage (larger than `STAGE_ROOM`) goes as soon as its attention has read it: the
+        commit puts the block's coding. A decode step's or a speculative block's stays, reused by the next."""
+        if self._room > STAGE_ROOM:
+            self._stage.release()
+            self._room = 0
+            self._stage_gone = True
+
+    def _check_stage(self) -> None:
+        if self._stage_gone:
+            raise InvariantViolation("inv1", "a forward extends or reads a stage dropped once its attention read it")
 
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
         return self._codec.held_keys(self._residents.take(slots), self._dtype).dense()
@@ -203,6 +226,9 @@ class DecodedWorking(Generic[A]):
 
     def drop_stage(self) -> None:
         return None
+
+    def stage_read(self) -> None:
+        return None  # the stage's entries become the residents in place
 
     def gather(self, slots: np.ndarray) -> tuple[A, A]:
         return self._dense.gather(slots)

@@ -38,6 +38,8 @@ from kv_cache_proposer.strategies import DlmRestoreStrategy
 class RestoringSessionCache(KVSessionCache[A]):
     """`KVSessionCache` under `dlm_restore`: resident sink + window, restored K/V of every evicted position."""
 
+    stage_read_once = False  # a commit reads the K/V of the positions that leave residency from the stage
+
     def __init__(
         self,
         strategy: DlmRestoreStrategy,

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
+from kv_cache_proposer.compression.packed_store import PackedLayerStore
+from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import FullStrategy
 from tests.support.backends import BACKENDS, to_numpy
 from tests.support.packed_sessions import (
@@ -171,3 +173,51 @@ def test_a_generating_session_holds_its_residents_coded_when_asked_and_the_codec
         assert working[True] < working[False]  # int8 coordinates, fp16 scales: a quarter of the decoded copy
     else:
         assert working[True] == working[False]  # MLX's codec is never read held: decoded either way
+
+
+def _prefill_high(verifier: Any, cache: Any, prompt: list[int]) -> tuple[int, int]:
+    """What `cache` held as the forward over the second half of `prompt` ended, and after its commit."""
+    half = len(prompt) // 2
+    verifier.verify(cache, prompt[:half], 1)
+    verifier.commit(cache, half)
+    verifier.verify(cache, prompt[half:], 1)
+    verifier.commit(cache, len(prompt) - half)
+    return cache.footprint().forward_bytes, cache.nbytes
+
+
+def test_a_prefill_chunk_s_dense_stage_goes_once_its_layer_has_attended(verifiers, backend, monkeypatch):
+    if backend != "torch":
+        pytest.skip("MLX holds a generating packed layer decoded: a block's staged entries are its residents")
+    verifier = verifiers["qwen3"]
+    compressor = KVCompressor("kakeya_d4", 38)
+    prompt = tokens(14, 200)  # blocks of 100: a prefill chunk's stage (beyond the 64 slots kept for decoding)
+    bounded = packed_cache(verifier, backend, FullStrategy(), compressor)
+    high, kept = _prefill_high(verifier, bounded, prompt)
+    with monkeypatch.context() as patched:
+        patched.setattr(PackedLayerStore, "stage_read", lambda self: None)
+        every_layer = packed_cache(verifier, backend, FullStrategy(), compressor)
+        high_before, kept_before = _prefill_high(verifier, every_layer, prompt)
+        kept_tokens = generate(
+            verifier, packed_cache(verifier, backend, FullStrategy(), compressor), prompt, 6, chunk=100
+        )
+    assert kept == kept_before
+    # Every layer's dense copies of the block, against the last layer's alone (and the block's coding, both).
+    assert high - kept < (high_before - kept) / 2
+    for (bk, bv, bp), (ek, ev, ep) in zip(resident(bounded), resident(every_layer), strict=True):
+        assert np.array_equal(bp, ep) and np.array_equal(bk, ek) and np.array_equal(bv, ev)
+    dropped_tokens = generate(
+        verifier, packed_cache(verifier, backend, FullStrategy(), compressor), prompt, 6, chunk=100
+    )
+    assert dropped_tokens == kept_tokens
+
+
+def test_a_forward_that_extends_a_dropped_prefill_stage_fails_and_one_that_restages_it_runs(verifiers, backend):
+    if backend != "torch":
+        pytest.skip("MLX holds a generating packed layer decoded: it drops no stage early")
+    verifier = verifiers["qwen3"]
+    cache = packed_cache(verifier, backend, FullStrategy(), KVCompressor("kakeya_d4", 38))
+    with pytest.raises(InvariantViolation, match="dropped"):
+        verifier.burst(cache, tokens(15, 100), 2)  # its second forward would read the block's stage
+    verifier.verify(cache, tokens(15, 100), 1)  # the same block staged again, from its first slot
+    verifier.commit(cache, 100)
+    assert cache.next_position == 100
