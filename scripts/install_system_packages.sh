@@ -3,14 +3,16 @@
 # tests/integration/test_prometheus_rules.py runs against a real daemon to check deploy/prometheus and deploy/grafana;
 # postgresql and haproxy, which tests/integration/test_scale_out.py and scripts/bench_scale_out.py run (the shared
 # session journal and the proxy of deploy/haproxy); libopenblas0-pthread, the optimised CBLAS the daemon's MLX
-# backend loads on Linux (--mlx-blas auto), which tests/integration/test_mlx_blas.py runs. The tests start their own
+# backend loads on Linux (--mlx-blas auto), which tests/integration/test_mlx_blas.py runs; gcc, which builds the
+# compiled held-attention kernel (kv_cache_proposer/backends/torch_backend/held_kernel.c) that
+# tests/kv_cache_proposer/backends/test_held_attention.py runs. The tests start their own
 # servers on loopback; the package's own PostgreSQL cluster service is not needed.
 # Safe to re-run: installs only what is missing. Needs root (or sudo) and apt-get.
 #
 # Usage: scripts/install_system_packages.sh [--check]   (--check: exit 1 listing what is missing, install nothing)
 set -euo pipefail
 
-packages=(prometheus postgresql haproxy libopenblas0-pthread)
+packages=(prometheus postgresql haproxy libopenblas0-pthread gcc)
 # A file each package installs: the PostgreSQL server binaries live under /usr/lib/postgresql/<version>/bin, off PATH.
 installed() {
   case "$1" in
@@ -18,6 +20,7 @@ installed() {
     postgresql) compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null ;;
     haproxy) command -v haproxy >/dev/null 2>&1 || [[ -x /usr/sbin/haproxy ]] ;;
     libopenblas0-pthread) compgen -G "/usr/lib/*/openblas-pthread/libopenblas.so.0" >/dev/null ;;
+    gcc) command -v gcc >/dev/null 2>&1 ;;
   esac
 }
 

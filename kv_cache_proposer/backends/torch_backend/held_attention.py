@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 
+from kv_cache_proposer.backends.torch_backend import held_kernel
 from kv_cache_proposer.backends.torch_backend.chunked_attention import Partial, flash_partial, merge
 from kv_cache_proposer.compression.codec import StagedCoding
 
@@ -168,6 +169,15 @@ class TorchHeldKeys:
             empty = doubled.new_zeros((doubled.shape[0] // 2, doubled.shape[1], 0, doubled.shape[3]), dtype=q.dtype)
             tail = (empty, empty)
         threads = torch.get_num_threads()
+        if self.length and held_kernel.serves(q, doubled, int(doubled.shape[1])):
+            kernel = held_kernel.held_kernel()
+            assert kernel is not None
+            count = self.length
+            held_allowed = None if allowed is None else _unless_all(allowed[:, :count])
+            tail_allowed = None if allowed is None else allowed[:, count:]
+            return kernel.attend(
+                q, self.coding, held_allowed, tail, tail_allowed, self._hadamard, scale, self._q_range, threads
+            )
         converted = int(doubled.shape[0]) // 2 * int(doubled.shape[1]) * min(self.length, self._chunk(q))
         if q.device.type == "cpu" and threads > 1 and converted * int(doubled.shape[3]) < HELD_PARALLEL:
             torch.set_num_threads(1)  # small ops: see HELD_PARALLEL

@@ -9,21 +9,32 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache_proposer.backends.torch_backend import held_attention
+from kv_cache_proposer.backends.torch_backend import held_attention, held_kernel
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 from kv_cache_proposer.compression.lattice import LatticeSpec
 from tests.kv_cache_proposer.backends.test_chunked_attention import _reference
 
 HISTORY, QUERIES, DIM, KV_HEADS = 37, 5, 16, 2
-PATHS = ["coordinates", "decoded"]
+PATHS = ["kernel", "scripted", "decoded"]
 
 
 def _read(monkeypatch: pytest.MonkeyPatch, path: str, chunk: int) -> None:
-    """Make every block read held keys `path`'s way, `chunk` keys at a time."""
+    """Make every block read held keys `path`'s way, `chunk` keys at a time: the coordinates themselves by the
+    compiled kernel (in segments of `chunk`) or by TorchScript ops, or each chunk decoded."""
     monkeypatch.setattr(held_attention, "HELD_CHUNK", chunk)
     monkeypatch.setattr(held_attention, "DECODED_CHUNK", chunk)
+    monkeypatch.setattr(held_kernel, "SEGMENT", chunk)
     monkeypatch.setattr(held_attention, "DECODED_QUERIES", 1 if path == "decoded" else 1 << 30)
+    if path == "kernel":
+        _require_kernel()
+    else:
+        monkeypatch.setattr(held_kernel, "serves", lambda *args: False)
+
+
+def _require_kernel() -> None:
+    if held_kernel.held_kernel() is None:
+        pytest.skip("no C compiler here to build the held-attention kernel; the TorchScript path is tested instead")
 
 
 def _held(codec: TorchLatticeCodec, keys: torch.Tensor, values: torch.Tensor) -> held_attention.TorchHeldKeys:
@@ -90,11 +101,14 @@ def test_a_query_that_may_read_no_held_key_reads_only_the_stage_and_one_that_rea
     np.testing.assert_allclose(out[:, :, 1:].numpy(), expected, atol=3e-5, rtol=3e-5)
 
 
+@pytest.mark.parametrize("path", ["kernel", "scripted"])
 @pytest.mark.parametrize("parallel", [0, 1 << 40], ids=["every-thread", "one-thread"])
-def test_held_attention_gives_the_same_values_on_one_thread_or_all_and_leaves_the_thread_count(monkeypatch, parallel):
+def test_held_attention_gives_the_same_values_on_one_thread_or_all_and_leaves_the_thread_count(
+    monkeypatch, parallel, path
+):
     # Enough converted coordinates run on every thread, fewer on one (HELD_PARALLEL); the values are the same
     # either way and the caller's thread count is left as it was.
-    _read(monkeypatch, "coordinates", 16)
+    _read(monkeypatch, path, 16)
     monkeypatch.setattr(held_attention, "HELD_PARALLEL", parallel)
     rng = np.random.default_rng(11)
     q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * 3, 1, DIM)).astype(np.float32))
@@ -122,3 +136,70 @@ def test_no_held_key_at_all_reads_only_the_tail():
     allowed = np.ones((1, 3), dtype=bool)
     expected = _reference(q.numpy(), own_keys.numpy(), own_values.numpy(), allowed, DIM**-0.5)
     np.testing.assert_allclose(out.numpy(), expected, atol=3e-5, rtol=3e-5)
+
+
+def test_the_kernel_gives_a_query_the_same_bits_alone_or_in_a_block_and_on_any_thread_count(monkeypatch):
+    # Segments at fixed boundaries, merged in order, and every query row computed on its own: how a history's
+    # queries are grouped into forwards, and how many threads run them, cannot change a result's bits.
+    _require_kernel()
+    monkeypatch.setattr(held_kernel, "SEGMENT", 16)
+    rng = np.random.default_rng(17)
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * 3, 4, DIM)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, 100, DIM)).astype(np.float32)) for _ in "kv")
+    own = tuple(torch.from_numpy(rng.standard_normal((1, KV_HEADS, 4, DIM)).astype(np.float32)) for _ in "kv")
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", DIM, 38), torch.device("cpu")), keys, values)
+    allowed = np.ones((4, 104), dtype=bool)
+    allowed[:, 100:] = np.tril(np.ones((4, 4), dtype=bool))  # a causal block after the held keys
+    mask = torch.from_numpy(allowed)
+    threads = torch.get_num_threads()
+    block = attend_parts(q, [held, own], mask, scale=DIM**-0.5)
+    try:
+        torch.set_num_threads(1)
+        alone = [
+            attend_parts(
+                q[:, :, i : i + 1], [held, (own[0][:, :, : i + 1], own[1][:, :, : i + 1])], None, scale=DIM**-0.5
+            )
+            for i in range(4)
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(block, torch.cat(alone, dim=2))
+
+
+def test_the_kernel_is_built_once_per_source_compiler_and_cpu_and_can_be_turned_off(monkeypatch, tmp_path, caplog):
+    _require_kernel()
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    held_kernel.held_kernel.cache_clear()
+    try:
+        built = held_kernel.held_kernel()
+        assert built is not None and built.library.parent == tmp_path / "kakeya" / "kernels"
+        modified = built.library.stat().st_mtime_ns
+        held_kernel.held_kernel.cache_clear()
+        again = held_kernel.held_kernel()
+        assert again is not None and again.library == built.library
+        assert built.library.stat().st_mtime_ns == modified  # loaded from the cache, not compiled again
+        monkeypatch.setenv(held_kernel.ENV, "off")
+        held_kernel.held_kernel.cache_clear()
+        with caplog.at_level("INFO", logger=held_kernel.__name__):
+            assert held_kernel.held_kernel() is None
+        assert "TorchScript ops (KAKEYA_HELD_KERNEL=off)" in caplog.text
+    finally:
+        held_kernel.held_kernel.cache_clear()
+
+
+def test_a_compiler_that_fails_leaves_the_scripted_path_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    broken = tmp_path / "cc"
+    broken.write_text(
+        "#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\necho 'no such target' >&2\nexit 1\n"
+    )
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    held_kernel.held_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=held_kernel.__name__):
+            assert held_kernel.held_kernel() is None
+        assert "the compiled kernel is unavailable" in caplog.text and "no such target" in caplog.text
+        assert not list((tmp_path / "kakeya" / "kernels").glob("*.so"))  # nothing half-built is left to load
+    finally:
+        held_kernel.held_kernel.cache_clear()

@@ -1,0 +1,246 @@
+"""The compiled CPU kernel for attention over held coordinates (`held_kernel.c`): built with the machine's C compiler
+on first use, for this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`)
+and loaded with ctypes. A decode step or a speculative block then reads the int8 coordinates in one pass, never
+writing a float32 copy of them (`TorchHeldKeys`).
+
+Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
+float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
+once, with the reason."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_cache_proposer.compression.codec import StagedCoding
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("held_kernel.c")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    # Sums may be reassociated (vectorised reductions); infinities and NaNs keep their meaning (masked keys are -inf).
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+) + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
+SEGMENT = 512
+"""Held keys of one work item: a segment's partial result is merged with the others in order, so the boundaries are
+fixed (multiples of it from the first key) whatever the thread count."""
+
+MAX_ROWS = 512
+"""Query rows (query heads per K/V head × queries) of one call at most: a segment's scores live on the stack."""
+
+MAX_DIM = 256
+"""The largest head size the kernel serves (`MAX_DIM` of held_kernel.c)."""
+
+ENV = "KAKEYA_HELD_KERNEL"
+
+_P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class _Call(ctypes.Structure):
+    """`HeldCall` of held_kernel.c, field for field."""
+
+    _fields_ = [
+        ("q", _P),
+        ("q_strides", _I64 * 3),
+        ("q_bf16", _I),
+        ("coords", _P),
+        ("c_strides", _I64 * 3),
+        ("norms", _P),
+        ("qmax", _P),
+        ("n_strides", _I64 * 3),
+        ("count", _I64),
+        ("q_range", _I),
+        ("allowed", _P),
+        ("s_allowed", _I64),
+        ("tail_keys", _P),
+        ("tail_values", _P),
+        ("t_strides", _I64 * 3),
+        ("tail_bf16", _I),
+        ("tail_count", _I64),
+        ("tail_allowed", _P),
+        ("s_tail_allowed", _I64),
+        ("hadamard", _P),
+        ("scale", ctypes.c_float),
+        ("B", _I),
+        ("H", _I),
+        ("g", _I),
+        ("n", _I),
+        ("D", _I),
+        ("seg", _I64),
+        ("threads", _I),
+        ("scratch", _P),
+        ("out", _P),
+        ("lse", _P),
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKernel:
+    """The loaded kernel and where its library lies."""
+
+    function: Any
+    scratch_size: Any
+    library: Path
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        coding: StagedCoding[torch.Tensor],
+        allowed: torch.Tensor | None,
+        tail: tuple[torch.Tensor, torch.Tensor],
+        tail_allowed: torch.Tensor | None,
+        hadamard: torch.Tensor,
+        scale: float,
+        q_range: int,
+        threads: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_held_attention` of the queries `q` `[B, H, n, D]` over a `coding` (int8 doubled coordinates
+        `[2B, H_kv, c, D]`, fp16 norms and scales `[2B, H_kv, c, 1]`; `allowed` `[n, c]`, None: every key) and then
+        the dense `tail` K/V `[B, H_kv, t, D]` (`tail_allowed` `[n, t]`), on `threads` threads: output
+        `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]`, float32."""
+        doubled, norms, qmax = coding.doubled, coding.norms, coding.qmax
+        batch, heads, n, dim = (int(s) for s in q.shape)
+        kv_heads, count = int(doubled.shape[1]), int(doubled.shape[2])
+        groups = heads // kv_heads
+        rows = groups * n
+        q, tail_keys, tail_values = (_readable(x) for x in (q, *tail))
+        hadamard = hadamard.float().contiguous()
+        if doubled.stride(3) != 1 or norms.stride() != qmax.stride() or tail_keys.stride() != tail_values.stride():
+            raise ValueError("the held-attention kernel reads rows of contiguous values, K and V laid out alike")
+        scratch = torch.empty(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
+        out = torch.empty(batch, kv_heads, rows, dim)
+        lse = torch.empty(batch, kv_heads, rows, 1)
+        call = _Call(
+            q=q.data_ptr(),
+            q_strides=(_I64 * 3)(*q.stride()[:3]),
+            q_bf16=int(q.dtype == torch.bfloat16),
+            coords=doubled.data_ptr(),
+            c_strides=(_I64 * 3)(*doubled.stride()[:3]),
+            norms=norms.data_ptr(),
+            qmax=qmax.data_ptr(),
+            n_strides=(_I64 * 3)(*norms.stride()[:3]),
+            count=count,
+            q_range=q_range,
+            allowed=None if allowed is None else allowed.data_ptr(),
+            s_allowed=0 if allowed is None else int(allowed.stride(0)),
+            tail_keys=tail_keys.data_ptr(),
+            tail_values=tail_values.data_ptr(),
+            t_strides=(_I64 * 3)(*tail_keys.stride()[:3]),
+            tail_bf16=int(tail_keys.dtype == torch.bfloat16),
+            tail_count=int(tail_keys.shape[2]),
+            tail_allowed=None if tail_allowed is None else tail_allowed.data_ptr(),
+            s_tail_allowed=0 if tail_allowed is None else int(tail_allowed.stride(0)),
+            hadamard=hadamard.data_ptr(),
+            scale=scale,
+            B=batch,
+            H=kv_heads,
+            g=groups,
+            n=n,
+            D=dim,
+            seg=SEGMENT,
+            threads=threads,
+            scratch=scratch.data_ptr(),
+            out=out.data_ptr(),
+            lse=lse.data_ptr(),
+        )
+        if self.function(ctypes.byref(call)) != 0:
+            raise ValueError(f"the held-attention kernel does not serve {rows} query rows of head size {dim}")
+        return out, lse
+
+
+def _readable(x: torch.Tensor) -> torch.Tensor:
+    """`x` as the kernel reads it: float32 or bfloat16, each row's values contiguous."""
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def serves(q: torch.Tensor, doubled: torch.Tensor, kv_heads: int) -> bool:
+    """Whether the kernel can read these queries `[B, H, n, D]` over these coordinates."""
+    rows = int(q.shape[1]) // kv_heads * int(q.shape[2])
+    return (
+        q.device.type == "cpu"
+        and doubled.dtype == torch.int8
+        and int(doubled.shape[3]) <= MAX_DIM
+        and rows <= MAX_ROWS
+        and held_kernel() is not None
+    )
+
+
+@cache
+def held_kernel() -> HeldKernel | None:
+    """The kernel, built if needed, or None (the reason logged) where it cannot be or is turned off."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting in ("off", "0", "false", "no"):
+        log.info("held attention: TorchScript ops (%s=%s)", ENV, setting)
+        return None
+    try:
+        library = _built()
+        loaded = ctypes.CDLL(str(library))
+        function, scratch_size = loaded.held_attend, loaded.held_attend_scratch
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
+        return None
+    function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
+    scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
+    log.info("held attention: compiled kernel %s", library)
+    return HeldKernel(function, scratch_size, library)
+
+
+def kernel_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kakeya" / "kernels"
+
+
+def _built() -> Path:
+    """The library for this source, compiler and CPU, compiled into the cache directory unless it is there."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        key.update(part)
+    library = kernel_dir() / f"held_kernel-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(built, library)  # atomic: another process building the same library meanwhile is harmless
+    return library
+
+
+def _cpu_flags() -> str:
+    """What `-march=native` builds for: the CPU's model and feature flags (empty where /proc/cpuinfo is absent)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(wanted[:2])
