@@ -15,7 +15,10 @@ sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation)
 it was prefilled (`prefill_peak_bytes`: its `kv_peak_bytes` after the prefill, each forward's staged block
 included), what it holds parked after
 (`parked_session_bytes`), the daemon's RSS above its RSS before the fork (`peak_rss_growth_bytes`), the median
-decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s. Also the medians of
+decode tokens/s, the ratios of both to the `full` arm, and whether its tokens equal `full`'s; the generated tokens
+per verifier forward and, from them, the ratio of verifier forwards per second to `full`'s (`forward_rate_vs_full`:
+what one forward costs, apart from how many drafted tokens the proposer's blocks accept on the text an arm
+generates, which a lossy arm's parting tokens change). Also the medians of
 the time to first token (`ttft_s`: a fork's first generation unpacks what its arm holds parked) and of the wait for
 the park after the generation (`park_wait_s`: an empty AppendTokens sent the moment the generation ended returns
 when the session's turn is free, as a client's next turn would start), and the time to first token of that next
@@ -112,6 +115,7 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                     with Sampler(fork, pid) as sampler:
                         result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
                         done_at = time.perf_counter()
+                        stats = fork.last_generation
                         fork.append([])  # waits for the session's turn: the park after the generation
                         park_wait = time.perf_counter() - done_at
                     described = fork.info()  # parked now; its kv_peak_bytes counts every step's
@@ -133,6 +137,7 @@ def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dic
                         "byte_samples": sampler.samples,
                         "park_wait_s": park_wait,
                         "next_turn_ttft_s": next_turn["ttft_s"],
+                        "verifier_forwards": 0 if stats is None else stats.verifier_forward_count,
                         **result,
                     }
                 )
@@ -166,6 +171,7 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
                 "park_wait_s": round(statistics.median(s["park_wait_s"] for s in runs), 3),
                 "next_turn_ttft_s": round(statistics.median(s["next_turn_ttft_s"] for s in runs), 3),
                 "tokens_equal_full": all(s["tokens"] == f["tokens"] for s, f in zip(runs, full, strict=True)),
+                "tokens_per_forward": round(_tokens_per_forward(runs), 3),
             }
             full_peak = max(s["peak_session_bytes"] for s in full)
             full_rate = statistics.median(s["decode_tokens_per_s"] for s in full)
@@ -173,16 +179,27 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
             full_prefill_peak = max(s["prefill_peak_bytes"] for s in full)
             row["prefill_peak_vs_full"] = round(row["prefill_peak_bytes"] / full_prefill_peak, 3)
             row["speed_vs_full"] = round(row["decode_tokens_per_s"] / full_rate, 3)
+            # The proposer's blocks accept more or fewer tokens on different text (a lossy arm's tokens can part
+            # from full's): the verifier forwards per second compare what one forward costs.
+            row["forward_rate_vs_full"] = round(
+                row["speed_vs_full"] * _tokens_per_forward(full) / _tokens_per_forward(runs), 3
+            )
             table[arm][str(history)] = row
     statement = "; ".join(
-        f"{arm} at {h}: peak {row['peak_vs_full']:.2f}x full's, {row['speed_vs_full']:.2f}x its speed, "
-        f"prefill peak {row['prefill_peak_vs_full']:.2f}x full's"
+        f"{arm} at {h}: peak {row['peak_vs_full']:.2f}x full's, {row['speed_vs_full']:.2f}x its speed "
+        f"({row['forward_rate_vs_full']:.2f}x its forwards/s), prefill peak {row['prefill_peak_vs_full']:.2f}x full's"
         for arm, rows in table.items()
         if arm != "full"
         for h, row in rows.items()
     )
     exact = {arm: all(r["tokens_equal_full"] for r in table[arm].values()) for arm in arms if arm in EXACT_ARMS}
     return {"arms": table, "exact_arms_equal_full": exact, "statement": statement}
+
+
+def _tokens_per_forward(runs: list[dict[str, Any]]) -> float:
+    """Generated tokens per verifier forward over `runs` (nan where the daemon reported no forwards)."""
+    forwards = sum(s.get("verifier_forwards", 0) for s in runs)
+    return sum(len(s["tokens"]) for s in runs) / forwards if forwards else float("nan")
 
 
 def plot(png: Path, summary: dict[str, Any]) -> None:

@@ -35,9 +35,12 @@ def test_a_smoke_run_measures_every_arm_against_full(tmp_path):
     assert {(s["arm"], s["history"]) for s in samples} == {(a, h) for a in ("full", "kakeya_d4") for h in (300, 600)}
     assert all(len(s["tokens"]) == 4 and s["byte_samples"] > 0 and s["peak_rss_bytes"] > 0 for s in samples)
     assert all(s["next_turn_ttft_s"] > 0 for s in samples)
+    assert all(1 <= s["verifier_forwards"] <= len(s["tokens"]) for s in samples)  # a forward gives 1 token or more
     for history in ("300", "600"):
         full, packed = arms["full"][history], arms["kakeya_d4"][history]
         assert full["peak_vs_full"] == 1.0 and full["tokens_equal_full"] is True
+        assert full["forward_rate_vs_full"] == 1.0 and packed["forward_rate_vs_full"] > 0
+        assert packed["tokens_per_forward"] >= 1
         # Sampled while generating: the generating session held more than it holds parked, and a packed one less
         # than a dense one.
         assert packed["peak_session_bytes"] > packed["parked_session_bytes"]
