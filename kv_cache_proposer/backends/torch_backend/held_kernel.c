@@ -11,12 +11,13 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 #define TILE 64      /* keys scored at a time within a segment */
 #define MAX_DIM 256  /* the largest head size served */
+#define TRANSPOSE_ROWS 8 /* query rows from which a tile's keys are transposed to score them (see segment_of) */
 
 /* exp(x) for x <= 0 (a score minus the running maximum), 0 below the float range and for -inf; a polynomial the
    compiler vectorises, within 2 ulp of expf. */
@@ -73,14 +74,74 @@ static inline void factors_of(const uint16_t *norms, const uint16_t *qmax, int64
     }
 }
 
+#if defined(__AVX512F__)
+#define VECTORS 1
+#else
+#define VECTORS 0
+#endif
+
+#if VECTORS
+/* Scores of `rows` (1 to 4) query rows against a tile's 64 keys (`by_dim`: dimension-major), as vectors over the keys
+   with every row's sums in registers; each row's sum runs over the dimensions in order, whatever `rows` is. */
+static inline __attribute__((always_inline)) void tile_scores(const float *q, int rows, int D, const float *by_dim,
+                                                              float *out /* [rows][TILE] */) {
+    __m512 s[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) s[i][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const float *bd = by_dim + d * TILE;
+        __m512 k0 = _mm512_loadu_ps(bd), k1 = _mm512_loadu_ps(bd + 16), k2 = _mm512_loadu_ps(bd + 32),
+               k3 = _mm512_loadu_ps(bd + 48);
+        for (int i = 0; i < 4; i++) {
+            if (i >= rows) break;
+            __m512 qi = _mm512_set1_ps(q[(int64_t)i * D + d]);
+            s[i][0] = _mm512_fmadd_ps(qi, k0, s[i][0]);
+            s[i][1] = _mm512_fmadd_ps(qi, k1, s[i][1]);
+            s[i][2] = _mm512_fmadd_ps(qi, k2, s[i][2]);
+            s[i][3] = _mm512_fmadd_ps(qi, k3, s[i][3]);
+        }
+    }
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + i * TILE + 16 * j, s[i][j]);
+}
+
+/* acc[i] += sum over the tile's nt keys of w[i][t] * converted[t] for `rows` (1 to 4) rows, 64 dimensions at a time
+   with the sums in registers; each row's sum runs over the keys in order, whatever `rows` is. */
+static inline __attribute__((always_inline)) void tile_values(float *acc, const float *w, int rows, int D, int nt,
+                                                              const float *converted) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
+        int parts = width / 16;
+        __m512 a[4][4];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
+        for (int t = 0; t < nt; t++) {
+            const float *cv = converted + t * D + d0;
+            __m512 c[4];
+            for (int j = 0; j < parts; j++) c[j] = _mm512_loadu_ps(cv + 16 * j);
+            for (int i = 0; i < 4; i++) {
+                if (i >= rows) break;
+                __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
+                for (int j = 0; j < parts; j++) a[i][j] = _mm512_fmadd_ps(wi, c[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
+    }
+}
+#endif
+
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
-   top [G] and sum sums [G]. A tile's coordinates are converted once into `converted`, then read by each query row
-   with that row's running sums in registers (D known to the compiler: see segment_64). */
+   top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
+   keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
+   coordinates are converted once (`converted`) and read by four rows at a time, their running sums in registers (D
+   known to the compiler: see segment_64). Every row's sums run in the same order whatever the other rows. */
 static inline __attribute__((always_inline)) void segment_of(const float *q, const Held *held,
                                                              const uint8_t *allowed, int64_t s_allowed, int n, int G,
                                                              int D, int64_t start, int64_t end, float *acc,
                                                              float *top, float *sums) {
     float scores[G * TILE];
+    float by_dim[D * TILE];
     float converted[TILE * D];
     float factors[TILE];
     const int8_t *keys = held->keys, *values = held->values;
@@ -93,18 +154,45 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
     for (int64_t t0 = start; t0 < end; t0 += TILE) {
         int nt = (int)(end - t0 < TILE ? end - t0 : TILE);
         factors_of(held->key_norms, held->key_qmax, held->s_scale, held->half_over_q, t0, nt, factors);
-        for (int t = 0; t < nt; t++) {
-            const int8_t *k = keys + (t0 + t) * s_pos;
-            for (int d = 0; d < D; d++) converted[t * D + d] = (float)k[d];
-        }
-        for (int r = 0; r < G; r++) {
-            float row[D];
-            for (int d = 0; d < D; d++) row[d] = q[(int64_t)r * D + d];
+        if (G < TRANSPOSE_ROWS) {
+            /* Few rows: each key's coordinates converted once and dotted with every row. */
             for (int t = 0; t < nt; t++) {
-                float s = 0.0f;
-                for (int d = 0; d < D; d++) s += row[d] * converted[t * D + d];
-                scores[r * TILE + t] = s * factors[t];
+                const int8_t *k = keys + (t0 + t) * s_pos;
+                float row[D];
+                for (int d = 0; d < D; d++) row[d] = (float)k[d];
+                for (int r = 0; r < G; r++) {
+                    const float *qr = q + (int64_t)r * D;
+                    float sum = 0.0f;
+                    for (int d = 0; d < D; d++) sum += qr[d] * row[d];
+                    scores[r * TILE + t] = sum * factors[t];
+                }
             }
+        } else {
+            /* Many rows: the tile transposed once, each row's scores built as vectors over the keys. */
+            for (int t = 0; t < nt; t++) {
+                const int8_t *k = keys + (t0 + t) * s_pos;
+                for (int d = 0; d < D; d++) by_dim[d * TILE + t] = (float)k[d];
+            }
+            for (int t = nt; t < TILE; t++)
+                for (int d = 0; d < D; d++) by_dim[d * TILE + t] = 0.0f;
+#if VECTORS
+            if (D % 16 == 0) {
+                for (int r = 0; r < G; r += 4)
+                    tile_scores(q + (int64_t)r * D, G - r < 4 ? G - r : 4, D, by_dim, scores + r * TILE);
+                for (int r = 0; r < G; r++)
+                    for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
+            } else
+#endif
+                for (int r = 0; r < G; r++) {
+                    const float *qr = q + (int64_t)r * D;
+                    float sum[TILE];
+                    for (int t = 0; t < TILE; t++) sum[t] = 0.0f;
+                    for (int d = 0; d < D; d++) {
+                        float qd = qr[d];
+                        for (int t = 0; t < TILE; t++) sum[t] += qd * by_dim[d * TILE + t];
+                    }
+                    for (int t = 0; t < nt; t++) scores[r * TILE + t] = sum[t] * factors[t];
+                }
         }
         if (allowed) {
             for (int r = 0; r < G; r++) {
@@ -139,7 +227,40 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             const int8_t *v = values + (t0 + t) * s_pos;
             for (int d = 0; d < D; d++) converted[t * D + d] = (float)v[d];
         }
-        for (int r = 0; r < G; r++) {
+        int r = 0;
+#if VECTORS
+        if (D % 16 == 0)
+            for (; r < G; r += 4) tile_values(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt,
+                                              converted);
+#endif
+        for (; r + 4 <= G; r += 4) {
+            float a0[D], a1[D], a2[D], a3[D];
+            float *out = acc + (int64_t)r * D;
+            const float *w = scores + r * TILE;
+            for (int d = 0; d < D; d++) {
+                a0[d] = out[d];
+                a1[d] = out[D + d];
+                a2[d] = out[2 * D + d];
+                a3[d] = out[3 * D + d];
+            }
+            for (int t = 0; t < nt; t++) {
+                const float *cv = converted + t * D;
+                float w0 = w[t], w1 = w[TILE + t], w2 = w[2 * TILE + t], w3 = w[3 * TILE + t];
+                for (int d = 0; d < D; d++) {
+                    a0[d] += w0 * cv[d];
+                    a1[d] += w1 * cv[d];
+                    a2[d] += w2 * cv[d];
+                    a3[d] += w3 * cv[d];
+                }
+            }
+            for (int d = 0; d < D; d++) {
+                out[d] = a0[d];
+                out[D + d] = a1[d];
+                out[2 * D + d] = a2[d];
+                out[3 * D + d] = a3[d];
+            }
+        }
+        for (; r < G; r++) {
             float row[D];
             float *a = acc + (int64_t)r * D;
             const float *w = scores + r * TILE;

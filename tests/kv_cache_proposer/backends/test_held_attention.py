@@ -138,9 +138,9 @@ def test_no_held_key_at_all_reads_only_the_tail():
     np.testing.assert_allclose(out.numpy(), expected, atol=3e-5, rtol=3e-5)
 
 
-def test_the_kernel_gives_a_query_the_same_bits_alone_or_in_a_block_and_on_any_thread_count(monkeypatch):
-    # Segments at fixed boundaries, merged in order, and every query row computed on its own: how a history's
-    # queries are grouped into forwards, and how many threads run them, cannot change a result's bits.
+def test_the_kernel_gives_the_same_bits_on_any_thread_count_and_a_query_alone_its_values_in_a_block(monkeypatch):
+    # Segments at fixed boundaries, merged in order: how many threads run them cannot change a result's bits. A
+    # query alone is scored key by key, in a block of many rows a tile at a time: the same values within rounding.
     _require_kernel()
     monkeypatch.setattr(held_kernel, "SEGMENT", 16)
     rng = np.random.default_rng(17)
@@ -155,6 +155,7 @@ def test_the_kernel_gives_a_query_the_same_bits_alone_or_in_a_block_and_on_any_t
     block = attend_parts(q, [held, own], mask, scale=DIM**-0.5)
     try:
         torch.set_num_threads(1)
+        one_thread = attend_parts(q, [held, own], mask, scale=DIM**-0.5)
         alone = [
             attend_parts(
                 q[:, :, i : i + 1], [held, (own[0][:, :, : i + 1], own[1][:, :, : i + 1])], None, scale=DIM**-0.5
@@ -163,7 +164,8 @@ def test_the_kernel_gives_a_query_the_same_bits_alone_or_in_a_block_and_on_any_t
         ]
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(block, torch.cat(alone, dim=2))
+    assert torch.equal(block, one_thread)
+    np.testing.assert_allclose(block.numpy(), torch.cat(alone, dim=2).numpy(), atol=3e-5, rtol=3e-5)
 
 
 def test_the_kernel_is_built_once_per_source_compiler_and_cpu_and_can_be_turned_off(monkeypatch, tmp_path, caplog):
@@ -203,3 +205,23 @@ def test_a_compiler_that_fails_leaves_the_scripted_path_and_says_why(monkeypatch
         assert not list((tmp_path / "kakeya" / "kernels").glob("*.so"))  # nothing half-built is left to load
     finally:
         held_kernel.held_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dim", [8, 32, 64, 128])
+@pytest.mark.parametrize("queries", [1, 9])
+def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monkeypatch, dim, queries):
+    # Head sizes 64 and 128 run code built for that size, 32 the general code, 8 no vector code (fewer than 16
+    # values); a single query scores key by key, a block of nine (27 rows) a transposed tile at a time.
+    _require_kernel()
+    rng = np.random.default_rng(dim + queries)
+    q = torch.from_numpy(rng.standard_normal((1, 9, queries, dim)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, 3, 700, dim)).astype(np.float32)) for _ in "kv")
+    own = tuple(torch.from_numpy(rng.standard_normal((1, 3, queries, dim)).astype(np.float32)) for _ in "kv")
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", dim, 38), torch.device("cpu")), keys, values)
+    allowed = np.ones((queries, 700 + queries), dtype=bool)
+    allowed[:, 700:] = np.tril(np.ones((queries, queries), dtype=bool))
+    mask = torch.from_numpy(allowed)
+    compiled = attend_parts(q, [held, own], mask, scale=dim**-0.5)
+    monkeypatch.setattr(held_kernel, "serves", lambda *args: False)
+    scripted = attend_parts(q, [held, own], mask, scale=dim**-0.5)
+    np.testing.assert_allclose(compiled.numpy(), scripted.numpy(), atol=3e-5, rtol=3e-5)
