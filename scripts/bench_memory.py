@@ -7,8 +7,9 @@ prefilled; each repeat forks it and generates `--new-tokens` greedy tokens throu
 reads the fork's `kv_live_bytes` (GetSessionInfo) and the daemon's resident set size (/proc) every 20 ms (what a
 session holds while generating is allocated when the generation starts and grows by a token's worth per step, so
 a denser sampling finds the same peaks and slows the daemon more). A fork is a new session, so what it holds while
-generating is the whole history's K/V in that arm's form. The arms run one after another (one daemon at a time),
-so each RSS is its own.
+generating is the whole history's K/V in that arm's form. Every arm's daemon runs for the whole bench and the arms
+take turns, repeat by repeat in alternating order, so a noisy machine's slow spells fall on all of them alike (each
+RSS is still its own process's; the others sit idle meanwhile).
 
 Reported per arm and history: the most bytes the generating session held (`peak_session_bytes`: the larger of the
 sampled `kv_live_bytes` and the `kv_peak_bytes` it reports after the generation), the most the session held while
@@ -98,59 +99,76 @@ class Sampler(PeriodicSampler):
         self.samples += 1
 
 
-def measure_arm(arm: str, args: argparse.Namespace, text: list[int]) -> list[dict[str, Any]]:
-    daemon = Daemon(["--model", str(args.model), *ARMS[arm]])
+def measure(args: argparse.Namespace, text: list[int]) -> list[dict[str, Any]]:
+    """Every arm's daemon started at once; per history and repeat the arms take their turns, in alternating order,
+    so a noisy machine's slow spells fall on all of them alike."""
+    daemons = {arm: Daemon(["--model", str(args.model), *ARMS[arm]]) for arm in args.arms}
     samples = []
     try:
-        client = kakeya.Client(daemon.wait_listening())
-        pid = daemon.process.pid
+        clients = {arm: kakeya.Client(daemon.wait_listening()) for arm, daemon in daemons.items()}
         for history in args.histories:
-            held = client.create_session(initial_tokens=text[:history], eos_token_ids=[])
-            list(held.generate(1))  # the prefill
-            held.append([])  # waits for its park
-            prefill_peak = held.info().kv_peak_bytes  # the most it held, its prefill forwards' stages included
+            held, prefill_peaks = {}, {}
+            for arm, client in clients.items():
+                held[arm] = client.create_session(initial_tokens=text[:history], eos_token_ids=[])
+                list(held[arm].generate(1))  # the prefill
+                held[arm].append([])  # waits for its park
+                prefill_peaks[arm] = held[arm].info().kv_peak_bytes  # its prefill forwards' stages included
             for repeat in range(args.repeats):
-                with held.fork() as fork:
-                    before = rss_bytes(pid)
-                    with Sampler(fork, pid) as sampler:
-                        result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
-                        done_at = time.perf_counter()
-                        stats = fork.last_generation
-                        fork.append([])  # waits for the session's turn: the park after the generation
-                        park_wait = time.perf_counter() - done_at
-                    described = fork.info()  # parked now; its kv_peak_bytes counts every step's
-                    fork.append(text[history : history + NEXT_TURN_TOKENS])
-                    next_turn = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
-                samples.append(
-                    {
-                        "arm": arm,
-                        "history": history,
-                        "repeat": repeat,
-                        "peak_session_bytes": max(sampler.peak_session, described.kv_peak_bytes),
-                        "prefill_peak_bytes": prefill_peak,
-                        "reported_peak_bytes": described.kv_peak_bytes,
-                        "sampled_peak_bytes": sampler.peak_session,
-                        "parked_session_bytes": described.kv_live_bytes,
-                        "rss_before_bytes": before,
-                        "peak_rss_bytes": sampler.peak_rss,
-                        "peak_rss_growth_bytes": max(0, sampler.peak_rss - before),
-                        "byte_samples": sampler.samples,
-                        "park_wait_s": park_wait,
-                        "next_turn_ttft_s": next_turn["ttft_s"],
-                        "verifier_forwards": 0 if stats is None else stats.verifier_forward_count,
-                        **result,
-                    }
-                )
-                print(
-                    f"{arm:>12} history {history:>6}: {result['decode_tokens_per_s']:6.1f} tok/s, session peak "
-                    f"{samples[-1]['peak_session_bytes'] / 2**20:7.1f} MiB, RSS {sampler.peak_rss / 2**20:7.1f} MiB",
-                    flush=True,
-                )
-            held.close()
-        client.close()
+                for arm in args.arms if repeat % 2 == 0 else args.arms[::-1]:
+                    sample = measure_fork(held[arm], daemons[arm].process.pid, args, text, history)
+                    samples.append(
+                        {
+                            "arm": arm,
+                            "history": history,
+                            "repeat": repeat,
+                            "prefill_peak_bytes": prefill_peaks[arm],
+                            **sample,
+                        }
+                    )
+                    peak, rss = sample["peak_session_bytes"] / 2**20, sample["peak_rss_bytes"] / 2**20
+                    print(
+                        f"{arm:>12} history {history:>6}: {sample['decode_tokens_per_s']:6.1f} tok/s, session peak "
+                        f"{peak:7.1f} MiB, RSS {rss:7.1f} MiB",
+                        flush=True,
+                    )
+            for session in held.values():
+                session.close()
+        for client in clients.values():
+            client.close()
     finally:
-        daemon.stop()
+        for daemon in daemons.values():
+            daemon.stop()
     return samples
+
+
+def measure_fork(held: Any, pid: int, args: argparse.Namespace, text: list[int], history: int) -> dict[str, Any]:
+    """One repeat: a fork of the prefilled session `held` generates while the sampler watches it, parks, and takes
+    its next turn."""
+    with held.fork() as fork:
+        before = rss_bytes(pid)
+        with Sampler(fork, pid) as sampler:
+            result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
+            done_at = time.perf_counter()
+            stats = fork.last_generation
+            fork.append([])  # waits for the session's turn: the park after the generation
+            park_wait = time.perf_counter() - done_at
+        described = fork.info()  # parked now; its kv_peak_bytes counts every step's
+        fork.append(text[history : history + NEXT_TURN_TOKENS])
+        next_turn = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
+    return {
+        "peak_session_bytes": max(sampler.peak_session, described.kv_peak_bytes),
+        "reported_peak_bytes": described.kv_peak_bytes,
+        "sampled_peak_bytes": sampler.peak_session,
+        "parked_session_bytes": described.kv_live_bytes,
+        "rss_before_bytes": before,
+        "peak_rss_bytes": sampler.peak_rss,
+        "peak_rss_growth_bytes": max(0, sampler.peak_rss - before),
+        "byte_samples": sampler.samples,
+        "park_wait_s": park_wait,
+        "next_turn_ttft_s": next_turn["ttft_s"],
+        "verifier_forwards": 0 if stats is None else stats.verifier_forward_count,
+        **result,
+    }
 
 
 def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[int]) -> dict[str, Any]:
@@ -227,7 +245,7 @@ def plot(png: Path, summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     text = history_tokens(args.model, max(args.histories) + NEXT_TURN_TOKENS)
-    samples = [sample for arm in args.arms for sample in measure_arm(arm, args, text)]
+    samples = measure(args, text)
     summary = summarise(samples, args.arms, args.histories)
     config = {**vars(args), "model": str(args.model), "out": str(args.out)}
     path = write_results(
