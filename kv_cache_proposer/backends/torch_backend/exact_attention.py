@@ -4,13 +4,24 @@ read in whole blocks of the flash kernel, query rows padded, the padded masks bu
 
 from __future__ import annotations
 
+import logging
+import os
+from functools import cache
 from typing import Any, Final
 
 import torch
 
+from kv_cache_proposer.backends.torch_backend import held_kernel
 from kv_cache_proposer.backends.torch_backend.chunked_attention import flash_cpu
 
-Memo = dict[tuple[Any, ...], torch.Tensor]
+log = logging.getLogger(__name__)
+
+DENSE_ENV: Final = "KAKEYA_DENSE_ATTENTION"
+"""`flash` (the default): PyTorch's CPU flash kernel; `compiled`: the compiled kernel (`dense_kernel`). Each gives a
+query the same values however its history was delivered; the two agree within float rounding. The compiled kernel
+decodes faster and prefills slower (docs/operator-guide.md)."""
+
+Memo = dict[tuple[Any, ...], Any]
 """The padded masks of one forward's attention, built once for all its layers (`attend_exact`); a forward
 without one attends with the fastest kernel for each shape."""
 
@@ -34,7 +45,12 @@ def attend_exact(
     """Attention on a CPU whose values for a query do not depend on the block around it (`KEY_BLOCK`): each K/V
     head's query heads are rows of one query block (a grouped K/V head is never repeated), padded to a multiple of
     `ROW_MULTIPLE`; keys are read up to a multiple of `KEY_BLOCK` (from the cache's own room where it has some),
-    the ones beyond the block's masked out."""
+    the ones beyond the block's masked out. With `KAKEYA_DENSE_ATTENTION=compiled`, the compiled kernel
+    (held_kernel.py) attends instead (`_attend_compiled`)."""
+    if q.device.type == "cpu" and int(q.shape[3]) <= held_kernel.MAX_DIM:
+        kernel = dense_kernel()
+        if kernel is not None:
+            return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
     batch, heads, n, dim = q.shape
     kv_heads = heads // groups
     rows = groups * n
@@ -50,6 +66,105 @@ def attend_exact(
         additive = memo[key] = _padded_mask(mask, n, count, groups, padded_rows, length, q.dtype)
     out, _ = flash_cpu(grouped, _with_room(keys, length), _with_room(values, length), attn_mask=additive, scale=scale)
     return out[:, :, :rows].reshape(batch, heads, n, dim)
+
+
+@cache
+def dense_kernel() -> held_kernel.HeldKernel | None:
+    """The compiled kernel where `KAKEYA_DENSE_ATTENTION` asks for it (`compiled`) and it is built; None for PyTorch's
+    flash kernel (`flash`, the default). Which runs is logged once, with the reason."""
+    setting = os.environ.get(DENSE_ENV, "flash").strip().lower() or "flash"
+    if setting not in ("flash", "compiled"):
+        log.warning("dense attention: PyTorch's flash kernel (%s=%s is neither flash nor compiled)", DENSE_ENV, setting)
+        return None
+    kernel = held_kernel.held_kernel() if setting == "compiled" else None
+    if setting == "compiled" and kernel is None:
+        log.warning("dense attention: PyTorch's flash kernel, the compiled kernel is unavailable (see above)")
+    else:
+        log.info("dense attention: %s", "compiled kernel" if kernel is not None else "PyTorch's flash kernel")
+    return kernel
+
+
+def _attend_compiled(
+    kernel: held_kernel.HeldKernel,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | str | None,
+    groups: int,
+    scale: float,
+    memo: Memo,
+) -> torch.Tensor:
+    """`attend_exact` through the compiled kernel (`HeldKernel.attend_dense`): every key tile whole and at fixed
+    boundaries, every query row's arithmetic its own, so a query's values depend on the keys it reads alone. A block
+    of more rows than the kernel takes at once is attended in parts of whole queries (which changes nothing)."""
+    batch, heads, n, dim = (int(s) for s in q.shape)
+    count = int(keys.shape[2])
+    key = ("compiled", mask if isinstance(mask, str) or mask is None else id(mask), n, count)
+    limits = memo.get(key)
+    if limits is None:
+        limits = memo[key] = _key_limits(mask, n, count)
+    hi, allowed = limits
+    per = max(1, held_kernel.MAX_ROWS // groups)
+    threads = torch.get_num_threads()
+    if n <= per and not torch.compiler.is_compiling():  # a decode step, a speculative block: one call
+        out = kernel.attend_dense(q, keys, values, hi, allowed, scale, threads, with_lse=False)[0]
+        return out.view(batch, heads, n, dim).to(q.dtype)
+    outputs = []
+    for start in range(0, n, per):
+        end = min(n, start + per)
+        part = (q[:, :, start:end], keys, values, hi[start:end], None if allowed is None else allowed[start:end])
+        if torch.compiler.is_compiling():
+            out = _dense_attention(*part, scale, threads)
+        else:
+            out = kernel.attend_dense(*part, scale, threads, with_lse=False)[0]
+        outputs.append(out.view(batch, heads, end - start, dim))
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+    return out.to(q.dtype)
+
+
+@torch.library.custom_op("kakeya::dense_attention", mutates_args=())
+def _dense_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hi: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    threads: int,
+) -> torch.Tensor:
+    """`HeldKernel.attend_dense` as an operator a compiled graph calls (the same kernel, the same values)."""
+    kernel = dense_kernel()
+    if kernel is None:
+        raise RuntimeError("the compiled attention kernel is not loaded")
+    return kernel.attend_dense(q, keys, values, hi, allowed, scale, threads)[0]
+
+
+@_dense_attention.register_fake
+def _(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    hi: torch.Tensor,
+    allowed: torch.Tensor | None,
+    scale: float,
+    threads: int,
+) -> torch.Tensor:
+    batch, heads, n, dim = q.shape
+    kv_heads = keys.shape[1]
+    return q.new_empty(batch, kv_heads, heads // kv_heads * n, dim, dtype=torch.float32)
+
+
+def _key_limits(mask: torch.Tensor | str | None, n: int, count: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What each of `n` queries reads of `count` keys, as the kernel takes it: the end of its keys (int64 `[n]`)
+    and, for a mask tensor, which of them (uint8 `[n, count]`); None: every key before the end (a block over its
+    history, each query reading every earlier key and itself)."""
+    if isinstance(mask, torch.Tensor):
+        plane = mask[0, 0]
+        allowed = (plane if plane.dtype == torch.bool else plane == 0)[:, :count]
+        reach = torch.arange(1, count + 1, dtype=torch.int64)
+        hi = torch.where(allowed, reach, torch.zeros((), dtype=torch.int64)).amax(dim=1)
+        return hi.contiguous(), allowed.to(torch.uint8).contiguous()
+    return torch.arange(count - n + 1, count + 1, dtype=torch.int64), None
 
 
 def _padded_mask(

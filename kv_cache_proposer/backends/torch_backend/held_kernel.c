@@ -18,6 +18,7 @@
 #define TILE 64      /* keys scored at a time within a segment */
 #define MAX_DIM 256  /* the largest head size served */
 #define TRANSPOSE_ROWS 8 /* query rows from which a tile's keys are transposed to score them (see segment_of) */
+#define ROW_BLOCK 128    /* query rows of one work item of dense attention (see dense_attend) */
 
 /* exp(x) for x <= 0 (a score minus the running maximum), 0 below the float range and for -inf; a polynomial the
    compiler vectorises, within 2 ulp of expf. */
@@ -131,7 +132,7 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
 }
 #endif
 
-/* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
+/* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
    keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
    coordinates are converted once (`converted`) and read by four rows at a time, their running sums in registers (D
@@ -302,6 +303,30 @@ static inline float value_at(const void *base, int bf16, int64_t at) {
     return f;
 }
 
+/* Row r's partial results of one (batch, K/V head)'s segments (each `stride` floats: [G][D] sums, [G] maxima, [G]
+   totals) merged in order: its maximum, total and unnormalised output. */
+static void merge_segments(const float *parts, int64_t stride, int64_t segments, int G, int D, int r, float *top,
+                           float *total, float *acc) {
+    float m = -INFINITY, sum = 0.0f;
+    for (int64_t part = 0; part < segments; part++) {
+        float t = parts[part * stride + (int64_t)G * D + r];
+        m = t > m ? t : m;
+    }
+    for (int d = 0; d < D; d++) acc[d] = 0.0f;
+    if (m != -INFINITY) {
+        for (int64_t part = 0; part < segments; part++) {
+            const float *p = parts + part * stride;
+            float t = p[(int64_t)G * D + r];
+            if (t == -INFINITY) continue;
+            float c = expf(t - m);
+            sum += p[(int64_t)G * D + G + r] * c;
+            for (int d = 0; d < D; d++) acc[d] += p[(int64_t)r * D + d] * c;
+        }
+    }
+    *top = m;
+    *total = sum;
+}
+
 /* One call: attention of queries [B, H*g, n, D] over held entries [0, count) of H K/V heads and then a dense tail
    of tail_count entries. Strides in elements; a query head's K/V head is its index / g. */
 typedef struct {
@@ -388,22 +413,8 @@ int held_attend(const HeldCall *call) {
     for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         for (int r = 0; r < G; r++) {
-            float m = -INFINITY, total = 0.0f, acc[MAX_DIM];
-            for (int64_t part = 0; part < segments; part++) {
-                float t = parts[(bh * segments + part) * stride + (int64_t)G * D + r];
-                m = t > m ? t : m;
-            }
-            for (int d = 0; d < D; d++) acc[d] = 0.0f;
-            if (m != -INFINITY) {
-                for (int64_t part = 0; part < segments; part++) {
-                    const float *p = parts + (bh * segments + part) * stride;
-                    float t = p[(int64_t)G * D + r];
-                    if (t == -INFINITY) continue;
-                    float c = expf(t - m);
-                    total += p[(int64_t)G * D + G + r] * c;
-                    for (int d = 0; d < D; d++) acc[d] += p[(int64_t)r * D + d] * c;
-                }
-            }
+            float m, total, acc[MAX_DIM];
+            merge_segments(parts + bh * segments * stride, stride, segments, G, D, r, &m, &total, acc);
             float *o = call->out + (bh * G + r) * D;
             for (int j = 0; j < D; j++) o[j] = 0.0f;
             for (int d = 0; d < D; d++)
@@ -433,6 +444,377 @@ int held_attend(const HeldCall *call) {
             float divisor = total > 1.1754943508222875e-38f ? total : 1.1754943508222875e-38f;
             for (int j = 0; j < D; j++) o[j] /= divisor;
             call->lse[bh * G + r] = (m == -INFINITY ? 0.0f : m) + logf(total);
+        }
+    }
+    return 0;
+}
+
+/* Attention over dense K/V (float32 or bfloat16), the same way: keys in tiles of TILE at fixed boundaries from the
+   first key, every tile whole (keys past the history, or masked, weigh exactly 0), segments of `seg` keys merged in
+   order, and every row's arithmetic the same whatever the rows beside it. A query's result therefore depends on its
+   own values, the keys it reads and the mask alone: not on the block it came in, the batch, or the thread count. */
+
+#if VECTORS
+/* exp_nonpositive of 16 values at once (the same polynomial, its own rounding). */
+static inline __m512 exp_nonpositive16(__m512 x) {
+    __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_fmadd_ps(c, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), c));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(power));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
+}
+#endif
+
+/* A row's scores s[TILE] over its running maximum m (not -inf) made its weights exp(s - m), in place; returns their
+   sum, always summed in the same order. */
+static inline float tile_weights(float *s, float m) {
+#if VECTORS
+    __m512 top = _mm512_set1_ps(m), total = _mm512_setzero_ps();
+    for (int t = 0; t < TILE; t += 16) {
+        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top));
+        _mm512_storeu_ps(s + t, e);
+        total = _mm512_add_ps(total, e);
+    }
+    return _mm512_reduce_add_ps(total);
+#else
+    float total = 0.0f;
+    for (int t = 0; t < TILE; t++) {
+        float e = exp_nonpositive(s[t] - m);
+        total += e;
+        s[t] = e;
+    }
+    return total;
+#endif
+}
+
+#if VECTORS && defined(__AVX512BF16__)
+#define PAIRS 1
+/* Scores of `rows` (1 to 4) bfloat16 query rows (pairs of dimensions as uint32, rows D apart) against a tile's 64
+   bfloat16 keys (`by_pair`: a pair of dimensions' 64 keys side by side), times `scale`: two dimensions a step by
+   the CPU's bfloat16 dot product, each row's sums in the same order whatever `rows` is. */
+static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32_t *q, int rows, int D,
+                                                                    const uint32_t *by_pair, float scale,
+                                                                    float *out /* [rows][TILE] */) {
+    __m512 s[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) s[i][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D / 2; d++) {
+        const uint32_t *bd = by_pair + d * TILE;
+        __m512bh k0 = (__m512bh)_mm512_loadu_si512(bd), k1 = (__m512bh)_mm512_loadu_si512(bd + 16),
+                 k2 = (__m512bh)_mm512_loadu_si512(bd + 32), k3 = (__m512bh)_mm512_loadu_si512(bd + 48);
+        for (int i = 0; i < 4; i++) {
+            if (i >= rows) break;
+            __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[(int64_t)i * D + d]);
+            s[i][0] = _mm512_dpbf16_ps(s[i][0], qi, k0);
+            s[i][1] = _mm512_dpbf16_ps(s[i][1], qi, k1);
+            s[i][2] = _mm512_dpbf16_ps(s[i][2], qi, k2);
+            s[i][3] = _mm512_dpbf16_ps(s[i][3], qi, k3);
+        }
+    }
+    __m512 factor = _mm512_set1_ps(scale);
+    for (int i = 0; i < rows; i++)
+        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + i * TILE + 16 * j, _mm512_mul_ps(s[i][j], factor));
+}
+#else
+#define PAIRS 0
+#endif
+
+/* Keys [t0, t0 + TILE) of one head as float32 rows [TILE][D], zeros past `count`. */
+static inline void dense_rows(const void *base, int bf16, int64_t s_pos, int64_t t0, int64_t count, int D,
+                              float *by_key) {
+    int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
+    for (int t = 0; t < nt; t++) {
+        if (bf16) {
+            const uint16_t *src = (const uint16_t *)base + (t0 + t) * s_pos;
+            uint32_t *dst = (uint32_t *)(by_key + (int64_t)t * D);
+            for (int d = 0; d < D; d++) dst[d] = (uint32_t)src[d] << 16;
+        } else {
+            memcpy(by_key + (int64_t)t * D, (const float *)base + (t0 + t) * s_pos, sizeof(float) * (size_t)D);
+        }
+    }
+    if (nt < TILE) memset(by_key + (int64_t)nt * D, 0, sizeof(float) * (size_t)(TILE - nt) * (size_t)D);
+}
+
+/* Keys [t0, t0 + TILE) of one head as they are held, bfloat16, a row's pairs of dimensions as uint32 [TILE][D/2],
+   zeros past `count`. */
+static inline void pair_rows(const void *base, int64_t s_pos, int64_t t0, int64_t count, int D, uint32_t *rows) {
+    int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
+    for (int t = 0; t < nt; t++)
+        memcpy(rows + (int64_t)t * (D / 2), (const uint16_t *)base + (t0 + t) * s_pos, sizeof(uint16_t) * (size_t)D);
+    if (nt < TILE) memset(rows + (int64_t)nt * (D / 2), 0, sizeof(uint16_t) * (size_t)(TILE - nt) * (size_t)D);
+}
+
+#if VECTORS
+/* A 16 x 16 block of float32 transposed: row i of `src` (step s_src) becomes column i of `dst` (step s_dst). */
+static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t s_src, float *dst,
+                                                               int64_t s_dst) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * s_src);
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);     /* a0 b0 a1 b1 | a4 b4 a5 b5 | ... per 128-bit lane */
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); /* a2 b2 a3 b3 | ... */
+    }
+    for (int i = 0; i < 16; i += 4) {
+        __m512d a = _mm512_castps_pd(t[i]), b = _mm512_castps_pd(t[i + 1]), c = _mm512_castps_pd(t[i + 2]),
+                d = _mm512_castps_pd(t[i + 3]);
+        r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));     /* a0 b0 c0 d0 per lane */
+        r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c)); /* a1 b1 c1 d1 */
+        r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)); /* a2 b2 c2 d2 */
+        r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d)); /* a3 b3 c3 d3 */
+    }
+    /* r[4k + j] holds, in 128-bit lane l, dimension 4l + j of rows 4k..4k+3. */
+    for (int j = 0; j < 4; j++) {
+        __m512 a = r[j], b = r[4 + j], c = r[8 + j], d = r[12 + j];
+        __m512 ab_lo = _mm512_shuffle_f32x4(a, b, 0x44); /* a.l0 a.l1 b.l0 b.l1 */
+        __m512 ab_hi = _mm512_shuffle_f32x4(a, b, 0xee); /* a.l2 a.l3 b.l2 b.l3 */
+        __m512 cd_lo = _mm512_shuffle_f32x4(c, d, 0x44);
+        __m512 cd_hi = _mm512_shuffle_f32x4(c, d, 0xee);
+        t[j] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0x88);      /* lane 0 of a b c d: dimension j */
+        t[4 + j] = _mm512_shuffle_f32x4(ab_lo, cd_lo, 0xdd);  /* lane 1: dimension 4 + j */
+        t[8 + j] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0x88);  /* lane 2: dimension 8 + j */
+        t[12 + j] = _mm512_shuffle_f32x4(ab_hi, cd_hi, 0xdd); /* lane 3: dimension 12 + j */
+    }
+    for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + i * s_dst, t[i]);
+}
+#endif
+
+/* [TILE][D] rows as [D][TILE]. */
+static inline __attribute__((always_inline)) void by_dimension(const float *by_key, int D, float *by_dim) {
+#if VECTORS
+    if (D % 16 == 0) {
+        for (int t0 = 0; t0 < TILE; t0 += 16)
+            for (int d0 = 0; d0 < D; d0 += 16) transpose16(by_key + (int64_t)t0 * D + d0, D, by_dim + (int64_t)d0 * TILE + t0, TILE);
+        return;
+    }
+#endif
+    for (int t = 0; t < TILE; t++)
+        for (int d = 0; d < D; d++) by_dim[d * TILE + t] = by_key[t * D + d];
+}
+
+/* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for G of its query rows from
+   row0 (row r: query r % n, which reads keys below hi[r % n] that `allowed` allows, or all of them where it is
+   NULL): unnormalised output acc [G, D], running maximum top [G] and sum sums [G]. */
+static inline __attribute__((always_inline)) void dense_segment_of(const float *q, const void *keys,
+                                                                   const void *values, int bf16, int64_t s_key,
+                                                                   int64_t s_value, int64_t count, const int64_t *hi,
+                                                                   const uint8_t *allowed, int64_t s_allowed, int n,
+                                                                   int row0, int G, int D, int pairs, float scale,
+                                                                   int64_t start, int64_t end, float *acc,
+                                                                   float *top, float *sums) {
+    float scores[G * TILE];
+    float by_key[TILE * D];
+    float by_dim[D * TILE];
+    for (int r = 0; r < G; r++) {
+        top[r] = -INFINITY;
+        sums[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    int64_t reach = 0; /* keys below it are read by some row */
+    for (int r = 0; r < G && r < n; r++) reach = hi[(row0 + r) % n] > reach ? hi[(row0 + r) % n] : reach;
+    for (int64_t t0 = start; t0 < end && t0 < reach; t0 += TILE) {
+        if (pairs) { /* a pair of dimensions is one 32-bit value: transposed as such */
+            pair_rows(keys, s_key, t0, count, D, (uint32_t *)by_key);
+            by_dimension(by_key, D / 2, by_dim);
+        } else {
+            dense_rows(keys, bf16, s_key, t0, count, D, by_key);
+            by_dimension(by_key, D, by_dim);
+        }
+        /* A group of four rows none of which reads this tile skips it: for such a row the tile would change
+           nothing (its weights are 0, its correction exactly 1). */
+        for (int r = 0; r < G; r += 4) {
+            int rows = G - r < 4 ? G - r : 4, reads = 0;
+            for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
+            float *s = scores + r * TILE;
+            if (!reads) {
+                for (int i = 0; i < rows * TILE; i++) s[i] = -INFINITY;
+                continue;
+            }
+#if PAIRS
+            if (pairs) {
+                const uint32_t *qp = (const uint32_t *)(q + (int64_t)r * D), *kp = (const uint32_t *)by_dim;
+                if (rows == 4) /* the rows' count known to the compiler: no test in the loop */
+                    tile_scores_pairs(qp, 4, D, kp, scale, s);
+                else
+                    tile_scores_pairs(qp, rows, D, kp, scale, s);
+                continue;
+            }
+#endif
+#if VECTORS
+            if (D % 16 == 0) {
+                if (rows == 4) /* the rows' count known to the compiler: no test in the loop */
+                    tile_scores(q + (int64_t)r * D, 4, D, by_dim, s);
+                else
+                    tile_scores(q + (int64_t)r * D, rows, D, by_dim, s);
+                continue;
+            }
+#endif
+            for (int i = 0; i < rows; i++) {
+                const float *qr = q + (int64_t)(r + i) * D;
+                float sum[TILE];
+                for (int t = 0; t < TILE; t++) sum[t] = 0.0f;
+                for (int d = 0; d < D; d++) {
+                    float qd = qr[d];
+                    for (int t = 0; t < TILE; t++) sum[t] += qd * by_dim[d * TILE + t];
+                }
+                for (int t = 0; t < TILE; t++) s[i * TILE + t] = sum[t];
+            }
+        }
+        for (int r = 0; r < G; r++) {
+            float *s = scores + r * TILE;
+            int64_t limit = hi[(row0 + r) % n];
+            const uint8_t *a = allowed ? allowed + (int64_t)((row0 + r) % n) * s_allowed : NULL;
+            if (a)
+                for (int t = 0; t < TILE; t++)
+                    if (t0 + t >= limit || !a[t0 + t]) s[t] = -INFINITY;
+            if (!a && limit < t0 + TILE)
+                for (int t = (int)(limit > t0 ? limit - t0 : 0); t < TILE; t++) s[t] = -INFINITY;
+            float m = top[r];
+#pragma omp simd reduction(max : m)
+            for (int t = 0; t < TILE; t++) m = s[t] > m ? s[t] : m;
+            if (m == -INFINITY) { /* nothing readable yet: weights 0 */
+                for (int t = 0; t < TILE; t++) s[t] = 0.0f;
+                continue;
+            }
+            float correction = top[r] == -INFINITY ? 0.0f : exp_nonpositive(top[r] - m);
+            float total = tile_weights(s, m);
+            sums[r] = sums[r] * correction + total;
+            top[r] = m;
+            float *o = acc + (int64_t)r * D;
+            for (int d = 0; d < D; d++) o[d] *= correction;
+        }
+        dense_rows(values, bf16, s_value, t0, count, D, by_key);
+        int r = 0;
+#if VECTORS
+        if (D % 16 == 0)
+            for (; r < G; r += 4) {
+                int rows = G - r < 4 ? G - r : 4, reads = 0;
+                for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
+                if (!reads) continue;
+                if (rows == 4)
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, TILE, by_key);
+                else
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, TILE, by_key);
+            }
+#endif
+        for (; r < G; r++) {
+            float row[D];
+            float *o = acc + (int64_t)r * D;
+            const float *w = scores + r * TILE;
+            for (int d = 0; d < D; d++) row[d] = o[d];
+            for (int t = 0; t < TILE; t++)
+                for (int d = 0; d < D; d++) row[d] += w[t] * by_key[t * D + d];
+            for (int d = 0; d < D; d++) o[d] = row[d];
+        }
+    }
+}
+
+static void dense_segment_64(const float *q, const void *keys, const void *values, int bf16, int64_t s_key,
+                             int64_t s_value, int64_t count, const int64_t *hi, const uint8_t *allowed,
+                             int64_t s_allowed, int n, int row0, int G, int pairs, float scale, int64_t start,
+                             int64_t end, float *acc, float *top, float *sums) {
+    dense_segment_of(q, keys, values, bf16, s_key, s_value, count, hi, allowed, s_allowed, n, row0, G, 64, pairs, scale,
+                     start, end, acc, top, sums);
+}
+
+static void dense_segment_128(const float *q, const void *keys, const void *values, int bf16, int64_t s_key,
+                             int64_t s_value, int64_t count, const int64_t *hi, const uint8_t *allowed,
+                             int64_t s_allowed, int n, int row0, int G, int pairs, float scale, int64_t start,
+                             int64_t end, float *acc, float *top, float *sums) {
+    dense_segment_of(q, keys, values, bf16, s_key, s_value, count, hi, allowed, s_allowed, n, row0, G, 128, pairs, scale,
+                     start, end, acc, top, sums);
+}
+
+/* One call: attention of queries [B, H*g, n, D] over dense K/V [B, H, >=count, D]. */
+typedef struct {
+    const void *q;
+    int64_t q_strides[3]; /* batch, head, query */
+    int q_bf16;
+    const void *keys, *values; /* of one dtype */
+    int64_t k_strides[3], v_strides[3];
+    int kv_bf16;
+    int64_t count;
+    const int64_t *hi;      /* [n]: query i reads keys below hi[i] */
+    const uint8_t *allowed; /* NULL (every key below hi) or [n, >=count] bytes */
+    int64_t s_allowed;
+    float scale;
+    int B, H, g, n, D;
+    int64_t seg;
+    int threads;
+    float *scratch; /* dense_attend_scratch(...) floats */
+    float *out;     /* [B, H, g*n, D] */
+    float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
+} DenseCall;
+
+int64_t dense_attend_scratch(int B, int H, int G, int D, int64_t count, int64_t seg) {
+    return held_attend_scratch(B, H, G, D, count, seg);
+}
+
+/* Attention over dense K/V with the guarantees above. Returns 0, or -1 when the shapes are beyond what the kernel
+   serves. */
+int dense_attend(const DenseCall *call) {
+    const int B = call->B, H = call->H, n = call->n, D = call->D, G = call->g * call->n;
+    const int64_t count = call->count, seg = call->seg;
+    if (D > MAX_DIM || D < 1 || G < 1 || n < 1 || seg < 1 || seg % TILE != 0 || count < 1) return -1;
+    const int64_t segments = (count + seg - 1) / seg, stride = (int64_t)G * (D + 2);
+    float *scaled = call->scratch, *parts = call->scratch + (int64_t)B * H * G * D;
+    /* bfloat16 queries and keys: scored by the CPU's bfloat16 dot product, the queries as they are (each row's
+       first D/2 floats hold its pairs), the scale applied to the sums */
+    const int pairs = PAIRS && call->q_bf16 && call->kv_bf16 && D % 32 == 0;
+    for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
+        for (int r = 0; r < G; r++) {
+            int64_t base = b * call->q_strides[0] + (h * call->g + r / n) * call->q_strides[1] +
+                           (int64_t)(r % n) * call->q_strides[2];
+            float *into = scaled + (bh * G + r) * D;
+            if (pairs)
+                memcpy(into, (const uint16_t *)call->q + base, sizeof(uint16_t) * (size_t)D);
+            else
+                for (int d = 0; d < D; d++) into[d] = value_at(call->q, call->q_bf16, base + d) * call->scale;
+        }
+    }
+    const int64_t *ks = call->k_strides, *vs = call->v_strides;
+    const int64_t elem = call->kv_bf16 ? 2 : 4;
+    /* Work items: a segment of a (batch, K/V head) for a block of up to ROW_BLOCK rows (the threads stay busy when
+       a block of many queries reads few segments; a row's values do not depend on its block). */
+    const int64_t row_blocks = (G + ROW_BLOCK - 1) / ROW_BLOCK, items = (int64_t)B * H * segments * row_blocks;
+#pragma omp parallel for num_threads(call->threads) schedule(static) if (call->threads > 1 && items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        int64_t rb = i % row_blocks, bh = i / row_blocks / segments, part = i / row_blocks % segments;
+        int64_t b = bh / H, h = bh % H;
+        int64_t start = part * seg, end = start + seg < count ? start + seg : count;
+        int row0 = (int)(rb * ROW_BLOCK), rows = G - row0 < ROW_BLOCK ? G - row0 : ROW_BLOCK;
+        const char *k = (const char *)call->keys + (b * ks[0] + h * ks[1]) * elem;
+        const char *v = (const char *)call->values + (b * vs[0] + h * vs[1]) * elem;
+        float *p = parts + (bh * segments + part) * stride;
+        float *acc = p + (int64_t)row0 * D, *top = p + (int64_t)G * D + row0, *sums = p + (int64_t)G * D + G + row0;
+        const float *qs = scaled + (bh * G + row0) * D;
+        if (D == 64)
+            dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
+                             row0, rows, pairs, call->scale, start, end, acc, top, sums);
+        else if (D == 128)
+            dense_segment_128(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed,
+                              n, row0, rows, pairs, call->scale, start, end, acc, top, sums);
+        else
+            dense_segment_of(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed,
+                             n, row0, rows, D, pairs, call->scale, start, end, acc, top, sums);
+    }
+    for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
+        for (int r = 0; r < G; r++) {
+            float m, total, acc[MAX_DIM];
+            merge_segments(parts + bh * segments * stride, stride, segments, G, D, r, &m, &total, acc);
+            float divisor = total > 1.1754943508222875e-38f ? total : 1.1754943508222875e-38f;
+            float *o = call->out + (bh * G + r) * D;
+            for (int d = 0; d < D; d++) o[d] = acc[d] / divisor;
+            if (call->lse) call->lse[bh * G + r] = m == -INFINITY ? -INFINITY : m + logf(total);
         }
     }
     return 0;

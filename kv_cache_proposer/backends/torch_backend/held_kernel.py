@@ -1,7 +1,8 @@
-"""The compiled CPU kernel for attention over held coordinates (`held_kernel.c`): built with the machine's C compiler
-on first use, for this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`)
-and loaded with ctypes. A decode step or a speculative block then reads the int8 coordinates in one pass, never
-writing a float32 copy of them (`TorchHeldKeys`).
+"""The compiled CPU kernel for attention (`held_kernel.c`): built with the machine's C compiler on first use, for
+this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`) and loaded with
+ctypes. Over held coordinates, a decode step or a speculative block reads the int8 coordinates in one pass, never
+writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` where
+`KAKEYA_DENSE_ATTENTION=compiled` asks for it.
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -94,12 +95,43 @@ class _Call(ctypes.Structure):
     ]
 
 
+class _DenseCall(ctypes.Structure):
+    """`DenseCall` of held_kernel.c, field for field."""
+
+    _fields_ = [
+        ("q", _P),
+        ("q_strides", _I64 * 3),
+        ("q_bf16", _I),
+        ("keys", _P),
+        ("values", _P),
+        ("k_strides", _I64 * 3),
+        ("v_strides", _I64 * 3),
+        ("kv_bf16", _I),
+        ("count", _I64),
+        ("hi", _P),
+        ("allowed", _P),
+        ("s_allowed", _I64),
+        ("scale", ctypes.c_float),
+        ("B", _I),
+        ("H", _I),
+        ("g", _I),
+        ("n", _I),
+        ("D", _I),
+        ("seg", _I64),
+        ("threads", _I),
+        ("scratch", _P),
+        ("out", _P),
+        ("lse", _P),
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class HeldKernel:
-    """The loaded kernel and where its library lies."""
+    """The loaded kernel (attention over held coordinates, and over dense K/V) and where its library lies."""
 
     function: Any
     scratch_size: Any
+    dense: Any
     library: Path
 
     def attend(
@@ -167,6 +199,62 @@ class HeldKernel:
             raise ValueError(f"the held-attention kernel does not serve {rows} query rows of head size {dim}")
         return out, lse
 
+    def attend_dense(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        hi: torch.Tensor,
+        allowed: torch.Tensor | None,
+        scale: float,
+        threads: int,
+        with_lse: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of the queries `q` `[B, H, n, D]` over dense K/V `[B, H_kv, c, D]` (float32 or bfloat16),
+        query i reading keys below `hi[i]` (int64 `[n]`) that `allowed` (uint8 `[n, c]`, None: all)
+        allows, on `threads` threads: output `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]` (None unless
+        `with_lse`), float32. A query's values do not depend on the queries beside it, the batch or the thread
+        count."""
+        batch, heads, n, dim = (int(s) for s in q.shape)
+        kv_heads, count = int(keys.shape[1]), int(keys.shape[2])
+        rows = heads // kv_heads * n
+        q, keys, values = (_readable(x) for x in (q, keys, values))
+        if keys.dtype != values.dtype:
+            values = values.to(keys.dtype)
+        size = batch * kv_heads * rows * dim
+        buffer = torch.empty(size + int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
+        out = buffer[:size].view(batch, kv_heads, rows, dim)
+        scratch = buffer[size:]
+        lse = torch.empty(batch, kv_heads, rows, 1) if with_lse else None
+        call = _DenseCall(
+            q=q.data_ptr(),
+            q_strides=(_I64 * 3)(*q.stride()[:3]),
+            q_bf16=int(q.dtype == torch.bfloat16),
+            keys=keys.data_ptr(),
+            values=values.data_ptr(),
+            k_strides=(_I64 * 3)(*keys.stride()[:3]),
+            v_strides=(_I64 * 3)(*values.stride()[:3]),
+            kv_bf16=int(keys.dtype == torch.bfloat16),
+            count=count,
+            hi=hi.data_ptr(),
+            allowed=None if allowed is None else allowed.data_ptr(),
+            s_allowed=0 if allowed is None else int(allowed.stride(0)),
+            scale=scale,
+            B=batch,
+            H=kv_heads,
+            g=heads // kv_heads,
+            n=n,
+            D=dim,
+            seg=SEGMENT,
+            threads=threads,
+            scratch=scratch.data_ptr(),
+            out=out.data_ptr(),
+            lse=None if lse is None else lse.data_ptr(),
+        )
+        if self.dense(ctypes.byref(call)) != 0:
+            raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
+        return out, lse
+
 
 def _readable(x: torch.Tensor) -> torch.Tensor:
     """`x` as the kernel reads it: float32 or bfloat16, each row's values contiguous."""
@@ -197,14 +285,15 @@ def held_kernel() -> HeldKernel | None:
     try:
         library = _built()
         loaded = ctypes.CDLL(str(library))
-        function, scratch_size = loaded.held_attend, loaded.held_attend_scratch
+        function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
         return None
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
+    dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
     log.info("held attention: compiled kernel %s", library)
-    return HeldKernel(function, scratch_size, library)
+    return HeldKernel(function, scratch_size, dense, library)
 
 
 def kernel_dir() -> Path:

@@ -181,7 +181,7 @@ def _assert_delivery_invariant(model_dir: Path, strategy: KVStrategy, weights: s
 
 @pytest.mark.parametrize("groups", [1, 2, 3, 4])
 @pytest.mark.parametrize("room", ["spare slots", "after the pair", "none"])
-def test_a_query_s_attention_does_not_depend_on_its_block(groups, room):
+def test_a_query_s_attention_does_not_depend_on_its_block(groups, room, attention_path):
     torch.manual_seed(groups)
     kv_heads, dim, total = 2, 16, 1300
     q = torch.randn(1, total, kv_heads * groups, dim).transpose(1, 2)  # the layout the forward gives
@@ -237,7 +237,9 @@ def test_attention_reads_whole_key_blocks_of_a_pair_of_buffers_in_place_where_th
 @pytest.mark.parametrize("groups", [1, 2, 4])
 @pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize(("n", "earlier"), [(1, 9), (2, 1), (7, 300), (64, 33)])
-def test_the_attention_of_a_block_over_its_history_is_the_masked_attention(groups, dtype, tolerance, n, earlier):
+def test_the_attention_of_a_block_over_its_history_is_the_masked_attention(
+    groups, dtype, tolerance, n, earlier, attention_path
+):
     torch.manual_seed(n + earlier)
     kv_heads, dim = 2, 16
     q = torch.randn(1, n, kv_heads * groups, dim, dtype=dtype).transpose(1, 2)  # the layout the forward gives

@@ -1,0 +1,90 @@
+"""The compiled kernel's attention over dense K/V (`HeldKernel.attend_dense`, reached through `attend_exact` with
+`KAKEYA_DENSE_ATTENTION=compiled`):
+PyTorch's masked attention within float rounding for every head size, grouping, precision and mask; and a query's
+values bit for bit the same whatever block it arrives in, however many queries a call takes, on any thread
+count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY
+
+TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+pytestmark = pytest.mark.usefixtures("compiled_attention")  # every test here runs the compiled kernel
+
+
+def _inputs(dtype: torch.dtype, groups: int, n: int, count: int, dim: int, seed: int) -> tuple[torch.Tensor, ...]:
+    torch.manual_seed(seed)
+    q = torch.randn(1, n, 2 * groups, dim, dtype=dtype).transpose(1, 2)  # the layout the forward gives
+    keys, values = (torch.randn(1, 2, count, dim, dtype=dtype) for _ in "kv")
+    return q, keys, values
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 32, 64, 128])
+@pytest.mark.parametrize("groups", [1, 3])
+@pytest.mark.parametrize(("n", "count"), [(1, 1), (1, 700), (5, 1300), (200, 1030)])
+@pytest.mark.parametrize("holes", [False, True], ids=["causal", "keys-no-query-reads"])
+def test_the_kernel_attends_as_pytorch_s_masked_attention(dtype, dim, groups, n, count, holes):
+    q, keys, values = _inputs(dtype, groups, n, count, dim, seed=dim + n)
+    visible = torch.arange(count)[None, :] <= torch.arange(count - n, count)[:, None]
+    if holes:
+        visible[:, 1::7] = False
+    mask = visible[None, None] if holes else OVER_HISTORY
+    got = exact_attention.attend_exact(q, keys, values, mask, groups, dim**-0.5, {})
+    expected = F.scaled_dot_product_attention(
+        q.float(), keys.float(), values.float(), attn_mask=visible[None, None], scale=dim**-0.5, enable_gqa=True
+    )
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got.float(), expected, rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [8, 64])
+def test_a_query_s_values_are_the_same_bits_in_any_block_call_size_or_thread_count(monkeypatch, dtype, dim):
+    groups, total = 3, 1400
+    q, keys, values = _inputs(dtype, groups, total, total, dim, seed=dim)
+
+    def delivered(sizes: list[int]) -> torch.Tensor:
+        outputs, start = [], 0
+        for size in sizes:
+            end = start + size
+            outputs.append(
+                exact_attention.attend_exact(
+                    q[:, :, start:end], keys[:, :, :end], values[:, :, :end], OVER_HISTORY, groups, 0.3, {}
+                )
+            )
+            start = end
+        return torch.cat(outputs, dim=2)
+
+    expected = delivered([total])  # several calls of MAX_ROWS rows at most
+    for sizes in ([1] * 30 + [1370], [512, 511, 1, 376], [3, 700, 697], [64] * 21 + [56]):
+        assert torch.equal(delivered(sizes), expected), sizes
+    monkeypatch.setattr(held_kernel, "MAX_ROWS", 7)  # two queries a call
+    assert torch.equal(delivered([5, 1395]), expected)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(delivered([total]), expected)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_keys_and_values_may_lie_apart_and_a_query_that_reads_nothing_gets_zeros():
+    q, keys, _ = _inputs(torch.float32, 2, 3, 40, 16, seed=1)
+    values = torch.randn(1, 40, 2, 16).transpose(1, 2)  # another layout than the keys'
+    visible = torch.ones(3, 40, dtype=torch.bool)
+    visible[1] = False
+    got = exact_attention.attend_exact(q, keys, values, visible[None, None], 2, 0.25, {})
+    assert torch.equal(got[:, :, 1], torch.zeros(1, 4, 16))
+    for row in (0, 2):
+        expected = F.scaled_dot_product_attention(
+            q[:, :, row : row + 1], keys, values.contiguous(), scale=0.25, enable_gqa=True
+        )
+        torch.testing.assert_close(got[:, :, row : row + 1], expected, rtol=2e-6, atol=2e-6)
