@@ -1,16 +1,20 @@
-"""Decode through the daemon at two revisions of this repository, side by side in one run.
+"""Decode and prefill through the daemon at two revisions of this repository, side by side in one run.
 
 The baseline revision's packages (`inference_engine`, `kv_cache_proposer`) are exported from git (`git archive`)
 into a temporary directory; the working tree is the other side. One `kakeya-runtime serve` per revision runs on a
-loopback port with the daemon's default flags (plus `--model`, and any `--flags`), each importing its own tree. For
-every history length a session of that much held-out standard-library source is created and prefilled on both;
-each repeat forks it and generates `--new-tokens` greedy tokens through the Python SDK, the revisions in alternating
-order, so both meet the same load. Writes `results/bench_daemon_revisions_<stamp>.json` (config, raw samples,
-medians, current/baseline ratios, paired by repeat) and a PNG plot next to it.
+loopback port with the daemon's default flags (plus `--model`, and any `--flags`), each importing its own tree;
+`--current-env NAME=VALUE` sets a variable for the working tree's daemon alone (the same revision with and without
+a setting, say). For every history length a session of that much held-out standard-library source is created on
+both and its first token timed (`--prefill-repeats` fresh sessions each, every one's history starting a token later
+than the one before so that none shares another's prefix, the revisions in alternating order: the prefill); each
+repeat then forks the first and generates `--new-tokens` greedy tokens through the Python SDK, the
+revisions in alternating order, so both meet the same load. Writes `results/bench_daemon_revisions_<stamp>.json`
+(config, raw samples, medians, current/baseline ratios, paired by repeat) and a PNG plot next to it.
 
 Usage:
     python scripts/bench_daemon_revisions.py --baseline REV [--model NAME|DIR|GGUF] [--histories 1024,8192]
-        [--new-tokens 64] [--repeats 7] [--flags "--threads 2"] [--out results]
+        [--new-tokens 64] [--repeats 7] [--prefill-repeats 1] [--flags "--threads 2"]
+        [--current-env KAKEYA_DENSE_ATTENTION=compiled] [--out results]
 
     --model takes a model name, a model directory or a GGUF file, as `kakeya-runtime serve --model` does (default:
     kakeya-tiny).
@@ -48,12 +52,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--histories", default="1024,8192", help="history lengths in tokens, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per revision and history")
     p.add_argument("--flags", default="", help="extra `serve` flags for both daemons, one shell-quoted string")
+    p.add_argument(
+        "--current-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for the working tree's daemon alone (repeatable)",
+    )
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     args.histories = [int(h) for h in args.histories.split(",") if h]
-    if args.new_tokens < 2 or args.repeats < 1 or not args.histories:
-        p.error("--new-tokens >= 2, --repeats >= 1 and at least one history are required")
+    if args.new_tokens < 2 or args.repeats < 1 or args.prefill_repeats < 1 or not args.histories:
+        p.error("--new-tokens >= 2, --repeats >= 1, --prefill-repeats >= 1 and at least one history are required")
+    if any("=" not in item or not item.partition("=")[0] for item in args.current_env):
+        p.error("--current-env takes NAME=VALUE")
     return args
 
 
@@ -83,6 +97,21 @@ def check_imports_from(tree: Path) -> None:
 
 
 def summarise(samples: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]:
+    prefill = {
+        rev: {
+            str(h): round(
+                statistics.median(
+                    s["first_token_s"]
+                    for s in samples
+                    if s["kind"] == "prefill" and s["revision"] == rev and s["history"] == h
+                ),
+                3,
+            )
+            for h in histories
+        }
+        for rev in REVISIONS
+    }
+    samples = [s for s in samples if s["kind"] == "decode"]
     rates: dict[str, dict[str, float]] = {rev: {} for rev in REVISIONS}
     paired: dict[str, float] = {}
     for history in histories:
@@ -103,8 +132,15 @@ def summarise(samples: list[dict[str, Any]], histories: list[int]) -> dict[str, 
             strict=True,
         )
     )
-    statement = "; ".join(f"history {h}: current/baseline {ratio[h]:.2f}x (paired {paired[h]:.2f}x)" for h in ratio)
+    prefill_ratio = {h: round(prefill["baseline"][h] / prefill["current"][h], 3) for h in prefill["current"]}
+    statement = "; ".join(
+        f"history {h}: decode current/baseline {ratio[h]:.2f}x (paired {paired[h]:.2f}x), "
+        f"prefill {prefill_ratio[h]:.2f}x"
+        for h in ratio
+    )
     return {
+        "first_token_s": prefill,
+        "prefill_speed_current_over_baseline": prefill_ratio,
         "decode_tokens_per_s": rates,
         "current_over_baseline": ratio,
         "paired_current_over_baseline": paired,
@@ -119,16 +155,18 @@ def plot(png: Path, summary: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = summary["decode_tokens_per_s"]
+    rates, first = summary["decode_tokens_per_s"], summary["first_token_s"]
     histories = list(rates["current"])
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (decode, prefill) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.38
-    for offset, rev in ((-width / 2, "baseline"), (width / 2, "current")):
-        ax.bar([i + offset for i in range(len(histories))], [rates[rev][h] for h in histories], width, label=rev)
-    ax.set_xticks(range(len(histories)), [f"{h} tokens" for h in histories])
-    ax.set_ylabel("decode tokens/s (median)")
-    ax.set_title("daemon decode: current against baseline")
-    ax.legend()
+    for ax, values, label in ((decode, rates, "decode tokens/s (median)"), (prefill, first, "first token, s")):
+        for offset, rev in ((-width / 2, "baseline"), (width / 2, "current")):
+            ax.bar([i + offset for i in range(len(histories))], [values[rev][h] for h in histories], width, label=rev)
+        ax.set_xticks(range(len(histories)), [f"{h} tokens" for h in histories])
+        ax.set_ylabel(label)
+        ax.legend()
+    decode.set_title("daemon decode: current against baseline")
+    prefill.set_title("a new session's prefill to its first token")
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
@@ -137,26 +175,46 @@ def plot(png: Path, summary: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     flags = ["--model", str(args.model), *shlex.split(args.flags)]
-    text = history_tokens(args.model, max(args.histories))
+    text = history_tokens(args.model, max(args.histories) + args.prefill_repeats)
     samples: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kakeya-baseline-") as tmp:
         baseline_commit = export_revision(args.baseline, Path(tmp))
         check_imports_from(Path(tmp))
-        daemons = {"baseline": Daemon(flags, env={"PYTHONPATH": tmp}), "current": Daemon(flags)}
+        current_env = dict(item.partition("=")[::2] for item in args.current_env)
+        daemons = {"baseline": Daemon(flags, env={"PYTHONPATH": tmp}), "current": Daemon(flags, env=current_env)}
         clients = {rev: kakeya.Client(daemon.wait_listening()) for rev, daemon in daemons.items()}
         try:
             for history_len in args.histories:
-                held = {
-                    rev: client.create_session(initial_tokens=text[:history_len], eos_token_ids=[])
-                    for rev, client in clients.items()
-                }
-                for session in held.values():
-                    list(session.generate(1))  # the prefill
+                held: dict[str, Any] = {}
+                for repeat in range(args.prefill_repeats):
+                    for rev in REVISIONS if repeat % 2 == 0 else REVISIONS[::-1]:
+                        started = time.perf_counter()
+                        # each repeat's history starts one token later: no session shares a prefix with another's
+                        history = text[repeat : repeat + history_len]
+                        session = clients[rev].create_session(initial_tokens=history, eos_token_ids=[])
+                        list(session.generate(1))  # the prefill, to the first token
+                        first_token_s = time.perf_counter() - started
+                        samples.append(
+                            {
+                                "kind": "prefill",
+                                "revision": rev,
+                                "history": history_len,
+                                "repeat": repeat,
+                                "first_token_s": first_token_s,
+                            }
+                        )
+                        print(f"{rev:>8} history {history_len:>6}: first token in {first_token_s:.2f} s", flush=True)
+                        if rev in held:
+                            session.close()
+                        else:
+                            held[rev] = session
                 for repeat in range(args.repeats):
                     for rev in REVISIONS if repeat % 2 == 0 else REVISIONS[::-1]:
                         with held[rev].fork() as fork:
                             result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
-                        samples.append({"revision": rev, "history": history_len, "repeat": repeat, **result})
+                        samples.append(
+                            {"kind": "decode", "revision": rev, "history": history_len, "repeat": repeat, **result}
+                        )
                         print(
                             f"{rev:>8} history {history_len:>6}: {result['decode_tokens_per_s']:.1f} tok/s", flush=True
                         )

@@ -1,4 +1,5 @@
-"""scripts/bench_daemon_revisions.py: two daemons, one per revision, decode side by side; results with ratios."""
+"""scripts/bench_daemon_revisions.py: two daemons, one per revision, prefill and decode side by side; results with
+ratios."""
 
 from __future__ import annotations
 
@@ -25,12 +26,22 @@ def _bench():
 def test_a_smoke_run_decodes_through_both_revisions_daemons_and_writes_their_ratios(tmp_path):
     bench = _bench()
     argv = ["--baseline", "HEAD", "--histories", "16,24", "--new-tokens", "4", "--repeats", "2", "--out", str(tmp_path)]
+    argv += ["--prefill-repeats", "2", "--current-env", "KAKEYA_DENSE_ATTENTION=flash"]
     assert bench.main(argv) == 0
 
     (json_path,) = tmp_path.glob("bench_daemon_revisions_*.json")
     assert json_path.with_suffix(".png").stat().st_size > 0
     data = json.loads(json_path.read_text())
     samples, summary = data["samples"], data["summary"]
+    prefills = [s for s in samples if s["kind"] == "prefill"]
+    assert len(prefills) == 2 * 2 * 2 and all(s["first_token_s"] > 0 for s in prefills)
+    for history in ("16", "24"):
+        first = summary["first_token_s"]
+        assert summary["prefill_speed_current_over_baseline"][history] == pytest.approx(
+            first["baseline"][history] / first["current"][history], abs=1e-3
+        )
+    assert data["config"]["current_env"] == ["KAKEYA_DENSE_ATTENTION=flash"]
+    samples = [s for s in samples if s["kind"] == "decode"]
     assert len(samples) == 2 * 2 * 2  # revisions x histories x repeats
     assert {(s["revision"], s["history"]) for s in samples} == {
         (rev, h) for rev in ("baseline", "current") for h in (16, 24)
@@ -51,3 +62,8 @@ def test_a_smoke_run_decodes_through_both_revisions_daemons_and_writes_their_rat
 def test_an_unknown_revision_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown revision"):
         _bench().main(["--baseline", "no-such-revision", "--out", str(tmp_path)])
+
+
+def test_a_current_env_without_a_name_is_refused(tmp_path):
+    with pytest.raises(SystemExit):
+        _bench().main(["--baseline", "HEAD", "--current-env", "=1", "--out", str(tmp_path)])
