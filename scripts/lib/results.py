@@ -31,6 +31,8 @@ def environment(**extra: Any) -> dict[str, Any]:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         info["git_commit"] = None
+    # the daemon's settings by environment (KAKEYA_DENSE_ATTENTION, ...): the daemons a script starts inherit them
+    info["kakeya_settings"] = {name: value for name, value in sorted(os.environ.items()) if name.startswith("KAKEYA_")}
     if "torch" in sys.modules:
         import torch
 
