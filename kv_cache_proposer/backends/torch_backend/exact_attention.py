@@ -136,7 +136,7 @@ def _dense_attention(
     kernel = dense_kernel()
     if kernel is None:
         raise RuntimeError("the compiled attention kernel is not loaded")
-    return kernel.attend_dense(q, keys, values, hi, allowed, scale, threads)[0]
+    return kernel.attend_dense(q, keys, values, hi, allowed, scale, threads, with_lse=False)[0]
 
 
 @_dense_attention.register_fake

@@ -132,7 +132,7 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
 }
 #endif
 
-/* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for its G query rows: unnormalised output acc [G, D], running maximum
+/* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
    keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
    coordinates are converted once (`converted`) and read by four rows at a time, their running sums in registers (D
@@ -749,14 +749,10 @@ typedef struct {
     int B, H, g, n, D;
     int64_t seg;
     int threads;
-    float *scratch; /* dense_attend_scratch(...) floats */
+    float *scratch; /* held_attend_scratch(...) floats: the same layout */
     float *out;     /* [B, H, g*n, D] */
     float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
 } DenseCall;
-
-int64_t dense_attend_scratch(int B, int H, int G, int D, int64_t count, int64_t seg) {
-    return held_attend_scratch(B, H, G, D, count, seg);
-}
 
 /* Attention over dense K/V with the guarantees above. Returns 0, or -1 when the shapes are beyond what the kernel
    serves. */
