@@ -474,12 +474,12 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
-/* A row's scores s[TILE] over its running maximum m (not -inf) made its weights exp(s - m), in place; returns their
-   sum, always summed in the same order. */
-static inline float tile_weights(float *s, float m) {
+/* A row's scores s[width] (a multiple of 16) over its running maximum m (not -inf) made its weights exp(s - m), in
+   place; returns their sum, always summed in the same order. */
+static inline __attribute__((always_inline)) float tile_weights(float *s, int width, float m) {
 #if VECTORS
     __m512 top = _mm512_set1_ps(m), total = _mm512_setzero_ps();
-    for (int t = 0; t < TILE; t += 16) {
+    for (int t = 0; t < width; t += 16) {
         __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top));
         _mm512_storeu_ps(s + t, e);
         total = _mm512_add_ps(total, e);
@@ -487,13 +487,39 @@ static inline float tile_weights(float *s, float m) {
     return _mm512_reduce_add_ps(total);
 #else
     float total = 0.0f;
-    for (int t = 0; t < TILE; t++) {
+    for (int t = 0; t < width; t++) {
         float e = exp_nonpositive(s[t] - m);
         total += e;
         s[t] = e;
     }
     return total;
 #endif
+}
+
+/* Row `row`'s scores s[width] of keys [t0, t0 + width) made its weights under its running softmax (maximum *top, total
+   *sum, unnormalised output o [D] rescaled to the new maximum), keys it does not read weighing exactly 0. */
+static inline __attribute__((always_inline)) void row_weights(float *s, int width, int64_t t0, const int64_t *hi,
+                                                              const uint8_t *allowed, int64_t s_allowed, int n,
+                                                              int row, int D, float *o, float *top, float *sum) {
+    int64_t limit = hi[row % n];
+    const uint8_t *a = allowed ? allowed + (int64_t)(row % n) * s_allowed : NULL;
+    if (a)
+        for (int t = 0; t < width; t++)
+            if (t0 + t >= limit || !a[t0 + t]) s[t] = -INFINITY;
+    if (!a && limit < t0 + width)
+        for (int t = (int)(limit > t0 ? limit - t0 : 0); t < width; t++) s[t] = -INFINITY;
+    float m = *top;
+#pragma omp simd reduction(max : m)
+    for (int t = 0; t < width; t++) m = s[t] > m ? s[t] : m;
+    if (m == -INFINITY) { /* nothing readable yet: weights 0 */
+        for (int t = 0; t < width; t++) s[t] = 0.0f;
+        return;
+    }
+    float correction = *top == -INFINITY ? 0.0f : exp_nonpositive(*top - m);
+    float total = tile_weights(s, width, m);
+    *sum = *sum * correction + total;
+    *top = m;
+    for (int d = 0; d < D; d++) o[d] *= correction;
 }
 
 #if VECTORS && defined(__AVX512BF16__)
@@ -526,6 +552,133 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
 }
 #else
 #define PAIRS 0
+#endif
+
+#if PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Asks Linux for the tile registers' state (once per process suffices; asking again is harmless): 1 when granted. */
+int dense_tiles_enable(void) {
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Tiles 0-3: m rows of 16 float32 sums; 4: m rows of 32 bfloat16 (queries, or weights); 5 and 6: 16 rows of 16
+   bfloat16 pairs (keys by pairs of dimensions, or values by pairs of keys). */
+static void configure_tiles(int m) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        c.rows[t] = (uint8_t)m;
+        c.colsb[t] = 64;
+    }
+    for (int t = 5; t < 7; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* Scores of m (1 to 16) bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) against 64 keys
+   (`by_pair` [D/2][TILE]: a pair of dimensions' keys side by side) into out[i * ld + t], times `scale`, by the tile
+   unit: each score its own row's and key's dot product, whatever m is. */
+static inline void tiles_scores(const float *q, int m, int D, const uint32_t *by_pair, float scale, float *out,
+                                int ld) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int p = 0; p < D / 32; p++) {
+        const uint32_t *b = by_pair + (int64_t)16 * p * TILE;
+        _tile_loadd(4, (const uint32_t *)q + 16 * p, D * 4);
+        _tile_loadd(5, b, TILE * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + 16, TILE * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, b + 32, TILE * 4);
+        _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, b + 48, TILE * 4);
+        _tile_dpbf16ps(3, 4, 6);
+    }
+    _tile_stored(0, out, ld * 4);
+    _tile_stored(1, out + 16, ld * 4);
+    _tile_stored(2, out + 32, ld * 4);
+    _tile_stored(3, out + 48, ld * 4);
+    __m512 factor = _mm512_set1_ps(scale);
+    for (int i = 0; i < m; i++)
+        for (int t = 0; t < TILE; t += 16)
+            _mm512_storeu_ps(out + i * ld + t, _mm512_mul_ps(_mm512_loadu_ps(out + i * ld + t), factor));
+}
+
+/* `width` bfloat16 value rows (rows s_pos apart from key t0, zeros past `count`) as pairs of keys: for each pair,
+   each dimension's two values side by side [width/2][D] (what the tile unit multiplies by). */
+static inline void value_pairs(const uint16_t *base, int64_t s_pos, int64_t t0, int64_t count, int width, int D,
+                               uint32_t *pairs) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int t = 0; t < width; t += 2) {
+        uint32_t *row = pairs + (int64_t)(t / 2) * D;
+        int64_t k = t0 + t;
+        for (int d = 0; d < D; d += 32) {
+            __m512i a = k < count ? _mm512_loadu_si512(base + k * s_pos + d) : _mm512_setzero_si512();
+            __m512i b = k + 1 < count ? _mm512_loadu_si512(base + (k + 1) * s_pos + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(row + d, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(row + d + 16, _mm512_permutex2var_epi16(a, high, b));
+        }
+    }
+}
+
+/* acc[i] += sum over `width` keys of w[i][t] * v[t] for m (1 to 16) rows, the weights bfloat16 (`weights`
+   [m][width]), multiplied by the value pairs by the tile unit 32 keys at a time; each row's sums its own. */
+static inline void tiles_values(float *acc, int m, int D, const uint16_t *weights, int width, const uint32_t *pairs,
+                                float *sums /* [16][64] */) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int parts = (D - d0 < 64 ? D - d0 : 64) / 16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int h = 0; h < width / 32; h++) { /* keys 32h to 32h + 31: 16 pairs */
+            const uint32_t *b = pairs + (int64_t)16 * h * D + d0;
+            _tile_loadd(4, weights + 32 * h, width * 2);
+            _tile_loadd(5, b, D * 4);
+            _tile_dpbf16ps(0, 4, 5);
+            if (parts > 1) {
+                _tile_loadd(6, b + 16, D * 4);
+                _tile_dpbf16ps(1, 4, 6);
+            }
+            if (parts > 2) {
+                _tile_loadd(5, b + 32, D * 4);
+                _tile_dpbf16ps(2, 4, 5);
+            }
+            if (parts > 3) {
+                _tile_loadd(6, b + 48, D * 4);
+                _tile_dpbf16ps(3, 4, 6);
+            }
+        }
+        _tile_stored(0, sums, 64 * 4);
+        if (parts > 1) _tile_stored(1, sums + 16, 64 * 4);
+        if (parts > 2) _tile_stored(2, sums + 32, 64 * 4);
+        if (parts > 3) _tile_stored(3, sums + 48, 64 * 4);
+        for (int i = 0; i < m; i++)
+            for (int j = 0; j < parts; j++) {
+                float *o = acc + (int64_t)i * D + d0 + 16 * j;
+                _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(o), _mm512_loadu_ps(sums + i * 64 + 16 * j)));
+            }
+    }
+}
+#else
+#define TILES 0
+int dense_tiles_enable(void) { return 0; }
 #endif
 
 /* Keys [t0, t0 + TILE) of one head as float32 rows [TILE][D], zeros past `count`. */
@@ -668,29 +821,9 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 for (int t = 0; t < TILE; t++) s[i * TILE + t] = sum[t];
             }
         }
-        for (int r = 0; r < G; r++) {
-            float *s = scores + r * TILE;
-            int64_t limit = hi[(row0 + r) % n];
-            const uint8_t *a = allowed ? allowed + (int64_t)((row0 + r) % n) * s_allowed : NULL;
-            if (a)
-                for (int t = 0; t < TILE; t++)
-                    if (t0 + t >= limit || !a[t0 + t]) s[t] = -INFINITY;
-            if (!a && limit < t0 + TILE)
-                for (int t = (int)(limit > t0 ? limit - t0 : 0); t < TILE; t++) s[t] = -INFINITY;
-            float m = top[r];
-#pragma omp simd reduction(max : m)
-            for (int t = 0; t < TILE; t++) m = s[t] > m ? s[t] : m;
-            if (m == -INFINITY) { /* nothing readable yet: weights 0 */
-                for (int t = 0; t < TILE; t++) s[t] = 0.0f;
-                continue;
-            }
-            float correction = top[r] == -INFINITY ? 0.0f : exp_nonpositive(top[r] - m);
-            float total = tile_weights(s, m);
-            sums[r] = sums[r] * correction + total;
-            top[r] = m;
-            float *o = acc + (int64_t)r * D;
-            for (int d = 0; d < D; d++) o[d] *= correction;
-        }
+        for (int r = 0; r < G; r++)
+            row_weights(scores + r * TILE, TILE, t0, hi, allowed, s_allowed, n, row0 + r, D, acc + (int64_t)r * D, top + r,
+                        sums + r);
         dense_rows(values, bf16, s_value, t0, count, D, by_key);
         int r = 0;
 #if VECTORS
@@ -716,6 +849,61 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
         }
     }
 }
+
+#if TILES
+#define STEP 256 /* keys under one softmax step of the tile path: STEP / TILE tiles, at fixed places */
+
+/* dense_segment_of for bfloat16 queries and K/V by the tile unit: keys in steps of STEP at fixed places, 16 rows at a
+   time, each step's scores (a tile of 64 keys at a time), each row's weights over the step as there, rounded to
+   bfloat16, times the values. A row's sums are its own whatever rows share its tiles (a row that does not read a
+   step gets weights 0 from it, which change nothing); the caller's tile configuration, if any, is put back. */
+static void dense_segment_tiles(const float *q, const void *keys, const void *values, int64_t s_key, int64_t s_value,
+                                int64_t count, const int64_t *hi, const uint8_t *allowed, int64_t s_allowed, int n,
+                                int row0, int G, int D, float scale, int64_t start, int64_t end, float *acc,
+                                float *top, float *sums) {
+    float scores[16 * STEP], products[16 * 64];
+    uint16_t weights[16 * STEP];
+    uint32_t by_key[TILE * D / 2], by_pair[STEP * D / 2], pairs[STEP / 2 * D];
+    TileConfig saved;
+    _tile_storeconfig(&saved);
+    int configured = 0;
+    for (int r = 0; r < G; r++) {
+        top[r] = -INFINITY;
+        sums[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    int64_t reach = 0; /* keys below it are read by some row */
+    for (int r = 0; r < G && r < n; r++) reach = hi[(row0 + r) % n] > reach ? hi[(row0 + r) % n] : reach;
+    for (int64_t t0 = start; t0 < end && t0 < reach; t0 += STEP) {
+        for (int j = 0; j < STEP / TILE; j++) {
+            pair_rows(keys, s_key, t0 + j * TILE, count, D, by_key);
+            by_dimension((const float *)by_key, D / 2, (float *)(by_pair + j * TILE * D / 2));
+        }
+        value_pairs((const uint16_t *)values, s_value, t0, count, STEP, D, pairs);
+        for (int r = 0; r < G; r += 16) {
+            int m = G - r < 16 ? G - r : 16, reads = 0;
+            for (int i = 0; i < m; i++) reads |= hi[(row0 + r + i) % n] > t0;
+            if (!reads) continue; /* weights 0 for every row: nothing would change */
+            if (m != configured) configure_tiles(configured = m);
+            for (int j = 0; j < STEP / TILE; j++)
+                tiles_scores(q + (int64_t)r * D, m, D, by_pair + j * TILE * D / 2, scale, scores + j * TILE, STEP);
+            for (int i = 0; i < m; i++) {
+                float *s = scores + i * STEP;
+                row_weights(s, STEP, t0, hi, allowed, s_allowed, n, row0 + r + i, D, acc + (int64_t)(r + i) * D,
+                            top + r + i, sums + r + i);
+                for (int t = 0; t < STEP; t += 32)
+                    _mm512_storeu_si512(weights + i * STEP + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16),
+                                                                                           _mm512_loadu_ps(s + t)));
+            }
+            tiles_values(acc + (int64_t)r * D, m, D, weights, STEP, pairs, products);
+        }
+    }
+    if (saved.palette)
+        _tile_loadconfig(&saved);
+    else
+        _tile_release();
+}
+#endif
 
 static void dense_segment_64(const float *q, const void *keys, const void *values, int bf16, int64_t s_key,
                              int64_t s_value, int64_t count, const int64_t *hi, const uint8_t *allowed,
@@ -749,6 +937,7 @@ typedef struct {
     int B, H, g, n, D;
     int64_t seg;
     int threads;
+    int tiles;      /* bfloat16 queries and K/V by the tile unit (granted by dense_tiles_enable) */
     float *scratch; /* held_attend_scratch(...) floats: the same layout */
     float *out;     /* [B, H, g*n, D] */
     float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
@@ -760,11 +949,16 @@ int dense_attend(const DenseCall *call) {
     const int B = call->B, H = call->H, n = call->n, D = call->D, G = call->g * call->n;
     const int64_t count = call->count, seg = call->seg;
     if (D > MAX_DIM || D < 1 || G < 1 || n < 1 || seg < 1 || seg % TILE != 0 || count < 1) return -1;
+#if TILES
+    if (call->tiles && seg % STEP != 0) return -1;
+#endif
     const int64_t segments = (count + seg - 1) / seg, stride = (int64_t)G * (D + 2);
     float *scaled = call->scratch, *parts = call->scratch + (int64_t)B * H * G * D;
     /* bfloat16 queries and keys: scored by the CPU's bfloat16 dot product, the queries as they are (each row's
        first D/2 floats hold its pairs), the scale applied to the sums */
     const int pairs = PAIRS && call->q_bf16 && call->kv_bf16 && D % 32 == 0;
+    const int tiles = TILES && pairs && call->tiles;
+    (void)tiles;
     for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         for (int r = 0; r < G; r++) {
@@ -793,6 +987,12 @@ int dense_attend(const DenseCall *call) {
         float *p = parts + (bh * segments + part) * stride;
         float *acc = p + (int64_t)row0 * D, *top = p + (int64_t)G * D + row0, *sums = p + (int64_t)G * D + G + row0;
         const float *qs = scaled + (bh * G + row0) * D;
+#if TILES
+        if (tiles)
+            dense_segment_tiles(qs, k, v, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n, row0, rows,
+                                D, call->scale, start, end, acc, top, sums);
+        else
+#endif
         if (D == 64)
             dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
                              row0, rows, pairs, call->scale, start, end, acc, top, sums);

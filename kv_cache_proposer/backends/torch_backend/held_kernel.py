@@ -119,6 +119,7 @@ class _DenseCall(ctypes.Structure):
         ("D", _I),
         ("seg", _I64),
         ("threads", _I),
+        ("tiles", _I),
         ("scratch", _P),
         ("out", _P),
         ("lse", _P),
@@ -133,6 +134,9 @@ class HeldKernel:
     scratch_size: Any
     dense: Any
     library: Path
+    tiles: bool = False
+    """Whether dense attention over bfloat16 queries and K/V runs on the CPU's tile unit (AMX): the kernel was built
+    with it and Linux granted its state. Fixed for the process, so every block shape takes the same path."""
 
     def attend(
         self,
@@ -209,12 +213,13 @@ class HeldKernel:
         scale: float,
         threads: int,
         with_lse: bool = True,
+        tiles: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of the queries `q` `[B, H, n, D]` over dense K/V `[B, H_kv, c, D]` (float32 or bfloat16),
         query i reading keys below `hi[i]` (int64 `[n]`) that `allowed` (uint8 `[n, c]`, None: all)
         allows, on `threads` threads: output `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]` (None unless
         `with_lse`), float32. A query's values do not depend on the queries beside it, the batch or the thread
-        count."""
+        count. `tiles` (None: `self.tiles`) chooses the tile unit for bfloat16 where the kernel has it."""
         batch, heads, n, dim = (int(s) for s in q.shape)
         kv_heads, count = int(keys.shape[1]), int(keys.shape[2])
         rows = heads // kv_heads * n
@@ -247,6 +252,7 @@ class HeldKernel:
             D=dim,
             seg=SEGMENT,
             threads=threads,
+            tiles=int(self.tiles if tiles is None else tiles and self.tiles),
             scratch=scratch.data_ptr(),
             out=out.data_ptr(),
             lse=None if lse is None else lse.data_ptr(),
@@ -286,14 +292,17 @@ def held_kernel() -> HeldKernel | None:
         library = _built()
         loaded = ctypes.CDLL(str(library))
         function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
+        tiles_enable = loaded.dense_tiles_enable
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
         return None
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
     dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
-    log.info("held attention: compiled kernel %s", library)
-    return HeldKernel(function, scratch_size, dense, library)
+    tiles_enable.argtypes, tiles_enable.restype = [], _I
+    tiles = bool(tiles_enable())
+    log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
+    return HeldKernel(function, scratch_size, dense, library, tiles)
 
 
 def kernel_dir() -> Path:

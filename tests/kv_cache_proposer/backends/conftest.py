@@ -1,13 +1,16 @@
 """Which way the torch backend's dense attention runs in a test: through PyTorch's flash kernel (the default), or
-through the compiled kernel (held_kernel.c, `KAKEYA_DENSE_ATTENTION=compiled`)."""
+through the compiled kernel (held_kernel.c, `KAKEYA_DENSE_ATTENTION=compiled`), whose bfloat16 path runs on the
+CPU's tile unit where it has one and on its vector units otherwise."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from kv_cache_proposer.backends.torch_backend import exact_attention
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
 
 
 @pytest.fixture(params=["flash", "compiled"])
@@ -16,10 +19,21 @@ def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     yield from dense_attention(monkeypatch, request.param)
 
 
-@pytest.fixture
-def compiled_attention(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The compiled kernel."""
-    yield from dense_attention(monkeypatch, "compiled")
+@pytest.fixture(params=["tiles", "vectors"])
+def compiled_attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The compiled kernel, its bfloat16 attention on the tile unit (where the CPU has one) and on the vector units."""
+    chosen = exact_attention.dense_kernel
+    for path in dense_attention(monkeypatch, "compiled"):
+        kernel = chosen()
+        assert kernel is not None
+        if request.param == "tiles" and not kernel.tiles:
+            pytest.skip("this CPU has no tile unit (AMX) the kernel can use; its vector path is tested instead")
+        if request.param == "vectors":
+            monkeypatch.setattr(exact_attention, "dense_kernel", _always(dataclasses.replace(kernel, tiles=False)))
+        try:
+            yield path
+        finally:  # the choice's own cache is cleared after the test (dense_attention)
+            monkeypatch.setattr(exact_attention, "dense_kernel", chosen)
 
 
 def dense_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> Iterator[str]:
@@ -31,3 +45,13 @@ def dense_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> Iterator[str]
         yield path
     finally:
         exact_attention.dense_kernel.cache_clear()
+
+
+def _always(kernel: held_kernel.HeldKernel) -> Callable[[], held_kernel.HeldKernel]:
+    """A stand-in for `exact_attention.dense_kernel` that chooses `kernel`."""
+
+    @functools.cache
+    def dense_kernel() -> held_kernel.HeldKernel:
+        return kernel
+
+    return dense_kernel

@@ -2,7 +2,7 @@
 `KAKEYA_DENSE_ATTENTION=compiled`):
 PyTorch's masked attention within float rounding for every head size, grouping, precision and mask; and a query's
 values bit for bit the same whatever block it arrives in, however many queries a call takes, on any thread
-count."""
+count; each on the tile unit and on the vector units; and PyTorch's own use of the tile unit undisturbed."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend.chunked_attention import flash_cpu
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY
 
 TOLERANCE = {torch.float32: 2e-6, torch.bfloat16: 2e-2}
@@ -88,3 +89,22 @@ def test_keys_and_values_may_lie_apart_and_a_query_that_reads_nothing_gets_zeros
             q[:, :, row : row + 1], keys, values.contiguous(), scale=0.25, enable_gqa=True
         )
         torch.testing.assert_close(got[:, :, row : row + 1], expected, rtol=2e-6, atol=2e-6)
+
+
+def test_pytorch_s_own_tile_unit_work_between_kernel_calls_is_undisturbed():
+    """The kernel configures the tile unit on the threads it runs on and puts back what it found, so PyTorch's
+    matrix products and flash attention (which keep their tile configuration between calls) still compute what
+    they compute alone."""
+    torch.manual_seed(3)
+    a, b = torch.randn(96, 512, dtype=torch.bfloat16), torch.randn(512, 160, dtype=torch.bfloat16)
+    q, keys, values = _inputs(torch.bfloat16, 3, 200, 1030, 64, seed=4)
+    grouped = q.reshape(1, 2, 600, 64)
+
+    def pytorch_s() -> tuple[torch.Tensor, torch.Tensor]:
+        return a @ b, flash_cpu(grouped, keys, values, attn_mask=None, scale=0.125)[0]
+
+    alone = pytorch_s()
+    for _ in range(3):
+        exact_attention.attend_exact(q, keys, values, OVER_HISTORY, 3, 0.125, {})
+        between = pytorch_s()
+        assert all(torch.equal(x, y) for x, y in zip(between, alone, strict=True))
