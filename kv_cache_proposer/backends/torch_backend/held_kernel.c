@@ -468,8 +468,7 @@ static inline __m512 exp_nonpositive16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     __m512 y = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    __m512i power = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    y = _mm512_mul_ps(y, _mm512_castsi512_ps(power));
+    y = _mm512_scalef_ps(y, k); /* y * 2^k, rounded once, as multiplying by the power of two would */
     return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), y);
 }
 #endif
@@ -496,11 +495,13 @@ static inline __attribute__((always_inline)) float tile_weights(float *s, int wi
 #endif
 }
 
-/* Row `row`'s scores s[width] of keys [t0, t0 + width) made its weights under its running softmax (maximum *top, total
-   *sum, unnormalised output o [D] rescaled to the new maximum), keys it does not read weighing exactly 0. */
-static inline __attribute__((always_inline)) void row_weights(float *s, int width, int64_t t0, const int64_t *hi,
-                                                              const uint8_t *allowed, int64_t s_allowed, int n,
-                                                              int row, int D, float *o, float *top, float *sum) {
+/* Row `row`'s scores s[width] of keys [t0, t0 + width), times `scale`, made its weights under its running softmax
+   (maximum *top, total *sum, unnormalised output o [D] rescaled to the new maximum), keys it does not read weighing
+   exactly 0. */
+static inline __attribute__((always_inline)) void row_weights(float *s, int width, float scale, int64_t t0,
+                                                              const int64_t *hi, const uint8_t *allowed,
+                                                              int64_t s_allowed, int n, int row, int D, float *o,
+                                                              float *top, float *sum) {
     int64_t limit = hi[row % n];
     const uint8_t *a = allowed ? allowed + (int64_t)(row % n) * s_allowed : NULL;
     if (a)
@@ -510,7 +511,10 @@ static inline __attribute__((always_inline)) void row_weights(float *s, int widt
         for (int t = (int)(limit > t0 ? limit - t0 : 0); t < width; t++) s[t] = -INFINITY;
     float m = *top;
 #pragma omp simd reduction(max : m)
-    for (int t = 0; t < width; t++) m = s[t] > m ? s[t] : m;
+    for (int t = 0; t < width; t++) {
+        s[t] *= scale;
+        m = s[t] > m ? s[t] : m;
+    }
     if (m == -INFINITY) { /* nothing readable yet: weights 0 */
         for (int t = 0; t < width; t++) s[t] = 0.0f;
         return;
@@ -587,11 +591,10 @@ static void configure_tiles(int m) {
     _tile_loadconfig(&c);
 }
 
-/* Scores of m (1 to 16) bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) against 64 keys
-   (`by_pair` [D/2][TILE]: a pair of dimensions' keys side by side) into out[i * ld + t], times `scale`, by the tile
-   unit: each score its own row's and key's dot product, whatever m is. */
-static inline void tiles_scores(const float *q, int m, int D, const uint32_t *by_pair, float scale, float *out,
-                                int ld) {
+/* Dot products of m (1 to 16) bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) with 64 keys
+   (`by_pair` [D/2][TILE]: a pair of dimensions' keys side by side) into out[i * ld + t], by the tile unit: each its
+   own row's and key's, whatever m is. */
+static inline void tiles_scores(const float *q, int D, const uint32_t *by_pair, float *out, int ld) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -612,10 +615,6 @@ static inline void tiles_scores(const float *q, int m, int D, const uint32_t *by
     _tile_stored(1, out + 16, ld * 4);
     _tile_stored(2, out + 32, ld * 4);
     _tile_stored(3, out + 48, ld * 4);
-    __m512 factor = _mm512_set1_ps(scale);
-    for (int i = 0; i < m; i++)
-        for (int t = 0; t < TILE; t += 16)
-            _mm512_storeu_ps(out + i * ld + t, _mm512_mul_ps(_mm512_loadu_ps(out + i * ld + t), factor));
 }
 
 /* `width` bfloat16 value rows (rows s_pos apart from key t0, zeros past `count`) as pairs of keys: for each pair,
@@ -822,7 +821,7 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
             }
         }
         for (int r = 0; r < G; r++)
-            row_weights(scores + r * TILE, TILE, t0, hi, allowed, s_allowed, n, row0 + r, D, acc + (int64_t)r * D, top + r,
+            row_weights(scores + r * TILE, TILE, 1.0f, t0, hi, allowed, s_allowed, n, row0 + r, D, acc + (int64_t)r * D, top + r,
                         sums + r);
         dense_rows(values, bf16, s_value, t0, count, D, by_key);
         int r = 0;
@@ -886,10 +885,10 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
             if (!reads) continue; /* weights 0 for every row: nothing would change */
             if (m != configured) configure_tiles(configured = m);
             for (int j = 0; j < STEP / TILE; j++)
-                tiles_scores(q + (int64_t)r * D, m, D, by_pair + j * TILE * D / 2, scale, scores + j * TILE, STEP);
+                tiles_scores(q + (int64_t)r * D, D, by_pair + j * TILE * D / 2, scores + j * TILE, STEP);
             for (int i = 0; i < m; i++) {
                 float *s = scores + i * STEP;
-                row_weights(s, STEP, t0, hi, allowed, s_allowed, n, row0 + r + i, D, acc + (int64_t)(r + i) * D,
+                row_weights(s, STEP, scale, t0, hi, allowed, s_allowed, n, row0 + r + i, D, acc + (int64_t)(r + i) * D,
                             top + r + i, sums + r + i);
                 for (int t = 0; t < STEP; t += 32)
                     _mm512_storeu_si512(weights + i * STEP + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16),
