@@ -17,9 +17,11 @@ from kv_cache_proposer.backends.torch_backend.chunked_attention import flash_cpu
 log = logging.getLogger(__name__)
 
 DENSE_ENV: Final = "KAKEYA_DENSE_ATTENTION"
-"""`flash` (the default): PyTorch's CPU flash kernel; `compiled`: the compiled kernel (`dense_kernel`). Each gives a
-query the same values however its history was delivered; the two agree within float rounding. The compiled kernel
-decodes faster and prefills slower (docs/operator-guide.md)."""
+"""`auto` (the default): the compiled kernel (`dense_kernel`) for bfloat16 queries and K/V where it runs them on the
+CPU's tile unit (AMX), PyTorch's CPU flash kernel otherwise; `compiled`: the compiled kernel for every dtype;
+`flash`: PyTorch's flash kernel. Each gives a query the same values however its history was delivered; the two agree
+within float rounding (docs/operator-guide.md#the-attention-kernel)."""
+DENSE_SETTINGS: Final = ("auto", "compiled", "flash")
 
 Memo = dict[tuple[Any, ...], Any]
 """The padded masks of one forward's attention, built once for all its layers (`attend_exact`); a forward
@@ -31,6 +33,11 @@ without one attends with the fastest kernel for each shape."""
 # 512 and masked) and the rows of every product number 4 or more (rows padded to a multiple of 4): `attend_exact`.
 KEY_BLOCK: Final = 512
 ROW_MULTIPLE: Final = 4
+
+DENSE_ROWS = 4096
+"""Query rows (query heads per K/V head × queries) of one call of the compiled kernel at most (a prefill chunk of 512
+queries of a model with up to 8 query heads per K/V head): its scratch holds every row's partial result per segment
+of 512 keys."""
 
 
 def attend_exact(
@@ -49,7 +56,7 @@ def attend_exact(
     (held_kernel.py) attends instead (`_attend_compiled`)."""
     if q.device.type == "cpu" and int(q.shape[3]) <= held_kernel.MAX_DIM:
         kernel = dense_kernel()
-        if kernel is not None:
+        if kernel is not None and (dense_setting() == "compiled" or _on_tiles(kernel, q, keys)):
             return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
     batch, heads, n, dim = q.shape
     kv_heads = heads // groups
@@ -69,19 +76,37 @@ def attend_exact(
 
 
 @cache
+def dense_setting() -> str:
+    """`KAKEYA_DENSE_ATTENTION` (`DENSE_SETTINGS`; unset: `auto`); another value is logged and read as `auto`."""
+    setting = os.environ.get(DENSE_ENV, "auto").strip().lower() or "auto"
+    if setting not in DENSE_SETTINGS:
+        log.warning("dense attention: %s=%s is none of %s; auto", DENSE_ENV, setting, ", ".join(DENSE_SETTINGS))
+        return "auto"
+    return setting
+
+
+@cache
 def dense_kernel() -> held_kernel.HeldKernel | None:
-    """The compiled kernel where `KAKEYA_DENSE_ATTENTION` asks for it (`compiled`) and it is built; None for PyTorch's
-    flash kernel (`flash`, the default). Which runs is logged once, with the reason."""
-    setting = os.environ.get(DENSE_ENV, "flash").strip().lower() or "flash"
-    if setting not in ("flash", "compiled"):
-        log.warning("dense attention: PyTorch's flash kernel (%s=%s is neither flash nor compiled)", DENSE_ENV, setting)
-        return None
-    kernel = held_kernel.held_kernel() if setting == "compiled" else None
-    if setting == "compiled" and kernel is None:
+    """The compiled kernel where the setting may use it (`auto`, `compiled`) and it is built; None for PyTorch's
+    flash kernel. Which runs is logged once, with the reason."""
+    setting = dense_setting()
+    kernel = held_kernel.held_kernel() if setting != "flash" else None
+    if setting == "flash":
+        log.info("dense attention: PyTorch's flash kernel (%s=flash)", DENSE_ENV)
+    elif kernel is None:
         log.warning("dense attention: PyTorch's flash kernel, the compiled kernel is unavailable (see above)")
+    elif setting == "compiled":
+        log.info("dense attention: compiled kernel (%s=compiled)", DENSE_ENV)
+    elif kernel.tiles:
+        log.info("dense attention: compiled kernel on the tile unit for bfloat16 K/V, PyTorch's flash kernel otherwise")
     else:
-        log.info("dense attention: %s", "compiled kernel" if kernel is not None else "PyTorch's flash kernel")
+        log.info("dense attention: PyTorch's flash kernel (the CPU has no tile unit the compiled kernel can use)")
     return kernel
+
+
+def _on_tiles(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the kernel attends these queries and keys on the tile unit (`auto` gives it only those)."""
+    return kernel.tiles and q.dtype == keys.dtype == torch.bfloat16 and int(q.shape[3]) % 32 == 0
 
 
 def _attend_compiled(
@@ -104,7 +129,7 @@ def _attend_compiled(
     if limits is None:
         limits = memo[key] = _key_limits(mask, n, count)
     hi, allowed = limits
-    per = max(1, held_kernel.MAX_ROWS // groups)
+    per = max(1, DENSE_ROWS // groups)
     threads = torch.get_num_threads()
     if n <= per and not torch.compiler.is_compiling():  # a decode step, a speculative block: one call
         out = kernel.attend_dense(q, keys, values, hi, allowed, scale, threads, with_lse=False)[0]

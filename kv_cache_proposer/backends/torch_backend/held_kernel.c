@@ -473,13 +473,31 @@ static inline __m512 exp_nonpositive16(__m512 x) {
 }
 #endif
 
+#if VECTORS
+/* exp(x) for x <= 0 to about 5e-5 relative (a Taylor polynomial of degree 4 on [-ln 2 / 2, ln 2 / 2]), 0 below
+   -87 and for -inf: for weights that are rounded to bfloat16 (3.9e-3) before they multiply. */
+static inline __m512 exp_coarse16(__m512 x) {
+    __m512 c = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(k, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), c));
+    __m512 p = _mm512_set1_ps(1.0f / 24.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), _mm512_scalef_ps(p, k));
+}
+#endif
+
 /* A row's scores s[width] (a multiple of 16) over its running maximum m (not -inf) made its weights exp(s - m), in
-   place; returns their sum, always summed in the same order. */
-static inline __attribute__((always_inline)) float tile_weights(float *s, int width, float m) {
+   place (by exp_coarse16 where `coarse`); returns their sum, always summed in the same order. */
+static inline __attribute__((always_inline)) float tile_weights(float *s, int width, float m, int coarse) {
 #if VECTORS
     __m512 top = _mm512_set1_ps(m), total = _mm512_setzero_ps();
     for (int t = 0; t < width; t += 16) {
-        __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), top));
+        __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + t), top);
+        __m512 e = coarse ? exp_coarse16(x) : exp_nonpositive16(x);
         _mm512_storeu_ps(s + t, e);
         total = _mm512_add_ps(total, e);
     }
@@ -497,9 +515,9 @@ static inline __attribute__((always_inline)) float tile_weights(float *s, int wi
 
 /* Row `row`'s scores s[width] of keys [t0, t0 + width), times `scale`, made its weights under its running softmax
    (maximum *top, total *sum, unnormalised output o [D] rescaled to the new maximum), keys it does not read weighing
-   exactly 0. */
-static inline __attribute__((always_inline)) void row_weights(float *s, int width, float scale, int64_t t0,
-                                                              const int64_t *hi, const uint8_t *allowed,
+   exactly 0; `coarse`: by exp_coarse16 (weights that are rounded to bfloat16 next). */
+static inline __attribute__((always_inline)) void row_weights(float *s, int width, float scale, int coarse,
+                                                              int64_t t0, const int64_t *hi, const uint8_t *allowed,
                                                               int64_t s_allowed, int n, int row, int D, float *o,
                                                               float *top, float *sum) {
     int64_t limit = hi[row % n];
@@ -520,7 +538,7 @@ static inline __attribute__((always_inline)) void row_weights(float *s, int widt
         return;
     }
     float correction = *top == -INFINITY ? 0.0f : exp_nonpositive(*top - m);
-    float total = tile_weights(s, width, m);
+    float total = tile_weights(s, width, m, coarse);
     *sum = *sum * correction + total;
     *top = m;
     for (int d = 0; d < D; d++) o[d] *= correction;
@@ -821,8 +839,8 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
             }
         }
         for (int r = 0; r < G; r++)
-            row_weights(scores + r * TILE, TILE, 1.0f, t0, hi, allowed, s_allowed, n, row0 + r, D, acc + (int64_t)r * D, top + r,
-                        sums + r);
+            row_weights(scores + r * TILE, TILE, 1.0f, 0, t0, hi, allowed, s_allowed, n, row0 + r, D,
+                        acc + (int64_t)r * D, top + r, sums + r);
         dense_rows(values, bf16, s_value, t0, count, D, by_key);
         int r = 0;
 #if VECTORS
@@ -888,11 +906,12 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
                 tiles_scores(q + (int64_t)r * D, D, by_pair + j * TILE * D / 2, scores + j * TILE, STEP);
             for (int i = 0; i < m; i++) {
                 float *s = scores + i * STEP;
-                row_weights(s, STEP, scale, t0, hi, allowed, s_allowed, n, row0 + r + i, D, acc + (int64_t)(r + i) * D,
-                            top + r + i, sums + r + i);
-                for (int t = 0; t < STEP; t += 32)
-                    _mm512_storeu_si512(weights + i * STEP + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16),
-                                                                                           _mm512_loadu_ps(s + t)));
+                row_weights(s, STEP, scale, 1, t0, hi, allowed, s_allowed, n, row0 + r + i, D,
+                            acc + (int64_t)(r + i) * D, top + r + i, sums + r + i);
+                for (int t = 0; t < STEP; t += 32) {
+                    __m512bh rounded = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(s + t));
+                    _mm512_storeu_si512(weights + i * STEP + t, (__m512i)rounded);
+                }
             }
             tiles_values(acc + (int64_t)r * D, m, D, weights, STEP, pairs, products);
         }

@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -163,7 +164,7 @@ class HeldKernel:
         hadamard = hadamard.float().contiguous()
         if doubled.stride(3) != 1 or norms.stride() != qmax.stride() or tail_keys.stride() != tail_values.stride():
             raise ValueError("the held-attention kernel reads rows of contiguous values, K and V laid out alike")
-        scratch = torch.empty(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
+        scratch = _scratch(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
         out = torch.empty(batch, kv_heads, rows, dim)
         lse = torch.empty(batch, kv_heads, rows, 1)
         call = _Call(
@@ -226,10 +227,8 @@ class HeldKernel:
         q, keys, values = (_readable(x) for x in (q, keys, values))
         if keys.dtype != values.dtype:
             values = values.to(keys.dtype)
-        size = batch * kv_heads * rows * dim
-        buffer = torch.empty(size + int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
-        out = buffer[:size].view(batch, kv_heads, rows, dim)
-        scratch = buffer[size:]
+        out = torch.empty(batch, kv_heads, rows, dim)
+        scratch = _scratch(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
         lse = torch.empty(batch, kv_heads, rows, 1) if with_lse else None
         call = _DenseCall(
             q=q.data_ptr(),
@@ -260,6 +259,23 @@ class HeldKernel:
         if self.dense(ctypes.byref(call)) != 0:
             raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
         return out, lse
+
+
+_scratches = threading.local()
+KEPT_SCRATCH = 1 << 22
+"""Floats of scratch a thread keeps between calls at most (16 MiB: a prefill chunk's partial results over 8,192 keys
+of the default model); a call that needs more allocates its own."""
+
+
+def _scratch(size: int) -> torch.Tensor:
+    """`size` floats of this thread's scratch for the kernel, reused from call to call (a fresh allocation of a
+    prefill's partial results, several MB, costs its page faults every time)."""
+    if size > KEPT_SCRATCH:
+        return torch.empty(size)
+    held: torch.Tensor | None = getattr(_scratches, "buffer", None)
+    if held is None or held.numel() < size:
+        held = _scratches.buffer = torch.empty(max(size, 1 << 16))
+    return held[:size]
 
 
 def _readable(x: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""Which way the torch backend's dense attention runs in a test: through PyTorch's flash kernel (the default), or
-through the compiled kernel (held_kernel.c, `KAKEYA_DENSE_ATTENTION=compiled`), whose bfloat16 path runs on the
-CPU's tile unit where it has one and on its vector units otherwise."""
+"""Which way the torch backend's dense attention runs in a test: through PyTorch's flash kernel
+(`KAKEYA_DENSE_ATTENTION=flash`), or through the compiled kernel (held_kernel.c, `compiled`), whose bfloat16 path runs
+on the CPU's tile unit where it has one and on its vector units otherwise. A test that names neither runs the
+default, `auto`."""
 
 from __future__ import annotations
 
@@ -38,12 +39,14 @@ def compiled_attention(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
 def dense_attention(monkeypatch: pytest.MonkeyPatch, path: str) -> Iterator[str]:
     monkeypatch.setenv(exact_attention.DENSE_ENV, path)
+    exact_attention.dense_setting.cache_clear()
     exact_attention.dense_kernel.cache_clear()
     try:
         if path == "compiled" and exact_attention.dense_kernel() is None:
             pytest.skip("no C compiler here to build the attention kernel; PyTorch's flash path is tested instead")
         yield path
     finally:
+        exact_attention.dense_setting.cache_clear()
         exact_attention.dense_kernel.cache_clear()
 
 

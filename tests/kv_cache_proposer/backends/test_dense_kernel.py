@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend import exact_attention
 from kv_cache_proposer.backends.torch_backend.chunked_attention import flash_cpu
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY
 
@@ -67,7 +67,7 @@ def test_a_query_s_values_are_the_same_bits_in_any_block_call_size_or_thread_cou
     expected = delivered([total])  # several calls of MAX_ROWS rows at most
     for sizes in ([1] * 30 + [1370], [512, 511, 1, 376], [3, 700, 697], [64] * 21 + [56]):
         assert torch.equal(delivered(sizes), expected), sizes
-    monkeypatch.setattr(held_kernel, "MAX_ROWS", 7)  # two queries a call
+    monkeypatch.setattr(exact_attention, "DENSE_ROWS", 7)  # two queries a call
     assert torch.equal(delivered([5, 1395]), expected)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
