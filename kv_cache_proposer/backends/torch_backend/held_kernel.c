@@ -81,6 +81,13 @@ static inline void factors_of(const uint16_t *norms, const uint16_t *qmax, int64
 #define VECTORS 0
 #endif
 
+/* The tile unit (AMX) for bfloat16 products: attention on it where the caller asks (see dense_tiles_enable). */
+#if VECTORS && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#define TILES 1
+#else
+#define TILES 0
+#endif
+
 #if VECTORS
 /* Scores of `rows` (1 to 4) query rows against a tile's 64 keys (`by_dim`: dimension-major), as vectors over the keys
    with every row's sums in registers; each row's sum runs over the dimensions in order, whatever `rows` is. */
@@ -327,6 +334,11 @@ static void merge_segments(const float *parts, int64_t stride, int64_t segments,
     *total = sum;
 }
 
+#if TILES
+static void held_segment_tiles(const float *q, const Held *held, const uint8_t *allowed, int64_t s_allowed, int n,
+                               int G, int D, int64_t start, int64_t end, float *acc, float *top, float *sums);
+#endif
+
 /* One call: attention of queries [B, H*g, n, D] over held entries [0, count) of H K/V heads and then a dense tail
    of tail_count entries. Strides in elements; a query head's K/V head is its index / g. */
 typedef struct {
@@ -352,6 +364,7 @@ typedef struct {
     int B, H, g, n, D;
     int64_t seg;
     int threads;
+    int tiles; /* scores and values on the tile unit (dense_tiles_enable) for D a multiple of 32 and 8 rows or more */
     float *scratch; /* held_attend_scratch(...) floats */
     float *out;     /* [B, H, g*n, D]: the attention output */
     float *lse;     /* [B, H, g*n]: its log-sum-exp (-inf: no readable key) */
@@ -406,8 +419,14 @@ int held_attend(const HeldCall *call) {
                      ns[2],
                      half_over_q};
         float *p = parts + i * stride;
-        segment(rotated + bh * G * D, &held, call->allowed, call->s_allowed, n, G, D, start, end, p,
-                p + (int64_t)G * D, p + (int64_t)G * D + G);
+#if TILES
+        if (call->tiles && D % 32 == 0 && G >= TRANSPOSE_ROWS) /* fewer rows: key by key is as fast */
+            held_segment_tiles(rotated + bh * G * D, &held, call->allowed, call->s_allowed, n, G, D, start, end, p,
+                               p + (int64_t)G * D, p + (int64_t)G * D + G);
+        else
+#endif
+            segment(rotated + bh * G * D, &held, call->allowed, call->s_allowed, n, G, D, start, end, p,
+                    p + (int64_t)G * D, p + (int64_t)G * D + G);
     }
     /* Per row: the segments merged in order, rotated back, then the dense tail under the same running softmax. */
     for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
@@ -576,8 +595,7 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
 #define PAIRS 0
 #endif
 
-#if PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define TILES 1
+#if TILES
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -694,7 +712,6 @@ static inline void tiles_values(float *acc, int m, int D, const uint16_t *weight
     }
 }
 #else
-#define TILES 0
 int dense_tiles_enable(void) { return 0; }
 #endif
 
@@ -914,6 +931,90 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
                 }
             }
             tiles_values(acc + (int64_t)r * D, m, D, weights, STEP, pairs, products);
+        }
+    }
+    if (saved.palette)
+        _tile_loadconfig(&saved);
+    else
+        _tile_release();
+}
+#endif
+
+#if TILES
+/* `nt` rows of int8 coordinates (rows s_pos apart from key t0) as bfloat16 rows [TILE][D], zeros past nt: the
+   coordinates are small integers, which bfloat16 holds exactly. */
+static inline void coordinates_bf16(const int8_t *base, int64_t s_pos, int64_t t0, int nt, int D, uint16_t *rows) {
+    for (int t = 0; t < nt; t++) {
+        const int8_t *c = base + (t0 + t) * s_pos;
+        for (int d = 0; d < D; d += 32) {
+            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + d))));
+            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + d + 16))));
+            _mm512_storeu_si512(rows + (int64_t)t * D + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+        }
+    }
+    if (nt < TILE) memset(rows + (int64_t)nt * D, 0, sizeof(uint16_t) * (size_t)(TILE - nt) * (size_t)D);
+}
+
+/* segment_of on the tile unit: the rotated queries rounded to bfloat16 and scored against the key coordinates 16
+   rows at a time, each key's score times its factor, each row's weights over the tile as there, times the value's
+   factor and rounded to bfloat16, multiplied by the value coordinates. The caller's tile configuration, if any, is
+   put back. */
+static void held_segment_tiles(const float *q, const Held *held, const uint8_t *allowed, int64_t s_allowed, int n,
+                               int G, int D, int64_t start, int64_t end, float *acc, float *top, float *sums) {
+    float rows[G * D], scores[16 * TILE], products[16 * 64], key_factors[TILE], value_factors[TILE];
+    uint16_t weights[16 * TILE], converted[TILE * D];
+    uint32_t by_pair[TILE * D / 2], pairs[TILE / 2 * D];
+    TileConfig saved;
+    _tile_storeconfig(&saved);
+    int configured = 0;
+    for (int r = 0; r < G; r++) { /* a row's pairs of dimensions in its first D/2 floats, as tiles_scores reads */
+        for (int d = 0; d < D; d += 32) {
+            __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + (int64_t)r * D + d + 16),
+                                                _mm512_loadu_ps(q + (int64_t)r * D + d));
+            _mm512_storeu_si512((uint16_t *)(rows + (int64_t)r * D) + d, (__m512i)pair);
+        }
+        top[r] = -INFINITY;
+        sums[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    for (int64_t t0 = start; t0 < end; t0 += TILE) {
+        int nt = (int)(end - t0 < TILE ? end - t0 : TILE);
+        factors_of(held->key_norms, held->key_qmax, held->s_scale, held->half_over_q, t0, nt, key_factors);
+        factors_of(held->value_norms, held->value_qmax, held->s_scale, held->half_over_q, t0, nt, value_factors);
+        for (int t = nt; t < TILE; t++) key_factors[t] = value_factors[t] = 0.0f;
+        coordinates_bf16(held->keys, held->s_pos, t0, nt, D, converted);
+        by_dimension((const float *)converted, D / 2, (float *)by_pair);
+        coordinates_bf16(held->values, held->s_pos, t0, nt, D, converted);
+        value_pairs(converted, D, 0, TILE, TILE, D, pairs);
+        for (int r = 0; r < G; r += 16) {
+            int m = G - r < 16 ? G - r : 16;
+            if (m != configured) configure_tiles(configured = m);
+            tiles_scores(rows + (int64_t)r * D, D, by_pair, scores, TILE);
+            for (int i = 0; i < m; i++) {
+                float *s = scores + i * TILE;
+                const uint8_t *a = allowed ? allowed + (int64_t)((r + i) % n) * s_allowed + t0 : NULL;
+                float mx = top[r + i];
+                for (int t = 0; t < TILE; t++) {
+                    s[t] = t < nt && (!a || a[t]) ? s[t] * key_factors[t] : -INFINITY;
+                    mx = s[t] > mx ? s[t] : mx;
+                }
+                if (mx == -INFINITY) { /* nothing readable yet: weights 0 */
+                    memset(weights + i * TILE, 0, sizeof(uint16_t) * TILE);
+                    continue;
+                }
+                float correction = top[r + i] == -INFINITY ? 0.0f : exp_nonpositive(top[r + i] - mx);
+                float total = tile_weights(s, TILE, mx, 1);
+                sums[r + i] = sums[r + i] * correction + total;
+                top[r + i] = mx;
+                float *o = acc + (int64_t)(r + i) * D;
+                for (int d = 0; d < D; d++) o[d] *= correction;
+                for (int t = 0; t < TILE; t += 32) {
+                    __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(s + t), _mm512_loadu_ps(value_factors + t));
+                    __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(s + t + 16), _mm512_loadu_ps(value_factors + t + 16));
+                    _mm512_storeu_si512(weights + i * TILE + t, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+            tiles_values(acc + (int64_t)r * D, m, D, weights, TILE, pairs, products);
         }
     }
     if (saved.palette)

@@ -1,8 +1,8 @@
 """The compiled CPU kernel for attention (`held_kernel.c`): built with the machine's C compiler on first use, for
 this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`) and loaded with
 ctypes. Over held coordinates, a decode step or a speculative block reads the int8 coordinates in one pass, never
-writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` where
-`KAKEYA_DENSE_ATTENTION=compiled` asks for it.
+writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` as
+`KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU's tile unit, AMX, runs them).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -90,6 +90,7 @@ class _Call(ctypes.Structure):
         ("D", _I),
         ("seg", _I64),
         ("threads", _I),
+        ("tiles", _I),
         ("scratch", _P),
         ("out", _P),
         ("lse", _P),
@@ -150,11 +151,14 @@ class HeldKernel:
         scale: float,
         q_range: int,
         threads: int,
+        tiles: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_held_attention` of the queries `q` `[B, H, n, D]` over a `coding` (int8 doubled coordinates
         `[2B, H_kv, c, D]`, fp16 norms and scales `[2B, H_kv, c, 1]`; `allowed` `[n, c]`, None: every key) and then
         the dense `tail` K/V `[B, H_kv, t, D]` (`tail_allowed` `[n, t]`), on `threads` threads: output
-        `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]`, float32."""
+        `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]`, float32. `tiles` (None: `self.tiles`): the held
+        entries' scores and values on the tile unit, the rotated queries and the weights rounded to bfloat16 (the
+        coordinates are exact in it), where the kernel has it, D is a multiple of 32 and the rows number 8 or more."""
         doubled, norms, qmax = coding.doubled, coding.norms, coding.qmax
         batch, heads, n, dim = (int(s) for s in q.shape)
         kv_heads, count = int(doubled.shape[1]), int(doubled.shape[2])
@@ -196,6 +200,7 @@ class HeldKernel:
             D=dim,
             seg=SEGMENT,
             threads=threads,
+            tiles=int(self.tiles if tiles is None else tiles and self.tiles),
             scratch=scratch.data_ptr(),
             out=out.data_ptr(),
             lse=lse.data_ptr(),
