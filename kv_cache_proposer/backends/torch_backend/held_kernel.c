@@ -69,7 +69,16 @@ typedef struct {
 /* The factor s*n/2 of keys [t0, t0 + nt) of one tensor. */
 static inline void factors_of(const uint16_t *norms, const uint16_t *qmax, int64_t s_scale, float half_over_q,
                               int64_t t0, int nt, float *out) {
-    for (int t = 0; t < nt; t++) {
+    int t = 0;
+#if defined(__AVX512F__)
+    if (s_scale == 1)
+        for (; t + 16 <= nt; t += 16) {
+            __m512 sn = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(qmax + t0 + t))),
+                                      _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(norms + t0 + t))));
+            _mm512_storeu_ps(out + t, _mm512_mul_ps(sn, _mm512_set1_ps(half_over_q)));
+        }
+#endif
+    for (; t < nt; t++) {
         int64_t at = (t0 + t) * s_scale;
         out[t] = from_half(qmax[at]) * from_half(norms[at]) * half_over_q;
     }
@@ -993,11 +1002,16 @@ static void held_segment_tiles(const float *q, const Held *held, const uint8_t *
             for (int i = 0; i < m; i++) {
                 float *s = scores + i * TILE;
                 const uint8_t *a = allowed ? allowed + (int64_t)((r + i) % n) * s_allowed + t0 : NULL;
-                float mx = top[r + i];
-                for (int t = 0; t < TILE; t++) {
-                    s[t] = t < nt && (!a || a[t]) ? s[t] * key_factors[t] : -INFINITY;
-                    mx = s[t] > mx ? s[t] : mx;
+                __m512 best = _mm512_set1_ps(top[r + i]);
+                for (int t = 0; t < TILE; t += 16) { /* keys past nt, or not allowed, score -inf */
+                    __mmask16 keep = t >= nt ? 0 : nt - t >= 16 ? 0xffff : (__mmask16)((1u << (nt - t)) - 1);
+                    if (a) keep = _mm_mask_test_epi8_mask(keep, _mm_maskz_loadu_epi8(keep, a + t), _mm_set1_epi8(-1));
+                    __m512 v = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), keep, _mm512_loadu_ps(s + t),
+                                                  _mm512_loadu_ps(key_factors + t));
+                    _mm512_storeu_ps(s + t, v);
+                    best = _mm512_max_ps(best, v);
                 }
+                float mx = _mm512_reduce_max_ps(best);
                 if (mx == -INFINITY) { /* nothing readable yet: weights 0 */
                     memset(weights + i * TILE, 0, sizeof(uint16_t) * TILE);
                     continue;
