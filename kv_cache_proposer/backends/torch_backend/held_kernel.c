@@ -619,6 +619,15 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
+/* The tile configuration a caller had (saved by _tile_storeconfig; palette 0: none) put back, or the tiles released:
+   PyTorch's kernels keep their configuration from one call to the next on a thread. */
+static inline void restore_tiles(const TileConfig *saved) {
+    if (saved->palette)
+        _tile_loadconfig(saved);
+    else
+        _tile_release();
+}
+
 /* Tiles 0-3: m rows of 16 float32 sums; 4: m rows of 32 bfloat16 (queries, or weights); 5 and 6: 16 rows of 16
    bfloat16 pairs (keys by pairs of dimensions, or values by pairs of keys). */
 static void configure_tiles(int m) {
@@ -796,6 +805,20 @@ static inline __attribute__((always_inline)) void by_dimension(const float *by_k
         for (int d = 0; d < D; d++) by_dim[d * TILE + t] = by_key[t * D + d];
 }
 
+/* A work item's G rows from row0 started (nothing read: output 0, maximum -inf, total 0); returns the end of the
+   keys some row reads (row r reads below hi[r % n]). */
+static inline int64_t dense_start(const int64_t *hi, int n, int row0, int G, int D, float *acc, float *top,
+                                  float *sums) {
+    for (int r = 0; r < G; r++) {
+        top[r] = -INFINITY;
+        sums[r] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    int64_t reach = 0;
+    for (int r = 0; r < G && r < n; r++) reach = hi[(row0 + r) % n] > reach ? hi[(row0 + r) % n] : reach;
+    return reach;
+}
+
 /* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for G of its query rows from
    row0 (row r: query r % n, which reads keys below hi[r % n] that `allowed` allows, or all of them where it is
    NULL): unnormalised output acc [G, D], running maximum top [G] and sum sums [G]. */
@@ -809,13 +832,7 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
     float scores[G * TILE];
     float by_key[TILE * D];
     float by_dim[D * TILE];
-    for (int r = 0; r < G; r++) {
-        top[r] = -INFINITY;
-        sums[r] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
-    int64_t reach = 0; /* keys below it are read by some row */
-    for (int r = 0; r < G && r < n; r++) reach = hi[(row0 + r) % n] > reach ? hi[(row0 + r) % n] : reach;
+    int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += TILE) {
         if (pairs) { /* a pair of dimensions is one 32-bit value: transposed as such */
             pair_rows(keys, s_key, t0, count, D, (uint32_t *)by_key);
@@ -910,13 +927,7 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
     TileConfig saved;
     _tile_storeconfig(&saved);
     int configured = 0;
-    for (int r = 0; r < G; r++) {
-        top[r] = -INFINITY;
-        sums[r] = 0.0f;
-    }
-    memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
-    int64_t reach = 0; /* keys below it are read by some row */
-    for (int r = 0; r < G && r < n; r++) reach = hi[(row0 + r) % n] > reach ? hi[(row0 + r) % n] : reach;
+    int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += STEP) {
         for (int j = 0; j < STEP / TILE; j++) {
             pair_rows(keys, s_key, t0 + j * TILE, count, D, by_key);
@@ -942,10 +953,7 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
             tiles_values(acc + (int64_t)r * D, m, D, weights, STEP, pairs, products);
         }
     }
-    if (saved.palette)
-        _tile_loadconfig(&saved);
-    else
-        _tile_release();
+    restore_tiles(&saved);
 }
 #endif
 
@@ -1031,10 +1039,7 @@ static void held_segment_tiles(const float *q, const Held *held, const uint8_t *
             tiles_values(acc + (int64_t)r * D, m, D, weights, TILE, pairs, products);
         }
     }
-    if (saved.palette)
-        _tile_loadconfig(&saved);
-    else
-        _tile_release();
+    restore_tiles(&saved);
 }
 #endif
 
