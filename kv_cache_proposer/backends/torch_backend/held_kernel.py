@@ -151,14 +151,13 @@ class HeldKernel:
         scale: float,
         q_range: int,
         threads: int,
-        tiles: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_held_attention` of the queries `q` `[B, H, n, D]` over a `coding` (int8 doubled coordinates
         `[2B, H_kv, c, D]`, fp16 norms and scales `[2B, H_kv, c, 1]`; `allowed` `[n, c]`, None: every key) and then
         the dense `tail` K/V `[B, H_kv, t, D]` (`tail_allowed` `[n, t]`), on `threads` threads: output
-        `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]`, float32. `tiles` (None: `self.tiles`): the held
-        entries' scores and values on the tile unit, the rotated queries and the weights rounded to bfloat16 (the
-        coordinates are exact in it), where the kernel has it, D is a multiple of 32 and the rows number 8 or more."""
+        `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]`, float32. Where `self.tiles`, D is a multiple of 32
+        and the rows number 8 or more, the held entries are scored and summed on the tile unit, the rotated queries
+        and the weights rounded to bfloat16 (the coordinates are exact in it)."""
         doubled, norms, qmax = coding.doubled, coding.norms, coding.qmax
         batch, heads, n, dim = (int(s) for s in q.shape)
         kv_heads, count = int(doubled.shape[1]), int(doubled.shape[2])
@@ -200,7 +199,7 @@ class HeldKernel:
             D=dim,
             seg=SEGMENT,
             threads=threads,
-            tiles=int(self.tiles if tiles is None else tiles and self.tiles),
+            tiles=int(self.tiles),
             scratch=scratch.data_ptr(),
             out=out.data_ptr(),
             lse=lse.data_ptr(),
@@ -219,13 +218,12 @@ class HeldKernel:
         scale: float,
         threads: int,
         with_lse: bool = True,
-        tiles: bool | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of the queries `q` `[B, H, n, D]` over dense K/V `[B, H_kv, c, D]` (float32 or bfloat16),
         query i reading keys below `hi[i]` (int64 `[n]`) that `allowed` (uint8 `[n, c]`, None: all)
         allows, on `threads` threads: output `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]` (None unless
         `with_lse`), float32. A query's values do not depend on the queries beside it, the batch or the thread
-        count. `tiles` (None: `self.tiles`) chooses the tile unit for bfloat16 where the kernel has it."""
+        count. Where `self.tiles`, bfloat16 runs on the tile unit."""
         batch, heads, n, dim = (int(s) for s in q.shape)
         kv_heads, count = int(keys.shape[1]), int(keys.shape[2])
         rows = heads // kv_heads * n
@@ -256,7 +254,7 @@ class HeldKernel:
             D=dim,
             seg=SEGMENT,
             threads=threads,
-            tiles=int(self.tiles if tiles is None else tiles and self.tiles),
+            tiles=int(self.tiles),
             scratch=scratch.data_ptr(),
             out=out.data_ptr(),
             lse=None if lse is None else lse.data_ptr(),
