@@ -60,8 +60,18 @@ class HttpServer:
     """A child process answering HTTP on a loopback port; ready once `health_path` answers 200. Its output goes to a
     log file, kept across restarts and removed by `stop`."""
 
-    def __init__(self, name: str, command: Sequence[str], port: int, health_path: str, env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        port: int,
+        health_path: str,
+        env: dict[str, str],
+        crash_hint: str = "",
+    ) -> None:
+        """`crash_hint`: what to try when the server dies of a signal while starting."""
         self.name = name
+        self.crash_hint = crash_hint
         self.command = list(command)
         self.port = port
         self.health_path = health_path
@@ -92,9 +102,13 @@ class HttpServer:
             except (OSError, urllib.error.URLError):
                 pass
             time.sleep(0.2)
-        tail = self.log_tail()
+        tail, ended = self.log_tail(), self.process.poll()
         self.stop()
-        raise RuntimeError(f"{self.name} did not start; the end of its log:\n{tail}")
+        if ended is None:
+            raise RuntimeError(f"{self.name} did not answer within {timeout_s:.0f} s; the end of its log:\n{tail}")
+        how = f"died of {signal.Signals(-ended).name}" if ended < 0 else f"exited with status {ended}"
+        hint = f" ({self.crash_hint})" if ended < 0 and self.crash_hint else ""
+        raise RuntimeError(f"{self.name} {how} while starting{hint}; the end of its log:\n{tail}")
 
     def post(self, path: str, body: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
         request = urllib.request.Request(
@@ -145,6 +159,10 @@ def llama_server(
     reuse chunks of at least `cache_reuse_tokens`, slot save/restore in `slot_dir`; the chat template from
     `template` (Jinja), a last assistant message continued by the template itself, replies returned unparsed;
     `extra` flags last."""
+    hint = (
+        "where the CPU has AMX, the llama.cpp that install_peers.sh builds multiplies repacked weights on it and "
+        "has crashed doing so: --llama-args=--no-repack keeps its AVX-512 products"
+    )
     port = free_port()
     command = [
         str(LLAMA_SERVER),
@@ -157,7 +175,7 @@ def llama_server(
         *("--reasoning-format", "none", "--no-webui"),
         *extra,
     ]
-    return HttpServer("llama-server", command, port, "/health", thread_environment(threads))
+    return HttpServer("llama-server", command, port, "/health", thread_environment(threads), hint)
 
 
 def mlx_server(model_dir: Path, template: Path, *, threads: int, prompt_cache_size: int, blas: str) -> HttpServer:

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "bench_agentic"
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from lib.peer_servers import missing_peer  # noqa: E402
+from lib.peer_servers import HttpServer, free_port, missing_peer, thread_environment  # noqa: E402
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
@@ -172,3 +172,16 @@ def test_the_peers_run_on_the_default_model_when_installed(tmp_path, smollm2_dir
         assert runs["llama"]["restart"]["restored_tokens"] > 0, "llama-server's slots came back after the restart"
     for name, reason in missing.items():
         assert f"skipping {name}: {reason}" in report["stderr"]
+
+
+def test_a_peer_that_dies_while_starting_says_of_what_and_what_to_try():
+    crash = "import os, signal; print('loading', flush=True); os.kill(os.getpid(), signal.SIGSEGV)"
+    crashing = [sys.executable, "-c", crash]
+    server = HttpServer("crasher", crashing, free_port(), "/health", thread_environment(1), "try --safer")
+    with pytest.raises(RuntimeError, match=r"crasher died of SIGSEGV while starting \(try --safer\)") as caught:
+        server.start(timeout_s=60)
+    assert "loading" in str(caught.value)  # the end of its log
+
+    exiting = HttpServer("quitter", [sys.executable, "-c", "raise SystemExit(3)"], free_port(), "/health", {})
+    with pytest.raises(RuntimeError, match="quitter exited with status 3 while starting;"):
+        exiting.start(timeout_s=60)
