@@ -17,10 +17,10 @@ from kv_cache_proposer.backends.torch_backend.chunked_attention import flash_cpu
 log = logging.getLogger(__name__)
 
 DENSE_ENV: Final = "KAKEYA_DENSE_ATTENTION"
-"""`auto` (the default): the compiled kernel (`dense_kernel`) for bfloat16 queries and K/V where it runs them on the
-CPU's tile unit (AMX), PyTorch's CPU flash kernel otherwise; `compiled`: the compiled kernel for every dtype;
-`flash`: PyTorch's flash kernel. Each gives a query the same values however its history was delivered; the two agree
-within float rounding (docs/operator-guide.md#the-attention-kernel)."""
+"""`auto` (the default): the compiled kernel (`dense_kernel`) for bfloat16 queries and K/V where the CPU multiplies
+them as bfloat16 (AVX512-BF16 dot products, or the tile unit, AMX), PyTorch's CPU flash kernel otherwise;
+`compiled`: the compiled kernel for every dtype; `flash`: PyTorch's flash kernel. Each gives a query the same values
+however its history was delivered; the two agree within float rounding (docs/operator-guide.md#the-attention-kernel)."""
 DENSE_SETTINGS: Final = ("auto", "compiled", "flash")
 
 Memo = dict[tuple[Any, ...], Any]
@@ -56,7 +56,7 @@ def attend_exact(
     (held_kernel.py) attends instead (`_attend_compiled`)."""
     if q.device.type == "cpu" and int(q.shape[3]) <= held_kernel.MAX_DIM:
         kernel = dense_kernel()
-        if kernel is not None and (dense_setting() == "compiled" or _on_tiles(kernel, q, keys)):
+        if kernel is not None and (dense_setting() == "compiled" or _auto_compiled(kernel, q, keys)):
             return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
     batch, heads, n, dim = q.shape
     kv_heads = heads // groups
@@ -97,16 +97,17 @@ def dense_kernel() -> held_kernel.HeldKernel | None:
         log.warning("dense attention: PyTorch's flash kernel, the compiled kernel is unavailable (see above)")
     elif setting == "compiled":
         log.info("dense attention: compiled kernel (%s=compiled)", DENSE_ENV)
-    elif kernel.tiles:
-        log.info("dense attention: compiled kernel on the tile unit for bfloat16 K/V, PyTorch's flash kernel otherwise")
+    elif kernel.bf16_products:
+        unit = "the tile unit" if kernel.tiles else "bfloat16 dot products"
+        log.info("dense attention: compiled kernel for bfloat16 K/V (on %s), PyTorch's flash kernel otherwise", unit)
     else:
-        log.info("dense attention: PyTorch's flash kernel (the CPU has no tile unit the compiled kernel can use)")
+        log.info("dense attention: PyTorch's flash kernel (the CPU has no bfloat16 products the compiled kernel uses)")
     return kernel
 
 
-def _on_tiles(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the kernel attends these queries and keys on the tile unit (`auto` gives it only those)."""
-    return kernel.tiles and q.dtype == keys.dtype == torch.bfloat16 and int(q.shape[3]) % 32 == 0
+def _auto_compiled(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the kernel multiplies these queries and keys as bfloat16 (`auto` gives it only those)."""
+    return kernel.bf16_products and q.dtype == keys.dtype == torch.bfloat16 and int(q.shape[3]) % 32 == 0
 
 
 def _attend_compiled(

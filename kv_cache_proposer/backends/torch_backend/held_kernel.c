@@ -604,6 +604,10 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
 #define PAIRS 0
 #endif
 
+/* 1 when dense attention multiplies bfloat16 queries and K/V as bfloat16, two dimensions a step (AVX512-BF16, and the
+   tile unit where it is granted): the kernel's fast path for them. */
+int dense_bf16_products(void) { return PAIRS; }
+
 #if TILES
 #include <sys/syscall.h>
 #include <unistd.h>

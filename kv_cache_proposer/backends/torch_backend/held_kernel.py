@@ -2,7 +2,7 @@
 this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`) and loaded with
 ctypes. Over held coordinates, a decode step or a speculative block reads the int8 coordinates in one pass, never
 writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` as
-`KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU's tile unit, AMX, runs them).
+`KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU multiplies bfloat16: AVX512-BF16 or AMX).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -139,6 +139,9 @@ class HeldKernel:
     tiles: bool = False
     """Whether dense attention over bfloat16 queries and K/V runs on the CPU's tile unit (AMX): the kernel was built
     with it and Linux granted its state. Fixed for the process, so every block shape takes the same path."""
+    bf16_products: bool = False
+    """Whether dense attention multiplies bfloat16 queries and K/V as bfloat16 (the CPU has AVX512-BF16; true
+    wherever `tiles` is)."""
 
     def attend(
         self,
@@ -312,6 +315,7 @@ def held_kernel() -> HeldKernel | None:
         loaded = ctypes.CDLL(str(library))
         function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
         tiles_enable = loaded.dense_tiles_enable
+        bf16_products = loaded.dense_bf16_products
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
         return None
@@ -319,9 +323,10 @@ def held_kernel() -> HeldKernel | None:
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
     dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
     tiles_enable.argtypes, tiles_enable.restype = [], _I
+    bf16_products.argtypes, bf16_products.restype = [], _I
     tiles = bool(tiles_enable())
     log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
-    return HeldKernel(function, scratch_size, dense, library, tiles)
+    return HeldKernel(function, scratch_size, dense, library, tiles, bool(bf16_products()))
 
 
 def kernel_dir() -> Path:

@@ -1,9 +1,10 @@
-"""Which kernel attends over dense K/V (`KAKEYA_DENSE_ATTENTION`): by default (`auto`) the compiled kernel where it
-runs on the CPU's tile unit (bfloat16 queries and K/V), PyTorch's flash kernel for the rest; `compiled` and `flash`
-for everything; an unknown value logged and read as `auto`."""
+"""Which kernel attends over dense K/V (`KAKEYA_DENSE_ATTENTION`): by default (`auto`) the compiled kernel where the
+CPU multiplies bfloat16 queries and K/V as bfloat16 (AVX512-BF16, or the tile unit), PyTorch's flash kernel for the
+rest; `compiled` and `flash` for everything; an unknown value logged and read as `auto`."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator
 
@@ -34,16 +35,29 @@ def _attended(monkeypatch: pytest.MonkeyPatch, setting: str, dtype: torch.dtype)
     return exact_attention.attend_exact(q, keys, values, OVER_HISTORY, 3, 0.125, {})
 
 
-def test_auto_attends_bfloat16_on_the_tile_unit_and_float32_with_flash(fresh):
+def test_auto_attends_bfloat16_with_the_compiled_kernel_and_float32_with_flash(fresh):
     kernel = held_kernel.held_kernel()
-    if kernel is None or not kernel.tiles:
-        pytest.skip("this CPU has no tile unit (AMX) the compiled kernel can use: auto is flash for every dtype")
+    if kernel is None or not kernel.bf16_products:
+        pytest.skip(
+            "this CPU has no bfloat16 products (AVX512-BF16) the compiled kernel uses: auto is flash for every dtype"
+        )
     for dtype, same_as in ((torch.bfloat16, "compiled"), (torch.float32, "flash")):
         auto = _attended(fresh, "auto", dtype)
         assert torch.equal(auto, _attended(fresh, same_as, dtype)), dtype
     # the two kernels differ in their last bits, so the comparisons above tell which ran
     assert not torch.equal(_attended(fresh, "compiled", torch.bfloat16), _attended(fresh, "flash", torch.bfloat16))
     assert not torch.equal(_attended(fresh, "compiled", torch.float32), _attended(fresh, "flash", torch.float32))
+
+
+def test_auto_attends_bfloat16_with_flash_where_the_cpu_has_no_bfloat16_products(fresh):
+    kernel = held_kernel.held_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler here to build the attention kernel: auto is flash for every dtype")
+    # the kernel as it loads on a CPU without AVX512-BF16 (its vector path then converts bfloat16 to float32)
+    fresh.setattr(held_kernel, "held_kernel", lambda: dataclasses.replace(kernel, tiles=False, bf16_products=False))
+    auto = _attended(fresh, "auto", torch.bfloat16)
+    assert torch.equal(auto, _attended(fresh, "flash", torch.bfloat16))
+    assert not torch.equal(auto, _attended(fresh, "compiled", torch.bfloat16))
 
 
 def test_unset_is_auto_and_an_unknown_setting_is_logged_and_read_as_auto(fresh, caplog):
