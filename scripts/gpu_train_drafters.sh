@@ -13,6 +13,9 @@
 #   SECONDS      the whole run's budget (default 480): training stops early enough for the final measurements
 #   MODELS       which drafters to train (default: "smollm2 kakeya-tiny")
 #
+# GENERATE_SECONDS (default: two fifths of SECONDS) bounds the generation of training rows: prompts are continued
+# in a random order until it passes, under bfloat16 autocast. PACK_ROWS=0 leaves the generated rows out of OUT_DIR
+# (they can outgrow what a device call brings back).
 # The python3 there must hold torch with CUDA; $WHEELHOUSE, when set, is a folder of wheels installed first (for a
 # machine that reaches no package registry). DEVICE=cpu runs the same recipe on a CPU (to check the script with small
 # prompt files; its drafters mean nothing).
@@ -40,10 +43,11 @@ convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))' "$gguf" "$work/smollm2-model
 stop_at=$((started + budget - 75))  # the final measurements and the packing take about a minute
 
 common=(--block-size 8 --layers 2 --sliding-window 512 --train-windows 128 256 512 1024 0 --new-tokens 128
-  --generate-batch 256 --generate-tokens 131072 --anchors 64 --steps 100000 --warmup 100 --eval-every 500
+  --generate-batch 1024 --generate-tokens 524288 --generate-seconds "${GENERATE_SECONDS:-$((budget * 2 / 5))}"
+  --anchors 64 --steps 100000 --warmup 100 --eval-every 500
   --eval-rows 96 --eval-prompts 12 --eval-tokens 128 --save-every 1000000 --device "${DEVICE:-cuda}" --stop-at "$stop_at"
   --resume)
-[[ ${DEVICE:-cuda} == cuda ]] && common+=(--tf32 --bf16)
+[[ ${DEVICE:-cuda} == cuda ]] && common+=(--tf32 --bf16 --generate-bf16)
 declare -A extra=(
   [smollm2]="--model $work/smollm2-model --target-layers 1 7 14 20 27 --mask-token-id 16 --batch-tokens 24576
     --batch-size 64 --lr 1e-3"
@@ -75,7 +79,9 @@ mkdir -p "$out"
 logs=() rows=()
 for name in $models; do logs+=("$name" "$name.log") rows+=("$name/rows.npz"); done
 (cd "$work" && tar czf - --exclude train_state.pt --exclude rows.npz "${logs[@]}") | split -b 15M - "$out/drafters.tgz."
-(cd "$work" && tar cf - "${rows[@]}" 2>/dev/null) | split -b 15M - "$out/rows.tgz." || true
+if [[ ${PACK_ROWS:-1} != 0 ]]; then
+  (cd "$work" && tar cf - "${rows[@]}" 2>/dev/null) | split -b 15M - "$out/rows.tgz." || true
+fi
 ls -la "$out" >&2
 log "done"
 exit $status

@@ -89,6 +89,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--generate-tokens", type=int, default=65536, help="with --prompts: most tokens per generate() call")
     p.add_argument(
+        "--generate-seconds",
+        type=float,
+        default=0,
+        help="with --prompts: continue training prompts (in a seeded random order) for at most this long (0: all)",
+    )
+    p.add_argument(
+        "--generate-bf16",
+        action="store_true",
+        help="with --prompts: continue training prompts under bfloat16 autocast (held-out ones stay float32)",
+    )
+    p.add_argument(
         "--sliding-window", type=int, default=0, help="every drafter layer's window over the context (0: none)"
     )
     p.add_argument(
@@ -198,6 +209,26 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
     return DFlashDrafter(config, len(layers)), spec
 
 
+class BestDrafter:
+    """The weights of the best held-out acceptance measured so far in this run (copied on the drafter's device)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.acceptance: float | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def offer(self, step: int, acceptance: float, drafter: DFlashDrafter) -> None:
+        if self.acceptance is None or acceptance > self.acceptance:
+            self.step, self.acceptance = step, acceptance
+            self.weights = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
+
+    def restore(self, drafter: DFlashDrafter) -> int:
+        """Load the best weights into `drafter`; their step (0 when nothing was measured)."""
+        if self.weights is not None:
+            drafter.load_state_dict(self.weights)
+        return self.step
+
+
 def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:
     """Linear warm-up, then a cosine decay to zero at `--steps` or, sooner, at `--time-limit` seconds."""
     if step < args.warmup:
@@ -272,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             state_file,
         )
 
+    best = BestDrafter()
     started = time.perf_counter()
     with tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, desc="train dflash") as bar:
         for step in bar:
@@ -318,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 entry["heldout_acceptance_length"] = held_out_acceptance(drafter, spec, verifier, held, args)
                 bar.write(f"step {step + 1}: held-out acceptance length {entry['heldout_acceptance_length']:.3f}")
+                best.offer(step + 1, entry["heldout_acceptance_length"], drafter)
             history.append(entry)
             bar.set_postfix(loss=f"{float(stats.loss):.3f}", accept=f"{stats.acceptance_length:.2f}")
             if (step + 1) % args.save_every == 0:
@@ -329,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     steps_done = history[-1]["step"] if history else start_step
     if history and "heldout_acceptance_length" not in history[-1]:
         history[-1]["heldout_acceptance_length"] = held_out_acceptance(drafter, spec, verifier, held, args)
+        best.offer(steps_done, history[-1]["heldout_acceptance_length"], drafter)
     save_state(steps_done)
     train_seconds = time.perf_counter() - started
+    kept_step = best.restore(drafter) or steps_done  # the drafter written is the best held-out one of this run
 
     drafter.eval()
     save_drafter(drafter, spec, args.out)
@@ -353,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_acceptance_length": evals[-1]["heldout_acceptance_length"] if evals else None,
         "train_seconds_this_run": round(train_seconds, 2),
         "steps_done": steps_done,
+        "kept_step": kept_step,
+        "kept_heldout_acceptance_length": best.acceptance,
         **evaluation,
     }
     if by_window:

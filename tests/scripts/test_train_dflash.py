@@ -86,6 +86,9 @@ def test_a_trained_drafter_is_accepted_by_its_verifier_and_training_resumes(chec
     assert len(log["history"]) == 120 and log["history"][-1]["loss"] < log["history"][0]["loss"]
     curve = [h["heldout_acceptance_length"] for h in log["history"] if "heldout_acceptance_length" in h]
     assert len(curve) == 3 and all(1.0 <= a <= 4.0 for a in curve), "held-out acceptance at steps 40, 80, 120"
+    best = max(curve)
+    assert log["summary"]["kept_heldout_acceptance_length"] == best
+    assert log["summary"]["kept_step"] == 40 * (curve.index(best) + 1), "the drafter written is the best measured"
     assert log["config"]["command"].startswith("train_dflash.py --model") and "environment" in log
     (result_file,) = results.glob("train_dflash_*.json")
     assert json.loads(result_file.read_text())["summary"]["mean_acceptance_length"] > 1.0
@@ -252,3 +255,29 @@ def test_a_prompt_file_trains_on_ragged_continuations_under_drawn_windows_and_me
     (measured,) = results.glob("bench_drafter_windows_*.json")
     summary = json.loads(measured.read_text())["summary"][str(out)]
     assert set(summary) == {"0", "4"} and all(1.0 <= summary[w]["mean"] <= 4.0 for w in summary)
+
+
+def test_a_generation_time_bound_keeps_whole_chunks_of_prompts_drawn_across_lengths(checkpoints, monkeypatch):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from lib import drafter_rows
+
+    from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
+
+    verifier = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32")
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 120, n).tolist() for n in range(4, 16)]  # prompt i holds i + 4 tokens
+
+    def rows(chosen: list[list[int]], desc: str) -> drafter_rows.Rows:
+        return drafter_rows.prompt_continuations(
+            verifier, chosen, new_tokens=5, stop_ids=[], token_budget=400, max_rows=8, desc=desc, bf16=True
+        )
+
+    monkeypatch.setattr(drafter_rows, "GENERATE_CHUNK", 4)
+    everything = drafter_rows.rows_within(0, prompts, rows, seed=1)
+    assert sorted(everything.first_anchor.tolist()) == list(range(4, 16)), "no bound: every prompt"
+    assert (everything.row_lengths() == everything.first_anchor + 5).all()
+    cut = drafter_rows.rows_within(1e-9, prompts, rows, seed=1)
+    assert len(cut) == 4, "past the bound after the first chunk: that chunk alone"
+    assert sorted(cut.first_anchor.tolist()) != [4, 5, 6, 7], "drawn in a random order, not the shortest first"
+    for row, first in zip(cut.tokens, cut.first_anchor, strict=True):
+        assert row[:first].tolist() == prompts[first - 4]
