@@ -17,11 +17,11 @@ drafter serves under any of them and the final log measures held-out acceptance 
 
 Held-out acceptance is logged during training (`--eval-every`): continuations of prompts from `--eval-corpus`
 (text neither model trained on) give, block by block, exactly the tokens greedy speculative decoding would accept
-there. At the end the drafter is written in the published DFlash format (`OUT/config.json`,
-`OUT/model.safetensors`), its mean acceptance length is measured by real speculative greedy decoding after held-out
-prompts, and `OUT/training_log.json` plus `results/train_dflash_<stamp>.json` (+ PNG) are written; both record the
-command line and the machine. The run is resumable (`--resume` continues from `OUT/train_state.pt`) and runs on a
-CPU or, faster, on a GPU (`--device cuda`).
+there. At the end the drafter of the run's best held-out measurement is written in the published DFlash format
+(`OUT/config.json`, `OUT/model.safetensors`), its mean acceptance length is measured by real speculative greedy
+decoding after held-out prompts, and `OUT/training_log.json` plus `results/train_dflash_<stamp>.json` (+ PNG) are
+written; both record the command line and the machine. The run is resumable (`--resume` continues from
+`OUT/train_state.pt`) and runs on a CPU or, faster, on a GPU (`--device cuda`).
 
 Usage:
     python scripts/train_dflash.py --model VERIFIER_DIR --out DRAFTER_DIR
