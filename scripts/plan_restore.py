@@ -5,7 +5,8 @@ text computed from that stretch alone equal (to 1e-4 relative) those computed af
 
 Sensitivity: starting from the exact plan that keeps every layer's K/V, each layer in turn is restored from one
 candidate source while every other layer stays exact, and the script measures needle recall (greedy decoding of
-needle documents under `dlm_restore` with `--sink` + `--window`) and the mean KL divergence of the next-token
+needle documents under `dlm_restore` with `--sink` + `--window`; `--documents chat`: prose with the question in a
+user turn, in the model's chat template) and the mean KL divergence of the next-token
 distributions from `full` on held-out text. Candidate sources (`--sources`): `projected<-J` for every other layer J
 (`layers`), and `projected<-drafter`, f_θ from the context state of the DFlash drafter of `--drafter` (`drafter`;
 default drafter: the model's `dflash/`, which not every model ships), each a linear f_θ fitted by closed-form least
@@ -22,7 +23,7 @@ written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights.
 Usage:
     python scripts/plan_restore.py [--model NAME|DIR|GGUF] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
         [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
-        [--sources layers|drafter|all] [--drafter DIR]
+        [--sources layers|drafter|all] [--drafter DIR] [--documents code|chat]
 """
 
 from __future__ import annotations
@@ -72,6 +73,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recall-tolerance", type=float, default=0.05, help="allowed recall drop (default 0.05)")
     p.add_argument("--max-kl", type=float, default=0.05, help="allowed mean KL from full, nats (default 0.05)")
     p.add_argument("--seed", type=int, default=7, help="seed of the probe documents (default 7)")
+    p.add_argument(
+        "--documents",
+        choices=("code", "chat"),
+        default="code",
+        help="needle documents: code (source code with the question and an answer prefix at its end; default) or "
+        "chat (prose with the question in a user turn, in the model's chat template)",
+    )
     p.add_argument("--out", type=Path, help="where to write the plan (default: <model>/restore_plan.json)")
     p.add_argument("--dry-run", action="store_true", help="measure and log, but write no plan")
     p.add_argument(
@@ -188,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         sink=args.sink,
         window=args.window,
         seed=args.seed,
+        chat=args.documents == "chat",
     )
     drafter = None
     if args.sources != "layers":

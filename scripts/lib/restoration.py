@@ -19,15 +19,23 @@ from kv_cache_proposer.restoration.projection import kv_rows
 from kv_cache_proposer.restoration.rebuild import forward_kv
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
-from lib.corpus import read_text, split_sources, stdlib_sources
-from lib.niah import Document, build_document
+from lib.corpus import manual_sections, read_text, split_sources, stdlib_sources
+from lib.niah import build_chat_document, build_document
+
+
+@dataclass(frozen=True, slots=True)
+class Needled:
+    """A needle test: the prompt's tokens and the value its answer must contain."""
+
+    prompt: list[int]
+    value: str
 
 
 @dataclass(frozen=True, slots=True)
 class Probe:
     """What a plan is measured on: needle documents and held-out text, under one sink + window."""
 
-    documents: list[Document]
+    documents: list[Needled]
     texts: list[list[int]]  # held-out token sequences longer than the window, for logit divergence
     sink: int
     window: int
@@ -58,20 +66,41 @@ def token_stream(tokenizer: Any, count: int, length: int, rng: random.Random, *,
 
 
 def make_probe(
-    tokenizer: Any, *, lengths: Sequence[int], samples: int, texts: int, sink: int, window: int, seed: int
+    tokenizer: Any,
+    *,
+    lengths: Sequence[int],
+    samples: int,
+    texts: int,
+    sink: int,
+    window: int,
+    seed: int,
+    chat: bool = False,
 ) -> Probe:
-    """Needle documents at every length (depths spread evenly) and held-out texts of the longest length."""
-    lines = corpus_lines(tokenizer)
+    """Needle documents at every length (depths spread evenly) and held-out texts of the longest length. `chat`:
+    prose documents with the question in a user turn, in the model's chat template (`build_chat_document`), whose
+    answers get 32 tokens (the model may restate the question first); else source code with an answer prefix."""
     rng = random.Random(seed)
-    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     depths = [i / max(1, samples - 1) for i in range(samples)]
-    documents = [build_document(lines, encode, length, [depth], rng) for length in lengths for depth in depths]
+    documents: list[Needled] = []
+    if chat:
+        filler = [text for _, text in manual_sections()]
+        for length in lengths:
+            for depth in depths:
+                document = build_chat_document(tokenizer, filler, length, depth, rng)
+                documents.append(Needled(document.prompt, document.value))
+    else:
+        lines = corpus_lines(tokenizer)
+        encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        for length in lengths:
+            for depth in depths:
+                code = build_document(lines, encode, length, [depth], rng)
+                documents.append(Needled(code.prompt, code.needles[0].value))
     return Probe(
         documents=documents,
         texts=token_stream(tokenizer, texts, max(lengths), rng, held_out=True),
         sink=sink,
         window=window,
-        max_tokens=10,
+        max_tokens=32 if chat else 10,
         decode=tokenizer.decode,
     )
 
@@ -94,7 +123,7 @@ def recall(verifier: Any, plan: RestorationPlan | None, probe: Probe, desc: str 
         while len(generated) < probe.max_tokens:
             generated += decoder.step(seq, SamplingParams(), budget, len(generated)).tokens
         seq.cache.release()
-        hits += doc.needles[0].value in probe.decode(generated)
+        hits += doc.value in probe.decode(generated)
     return hits / len(probe.documents)
 
 

@@ -78,6 +78,20 @@ def test_a_chat_document_fills_its_length_and_asks_for_its_fact_in_the_user_turn
     assert len(paragraphs) > 2 and abs(paragraphs.index(fact) / (len(paragraphs) - 1) - depth) <= 1.5 / len(paragraphs)
 
 
+def test_a_restoration_probe_of_chat_documents_asks_each_fact_at_each_length_and_depth(chat_tokenizer):
+    from lib.restoration import make_probe
+
+    lengths = (400, 900)
+    probe = make_probe(chat_tokenizer, lengths=lengths, samples=3, texts=1, sink=4, window=64, seed=2, chat=True)
+    assert len(probe.documents) == 6 and probe.max_tokens == 32, "one document per length and depth"
+    for index, doc in enumerate(probe.documents):
+        text = chat_tokenizer.decode(doc.prompt)
+        assert lengths[index // 3] - 60 <= len(doc.prompt) <= lengths[index // 3]
+        assert text.count(f"is {doc.value}.") == 1 and text.endswith("<|im_start|>assistant\n")
+    code = make_probe(chat_tokenizer, lengths=(400,), samples=2, texts=1, sink=4, window=64, seed=2)
+    assert code.max_tokens == 10 and "<|im_start|>" not in chat_tokenizer.decode(code.documents[0].prompt)
+
+
 def _harness(tmp_path: Path, *args: str) -> dict:
     """Run scripts/eval_niah.py with `args`, writing into `tmp_path`; its results JSON."""
     result = run_child([sys.executable, "scripts/eval_niah.py", *args, "--results-dir", str(tmp_path)], cwd=ROOT)
