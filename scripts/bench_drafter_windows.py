@@ -28,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.drafter_eval import row_acceptance
-from lib.drafter_rows import PromptSet, prompt_continuations, stop_token_ids
 from lib.model_option import add_model_option
+from lib.prompt_rows import PromptSet, prompt_continuations, stop_token_ids
 from lib.results import RESULTS_DIR, write_results
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier

@@ -29,8 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.chat_prompts import KINDS, ChatPromptBuilder, chat_prompts
 from lib.corpus import read_text, split_sources, stdlib_sources
-from lib.drafter_rows import PromptSet
 from lib.model_option import add_model_option
+from lib.prompt_rows import PromptSet
 
 # Shares of the chat kinds: documents carry the long prompts.
 CHAT_MIX = {"question": 0.2, "multi_turn": 0.15, "code": 0.2, "tool_call": 0.15, "document": 0.3}

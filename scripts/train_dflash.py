@@ -46,16 +46,15 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from lib.drafter_eval import acceptance_by_window, features_of, held_out_acceptance, mean_acceptance_length
-from lib.drafter_rows import (
-    Rows,
-    load_rows,
-    load_saved_rows,
-    prompt_file_rows,
-    row_anchors,
-    save_rows,
-    step_batch,
+from lib.drafter_eval import (
+    BestDrafter,
+    acceptance_by_window,
+    features_of,
+    held_out_acceptance,
+    mean_acceptance_length,
 )
+from lib.drafter_rows import Rows, load_rows, load_saved_rows, row_anchors, save_rows, step_batch
+from lib.prompt_rows import prompt_file_rows
 from lib.results import RESULTS_DIR, environment, write_results
 from transformers import Qwen3Config
 
@@ -207,26 +206,6 @@ def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DF
     )
     torch.manual_seed(args.seed)
     return DFlashDrafter(config, len(layers)), spec
-
-
-class BestDrafter:
-    """The weights of the best held-out acceptance measured so far in this run (copied on the drafter's device)."""
-
-    def __init__(self) -> None:
-        self.step = 0
-        self.acceptance: float | None = None
-        self.weights: dict[str, torch.Tensor] | None = None
-
-    def offer(self, step: int, acceptance: float, drafter: DFlashDrafter) -> None:
-        if self.acceptance is None or acceptance > self.acceptance:
-            self.step, self.acceptance = step, acceptance
-            self.weights = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
-
-    def restore(self, drafter: DFlashDrafter) -> int:
-        """Load the best weights into `drafter`; their step (0 when nothing was measured)."""
-        if self.weights is not None:
-            drafter.load_state_dict(self.weights)
-        return self.step
 
 
 def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:

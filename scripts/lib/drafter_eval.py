@@ -1,5 +1,5 @@
 """Measurements of a DFlash drafter against its verifier: held-out acceptance by teacher-forced blocks (per row, per
-context window) and by real greedy speculative decoding."""
+context window) and by real greedy speculative decoding, and the weights of a training run's best measurement."""
 
 from __future__ import annotations
 
@@ -123,3 +123,23 @@ def acceptance_by_window(
         for window in windows
         for index, acceptance in zip(kept, per_window[window], strict=True)
     ]
+
+
+class BestDrafter:
+    """The weights of the best held-out acceptance so far in a training run (copied on the drafter's device)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.acceptance: float | None = None
+        self.weights: dict[str, torch.Tensor] | None = None
+
+    def offer(self, step: int, acceptance: float, drafter: DFlashDrafter) -> None:
+        if self.acceptance is None or acceptance > self.acceptance:
+            self.step, self.acceptance = step, acceptance
+            self.weights = {name: value.detach().clone() for name, value in drafter.state_dict().items()}
+
+    def restore(self, drafter: DFlashDrafter) -> int:
+        """Load the best weights into `drafter`; their step (0 when nothing was measured)."""
+        if self.weights is not None:
+            drafter.load_state_dict(self.weights)
+        return self.step

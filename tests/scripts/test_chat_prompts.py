@@ -54,7 +54,7 @@ def test_a_document_prompt_grows_with_the_length_asked_for(tokenizer, corpus):
 
 
 def test_the_prompt_file_script_writes_training_and_held_out_slices(tmp_path):
-    from lib.drafter_rows import PromptSet
+    from lib.prompt_rows import PromptSet
 
     from tests.support.children import run_child
 

@@ -169,7 +169,7 @@ def test_bad_corpora_and_lengths_are_refused(checkpoints, tmp_path):
 
 def test_a_prompt_file_trains_on_ragged_continuations_under_drawn_windows_and_measures_each(checkpoints, tmp_path):
     sys.path.insert(0, str(ROOT / "scripts"))
-    from lib.drafter_rows import PromptSet
+    from lib.prompt_rows import PromptSet
 
     rng = np.random.default_rng(3)
     train = [rng.integers(0, 120, int(n)).tolist() for n in rng.integers(6, 40, 10)]
@@ -259,7 +259,8 @@ def test_a_prompt_file_trains_on_ragged_continuations_under_drawn_windows_and_me
 
 def test_a_generation_time_bound_keeps_whole_chunks_of_prompts_drawn_across_lengths(checkpoints, monkeypatch):
     sys.path.insert(0, str(ROOT / "scripts"))
-    from lib import drafter_rows
+    from lib import prompt_rows
+    from lib.drafter_rows import Rows
 
     from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 
@@ -267,16 +268,16 @@ def test_a_generation_time_bound_keeps_whole_chunks_of_prompts_drawn_across_leng
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 120, n).tolist() for n in range(4, 16)]  # prompt i holds i + 4 tokens
 
-    def rows(chosen: list[list[int]], desc: str) -> drafter_rows.Rows:
-        return drafter_rows.prompt_continuations(
+    def rows(chosen: list[list[int]], desc: str) -> Rows:
+        return prompt_rows.prompt_continuations(
             verifier, chosen, new_tokens=5, stop_ids=[], token_budget=400, max_rows=8, desc=desc, bf16=True
         )
 
-    monkeypatch.setattr(drafter_rows, "GENERATE_CHUNK", 4)
-    everything = drafter_rows.rows_within(0, prompts, rows, seed=1)
+    monkeypatch.setattr(prompt_rows, "GENERATE_CHUNK", 4)
+    everything = prompt_rows.rows_within(0, prompts, rows, seed=1)
     assert sorted(everything.first_anchor.tolist()) == list(range(4, 16)), "no bound: every prompt"
     assert (everything.row_lengths() == everything.first_anchor + 5).all()
-    cut = drafter_rows.rows_within(1e-9, prompts, rows, seed=1)
+    cut = prompt_rows.rows_within(1e-9, prompts, rows, seed=1)
     assert len(cut) == 4, "past the bound after the first chunk: that chunk alone"
     assert sorted(cut.first_anchor.tolist()) != [4, 5, 6, 7], "drawn in a random order, not the shortest first"
     for row, first in zip(cut.tokens, cut.first_anchor, strict=True):
