@@ -10,20 +10,23 @@ user turn, in the model's chat template) and the mean KL divergence of the next-
 distributions from `full` on held-out text. Candidate sources (`--sources`): `projected<-J` for every other layer J
 (`layers`), and `projected<-drafter`, f_θ from the context state of the DFlash drafter of `--drafter` (`drafter`;
 default drafter: the model's `dflash/`, which not every model ships), each a linear f_θ fitted by closed-form least
-squares on training text, as `train_f_theta.py` does; `tokens` is exact where it applies and not tried elsewhere.
+squares on training text, as `train_f_theta.py` does (keys as stored, or in their unrotated frame with
+`--key-frame unrotated`); `tokens` is exact where it applies and not tried elsewhere.
 
 Proposal: a layer tolerates a source when its recall is within `--recall-tolerance` of `full` and its KL is at
 most `--max-kl`. Over sets of kept layers, cheapest first, every other layer takes a tolerated source (`tokens`
 first, else the projection with the lowest KL from a kept layer or the drafter); the first combination whose own
 measured recall is within the tolerance at every length and whose state bytes (kept K/V, plus the drafter's
 context row when a layer reads it) fit `--budget` (a fraction of the full K/V bytes of an evicted position) is
-written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. The log
+written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. `--plans` skips the search: it
+fits and measures the named plans (compact specs, `;`-separated) and writes none. The log
 (`results/plan_restore_<stamp>.json`, with a heat map of the sensitivities) holds every measurement.
 
 Usage:
     python scripts/plan_restore.py [--model NAME|DIR|GGUF] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
         [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
-        [--sources layers|drafter|all] [--drafter DIR] [--documents code|chat]
+        [--sources layers|drafter|all] [--drafter DIR] [--documents code|chat] [--key-frame unrotated|stored]
+        [--plans SPEC;SPEC...]
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from transformers import AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.model_option import add_model_option
 from lib.restoration import (
+    add_key_frame_option,
     fit_projections,
     kv_rows_by_layer,
     logit_divergence,
@@ -50,12 +54,14 @@ from lib.restoration import (
     recall,
     token_only_layers,
     token_stream,
+    verifier_rotary,
 )
 from lib.results import RESULTS_DIR, write_results
 
 from kv_cache_proposer.backends import load_verifier
-from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, LinearProjection, RestorationPlan
+from kv_cache_proposer.restoration import PLAN_FILE, LayerSource, LinearProjection, RestorationPlan, Rotary
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
+from kv_cache_proposer.restoration.plan import plan_from_spec
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,13 +95,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="f_θ sources to measure: other layers' kept K/V, the drafter's context, or both (default layers)",
     )
     p.add_argument("--drafter", type=Path, help="DFlash drafter for `drafter` sources (default: <model>/dflash)")
+    add_key_frame_option(p)
+    p.add_argument(
+        "--plans",
+        help="measure these plans only (compact specs such as `tokens,projected<-drafter,kept`, `;`-separated): no "
+        "per-layer sweep, no proposal, no plan written",
+    )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.samples < 1 or args.texts < 1 or not 0 < args.budget <= 1:
         p.error("--samples and --texts must be >= 1, --budget in (0, 1]")
     drafter = args.drafter or args.model / "dflash"
-    if args.sources != "layers" and not (drafter / "config.json").is_file():
+    if (args.sources != "layers" or "drafter" in (args.plans or "")) and not (drafter / "config.json").is_file():
         p.error(
             f"--sources {args.sources} reads a DFlash drafter: there is none at {drafter} (name one with --drafter)"
         )
@@ -182,6 +194,58 @@ def plot(sensitivity: list[dict[str, Any]], num_layers: int, png: Path) -> None:
     plt.close(fig)
 
 
+def measure_named(
+    args: argparse.Namespace,
+    verifier: Any,
+    probe: Any,
+    rows: dict[int, np.ndarray],
+    rotary: Rotary | None,
+    drafter: DrafterContext | None,
+    full_recall: float,
+    started: float,
+) -> int:
+    """`--plans`: fit and measure each named plan; log them as `combined` and write no plan."""
+    row_width = int(rows[0].shape[1])
+    measured = []
+    for spec in args.plans.split(";"):
+        plan, errors = fit_projections(
+            plan_from_spec(spec, verifier.num_layers, drafter), rows, ridge=args.ridge, rotary=rotary
+        )
+        result = {**measure(verifier, plan, probe, f"plan {spec[:40]}", row_width), "fit_relative_error": errors}
+        measured.append(result)
+        print(f"{plan.describe()}: recall {result['recall']:.2f} (full {full_recall:.2f}), KL {result['kl']:.4f}")
+    summary = {"full_recall": full_recall, "proposal": None, "seconds": time.perf_counter() - started}
+    path = write_results(
+        "plan_restore",
+        config=vars(args),
+        samples={"sensitivity": [], "combined": measured},
+        summary=summary,
+        plot=lambda png: plot_named(measured, full_recall, png),
+        out_dir=args.results_dir,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def plot_named(measured: list[dict[str, Any]], full_recall: float, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 0.6 * len(measured) + 2))
+    names = [f"plan {i} ({row['state_fraction']:.0%} state)" for i, row in enumerate(measured)]
+    left.barh(names, [row["recall"] for row in measured], color="tab:blue")
+    left.axvline(full_recall, color="k", linestyle="--", label="full")
+    left.set(xlabel="needle recall", xlim=(0, 1))
+    left.legend()
+    right.barh(names, [row["kl"] for row in measured], color="tab:orange")
+    right.set(xlabel="mean KL from full (nats)")
+    right.set_yticks([])
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.perf_counter()
@@ -199,14 +263,17 @@ def main(argv: list[str] | None = None) -> int:
         chat=args.documents == "chat",
     )
     drafter = None
-    if args.sources != "layers":
+    if args.sources != "layers" or "drafter" in (args.plans or ""):
         drafter = DrafterContext.from_drafter(args.drafter or args.model / "dflash")
     train = token_stream(tokenizer, args.train_texts, args.train_length, random.Random(args.seed), held_out=False)
     rows = kv_rows_by_layer(verifier, train, range(layers), drafter)
+    rotary = verifier_rotary(verifier) if args.key_frame == "unrotated" else None
     row_width = int(rows[0].shape[1])
     token_layers = token_only_layers(verifier, probe.texts[0][: 2 * args.window], start=args.window)
     print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
     full_recall = recall(verifier, None, probe, desc="full")
+    if args.plans:
+        return measure_named(args, verifier, probe, rows, rotary, drafter, full_recall, started)
     exact = RestorationPlan.uniform(layers, "kept")
 
     sensitivity: list[dict[str, Any]] = []
@@ -227,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                 tuple(replaced if i == layer else s for i, s in enumerate(exact.layers)),
                 drafter=drafter if replaced.from_drafter else None,
             )
-            plan, errors = fit_projections(plan, rows, ridge=args.ridge)
+            plan, errors = fit_projections(plan, rows, ridge=args.ridge, rotary=rotary)
             fit_errors.update(errors)
             row = {
                 "layer": layer,
@@ -250,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             candidate = candidate_plans(layers, kept, ranked, drafter)
             if candidate is None or state_fraction(candidate, row_width) > args.budget + 1e-9:
                 continue
-            candidate, _ = fit_projections(candidate, rows, ridge=args.ridge)
+            candidate, _ = fit_projections(candidate, rows, ridge=args.ridge, rotary=rotary)
             result = measure(verifier, candidate, probe, f"plan {candidate.describe()}", row_width)
             tried.append(result)
             if full_recall - result["recall"] <= args.recall_tolerance:
@@ -262,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     written = None
     if proposal is not None and not args.dry_run:
         plan = proposal["plan"]
-        _, errors = fit_projections(plan, rows, ridge=args.ridge)
+        _, errors = fit_projections(plan, rows, ridge=args.ridge, rotary=rotary)
         plan = replace(
             plan,
             verifier=args.model.name,
@@ -273,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
                 "recall": proposal["recall"],
                 "full_recall": full_recall,
                 "kl": proposal["kl"],
-                "f_theta": f"closed-form ridge least squares, ridge {args.ridge}",
+                "f_theta": f"closed-form ridge least squares, ridge {args.ridge}, keys "
+                + ("unrotated" if rotary else "as stored"),
                 "fit_error": errors,
             },
         )

@@ -6,7 +6,12 @@ The plan comes from `--plan`: a manifest (JSON, e.g. one `plan_restore.py` wrote
 the verifier with full attention over `--texts` sequences of `--length` tokens of the training corpus (the standard
 library's source, held-out files excluded), collects every layer's K/V per position (and, for `projected<-drafter`
 layers, the context row the drafter of `--drafter` computes from the verifier's features) and fits each map by
-closed-form ridge least squares (`--ridge`), reporting its relative error on the last 10 % of the rows. The rows
+closed-form ridge least squares (`--ridge`), reporting its relative error (on the K/V as stored) on the last 10 %
+of the rows. By default (`--key-frame stored`) a map reads and writes keys as the cache stores them, turned by
+their positions' rotary angles; with `--key-frame unrotated` (a verifier with rotary position embeddings over
+whole heads) it works in the keys' unrotated frame: source keys are turned back from their positions before it
+and the keys it writes are turned to theirs after it, so a row without a position (the drafter's context) can
+predict a key at all. The rows
 are saved to `--rows-cache` when given and read back from it on a later run (a rerun with another `--ridge` skips
 the forwards). The fitted plan is written to `--out` (default: the model directory's `restore_plan.json`, with its
 safetensors next to it), and a log to `results/train_f_theta_<stamp>.json` with a bar plot of the fit errors.
@@ -15,7 +20,7 @@ Only closed-form least squares on K/V is implemented: no attention-output or log
 
 Usage:
     python scripts/train_f_theta.py [--model NAME|DIR|GGUF] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
-        [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0] [--drafter DIR]
+        [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0] [--drafter DIR] [--key-frame unrotated|stored]
 """
 
 from __future__ import annotations
@@ -33,7 +38,15 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lib.model_option import add_model_option
-from lib.restoration import DRAFTER_ROWS, fit_projections, kv_rows_by_layer, token_stream
+from lib.restoration import (
+    DRAFTER_ROWS,
+    POSITIONS,
+    add_key_frame_option,
+    fit_projections,
+    kv_rows_by_layer,
+    token_stream,
+    verifier_rotary,
+)
 from lib.results import RESULTS_DIR, write_results
 
 from kv_cache_proposer.backends import load_verifier
@@ -57,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         help="DFlash drafter whose context `projected<-drafter` layers read (default: <model>/dflash)",
     )
+    add_key_frame_option(p)
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
     if args.texts < 1 or args.length < 2 or args.ridge < 0:
@@ -78,13 +92,13 @@ def load_plan(spec: str, num_layers: int, drafter: DrafterContext | None = None)
 
 
 def _row_key(layer: int) -> str:
-    return "drafter" if layer == DRAFTER_ROWS else f"layer{layer}"
+    return {DRAFTER_ROWS: "drafter", POSITIONS: "positions"}.get(layer, f"layer{layer}")
 
 
 def collect_rows(
     args: argparse.Namespace, verifier: Any, layers: list[int], drafter: DrafterContext | None = None
 ) -> dict[int, np.ndarray]:
-    wanted = [*layers, *([DRAFTER_ROWS] if drafter is not None else [])]
+    wanted = [*layers, POSITIONS, *([DRAFTER_ROWS] if drafter is not None else [])]
     if args.rows_cache is not None and args.rows_cache.exists():
         stored = np.load(args.rows_cache)
         if all(_row_key(layer) in stored for layer in wanted):
@@ -126,12 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     layers = sorted({layer for pair in pairs for layer in pair} | set(projected))
     rows = collect_rows(args, verifier, layers, plan.drafter if plan.uses_drafter else None)
-    fitted, errors = fit_projections(plan, rows, ridge=args.ridge)
-    fitted = replace(
-        fitted,
-        verifier=args.model.name,
-        notes={**fitted.notes, "f_theta": f"closed-form ridge least squares, ridge {args.ridge}", "fit_error": errors},
-    )
+    rotary = verifier_rotary(verifier) if args.key_frame == "unrotated" else None
+    fitted, errors = fit_projections(plan, rows, ridge=args.ridge, rotary=rotary)
+    method = f"closed-form ridge least squares, ridge {args.ridge}, keys {'unrotated' if rotary else 'as stored'}"
+    fitted = replace(fitted, verifier=args.model.name, notes={**fitted.notes, "f_theta": method, "fit_error": errors})
     out = fitted.save(args.out or args.model / PLAN_FILE)
     summary = {
         "plan": fitted.describe(),

@@ -2,7 +2,7 @@
 
 from kv_cache_proposer.restoration.cache import RestoringSessionCache
 from kv_cache_proposer.restoration.plan import PLAN_FILE, SOURCES, LayerSource, RestorationPlan, find_plan
-from kv_cache_proposer.restoration.projection import LinearProjection
+from kv_cache_proposer.restoration.projection import LinearProjection, Rotary
 from kv_cache_proposer.restoration.setup import REBUILD_MODES, RestorationSetup
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "RestorationPlan",
     "RestorationSetup",
     "RestoringSessionCache",
+    "Rotary",
     "find_plan",
 ]

@@ -8,7 +8,9 @@ Sources of a layer:
 - `kept`: the layer's own K/V of every evicted position are kept (through the session's KV compressor when it has
   one, else through the plan's `kept_compressor`, else dense).
 - `projected`: a linear map f_θ from the kept K/V of another layer (`from_layer`), or from the DFlash drafter's
-  per-position context state (`from_drafter`; the plan carries the drafter's context weights, `drafter`).
+  per-position context state (`from_drafter`; the plan carries the drafter's context weights, `drafter`). A map
+  may work in the keys' unrotated frame (`"frame": "unrotated"`; the manifest then carries the verifier's rotary
+  frequencies, `rotary`).
 - `recompute`: a cache-less forward of the verifier checkpoint over the token prefix: the exact reference.
 """
 
@@ -23,7 +25,7 @@ import numpy as np
 
 from kv_cache_proposer.compression import KVCompressor
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
-from kv_cache_proposer.restoration.projection import LinearProjection
+from kv_cache_proposer.restoration.projection import LinearProjection, Rotary
 
 SourceKind = Literal["tokens", "kept", "projected", "recompute"]
 SOURCES: tuple[SourceKind, ...] = ("tokens", "kept", "projected", "recompute")
@@ -83,6 +85,7 @@ class RestorationPlan:
                 raise ValueError(f"layer {index} projects from layer {source.from_layer}, which the model lacks")
             if self.layers[source.from_layer].kind != "kept":
                 raise ValueError(f"layer {index} projects from layer {source.from_layer}, whose K/V are not kept")
+        _ = self.rotary  # raises ValueError when the maps turn keys by different rotaries
 
     @classmethod
     def uniform(cls, num_layers: int, kind: SourceKind) -> RestorationPlan:
@@ -118,6 +121,14 @@ class RestorationPlan:
     def feature_layers(self) -> tuple[int, ...]:
         """Verifier layers whose outputs the session needs from every forward (the drafter context's inputs)."""
         return self.drafter.target_layer_ids if self.drafter is not None and self.uses_drafter else ()
+
+    @property
+    def rotary(self) -> Rotary | None:
+        """The rotary of the maps that work in the keys' unrotated frame (one for the whole plan), if any."""
+        turns = [s.projection.rotary for s in self.layers if s.projection is not None and s.projection.rotary]
+        if turns and not all(turn.same_as(turns[0]) for turn in turns):
+            raise ValueError("the plan's maps turn keys by different rotaries")
+        return turns[0] if turns else None
 
     @property
     def kept_fraction(self) -> float:
@@ -171,9 +182,15 @@ class RestorationPlan:
                     entry["projection"] = {"kind": "linear", "tensors": f"layers.{index}"}
                     tensors[f"layers.{index}.weight"] = source.projection.weight
                     tensors[f"layers.{index}.bias"] = source.projection.bias
+                    if source.projection.rotary is not None:
+                        entry["projection"]["frame"] = "unrotated"
             layers.append(entry)
         manifest: dict[str, Any] = {"format": FORMAT, "verifier": self.verifier, "proposer": "verifier"}
         manifest["layers"] = layers
+        rotary = self.rotary
+        if rotary is not None:
+            manifest["rotary"] = {"scale": rotary.scale, "tensors": "rotary"}
+            tensors["rotary.inv_freq"] = rotary.inv_freq.astype(np.float32)
         if self.kept_compressor != "none":
             manifest["kept_compressor"] = self.kept_compressor
         if self.drafter is not None:
@@ -206,7 +223,11 @@ class RestorationPlan:
         if manifest.get("proposer", "verifier") != "verifier":
             raise ValueError(f"{manifest_path}: only the verifier checkpoint itself can run `recompute` forwards")
         tensors = _load_weights(manifest_path, manifest.get("weights"))
-        layers = tuple(_layer_source(entry, index, tensors) for index, entry in enumerate(manifest["layers"]))
+        try:
+            rotary = _rotary(manifest.get("rotary"), tensors)
+        except ValueError as exc:
+            raise ValueError(f"{manifest_path}: {exc}") from None
+        layers = tuple(_layer_source(entry, index, tensors, rotary) for index, entry in enumerate(manifest["layers"]))
         try:
             return cls(
                 layers,
@@ -241,7 +262,20 @@ def _load_weights(manifest_path: Path, name: str | None) -> dict[str, np.ndarray
         raise ValueError(f"cannot read restoration weights {weights_path}: {exc}") from exc
 
 
-def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarray]) -> LayerSource:
+def _rotary(entry: dict[str, Any] | None, tensors: dict[str, np.ndarray]) -> Rotary | None:
+    if entry is None:
+        return None
+    prefix = str(entry.get("tensors", "rotary"))
+    try:
+        inv_freq = tensors[f"{prefix}.inv_freq"]
+    except KeyError as exc:
+        raise ValueError(f"the weights file lacks the rotary's {exc.args[0]}") from None
+    return Rotary(inv_freq.astype(np.float32), float(entry.get("scale", 1.0)))
+
+
+def _layer_source(
+    entry: dict[str, Any], index: int, tensors: dict[str, np.ndarray], rotary: Rotary | None
+) -> LayerSource:
     kind = entry.get("source")
     if kind not in SOURCES:
         raise ValueError(f"layer {index}: unknown restoration source {kind!r}; expected one of {', '.join(SOURCES)}")
@@ -265,9 +299,17 @@ def _layer_source(entry: dict[str, Any], index: int, tensors: dict[str, np.ndarr
         weight, bias = tensors[f"{prefix}.weight"], tensors[f"{prefix}.bias"]
     except KeyError as exc:
         raise ValueError(f"layer {index}: the weights file lacks {exc.args[0]}") from None
-    return LayerSource(
-        "projected", from_layer=from_layer, projection=LinearProjection(weight, bias), from_drafter=from_drafter
-    )
+    frame = projection.get("frame", "stored")
+    if frame not in ("stored", "unrotated"):
+        raise ValueError(f"layer {index}: unknown key frame {frame!r}; expected stored or unrotated")
+    if frame == "unrotated" and rotary is None:
+        raise ValueError(f"layer {index}: f_θ maps unrotated keys, and the manifest names no `rotary`")
+    turn = rotary if frame == "unrotated" else None
+    try:
+        linear = LinearProjection(weight, bias, turn, reads_keys=turn is not None and not from_drafter)
+    except ValueError as exc:
+        raise ValueError(f"layer {index}: {exc}") from None
+    return LayerSource("projected", from_layer=from_layer, projection=linear, from_drafter=from_drafter)
 
 
 def _drafter_context(entry: dict[str, Any] | None, tensors: dict[str, np.ndarray]) -> DrafterContext | None:

@@ -320,11 +320,11 @@ def prefix_kv(
     return kv
 
 
-def project(ops: ArrayOps[A], source: LayerSource, keys: A, values: A) -> tuple[A, A]:
-    """A `projected` layer's K/V from the kept K/V `[B, H, P, D]` its f_θ reads."""
+def project(ops: ArrayOps[A], source: LayerSource, keys: A, values: A, positions: np.ndarray) -> tuple[A, A]:
+    """A `projected` layer's K/V from the kept K/V `[B, H, P, D]` its f_θ reads, of the evicted `positions` `[P]`."""
     if source.projection is None:
         return keys, values
     host_k, host_v = ops.to_host(keys), ops.to_host(values)  # [1, H, P, D]
-    rows = source.projection.apply(kv_rows(host_k, host_v))  # [P, 2*H*D]
+    rows = source.projection.apply(kv_rows(host_k, host_v), positions)  # [P, 2*H*D]
     out_k, out_v = rows_kv(rows, host_k.shape[1], host_k.shape[3])
     return ops.from_host(out_k, keys), ops.from_host(out_v, values)

@@ -270,7 +270,7 @@ class RestorationState(Generic[A]):
         if source.from_drafter:
             return self._from_contexts(source, start, stop)
         if source.kind == "projected" and source.from_layer is not None:
-            return project(self._ops, source, *kept(source.from_layer))
+            return project(self._ops, source, *kept(source.from_layer), np.arange(start, stop, dtype=np.int64))
         return forwarded(layer)
 
     def _from_contexts(self, source: LayerSource, start: int, end: int) -> tuple[A, A]:
@@ -279,7 +279,8 @@ class RestorationState(Generic[A]):
             raise InvariantViolation("inv1", "a layer projects from the drafter context, which the cache lacks")
         if self.kv_like is None:
             raise InvariantViolation("inv1", "no forward has shown the layers' K/V shape yet")
-        rows = source.projection.apply(self.contexts.rows(start, end))  # [P, 2*H*D]
+        positions = np.arange(start, end, dtype=np.int64)
+        rows = source.projection.apply(self.contexts.rows(start, end), positions)  # [P, 2*H*D]
         like = self.kv_like  # [1, H, 1, D]: the model's dtype, device and K/V heads
         out_k, out_v = rows_kv(rows, int(like.shape[1]), int(like.shape[3]))  # type: ignore[attr-defined]
         return self._ops.from_host(out_k, like), self._ops.from_host(out_v, like)

@@ -3,17 +3,19 @@ the per-position K/V rows f_θ is fitted on. Shared by `plan_restore.py` and `tr
 
 from __future__ import annotations
 
+import argparse
 import random
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
-from kv_cache_proposer.restoration import LinearProjection, RestorationPlan, RestorationSetup
+from kv_cache_proposer.restoration import LinearProjection, RestorationPlan, RestorationSetup, Rotary
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
 from kv_cache_proposer.restoration.projection import kv_rows
 from kv_cache_proposer.restoration.rebuild import forward_kv
@@ -155,14 +157,41 @@ def _kl(reference: np.ndarray, other: np.ndarray) -> float:
 
 
 DRAFTER_ROWS = -1  # the key of the drafter context rows among the per-layer K/V rows
+POSITIONS = -2  # the key of the rows' positions in their texts
+
+
+def add_key_frame_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--key-frame",
+        choices=("unrotated", "stored"),
+        default="stored",
+        help="the frame f_θ maps keys in: stored (as the cache holds them, turned by their positions; default) or "
+        "unrotated (turned back from their positions before the map and turned to them after it, where the verifier "
+        "has rotary position embeddings: far lower K error, but no better recall or KL on the default model)",
+    )
+
+
+def verifier_rotary(verifier: Any) -> Rotary | None:
+    """The rotary position embedding a torch verifier turns its keys by, when it has one over whole heads (None
+    otherwise: f_θ then maps keys as stored)."""
+    model = verifier.model
+    rotary = getattr(model.get_decoder(), "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    config = model.config.get_text_config()
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if inv_freq is None or 2 * int(inv_freq.numel()) != head_dim:
+        return None
+    return Rotary(inv_freq.float().cpu().numpy(), float(getattr(rotary, "attention_scaling", 1.0)))
 
 
 def kv_rows_by_layer(
     verifier: Any, texts: Sequence[list[int]], layers: Sequence[int], drafter: DrafterContext | None = None
 ) -> dict[int, np.ndarray]:
-    """Full-attention K/V of every position of `texts` as feature rows `[N, 2 * H * D]`, per layer; with
-    `drafter`, also its context rows `[N, H]` of the same positions under `DRAFTER_ROWS`."""
+    """Full-attention K/V of every position of `texts` as feature rows `[N, 2 * H * D]`, per layer, and each
+    row's position in its text `[N]` under `POSITIONS`; with `drafter`, also its context rows `[N, H]` of the same
+    positions under `DRAFTER_ROWS`."""
     collected: dict[int, list[np.ndarray]] = {layer: [] for layer in layers}
+    collected[POSITIONS] = [np.arange(len(tokens), dtype=np.int64) for tokens in texts]
     if drafter is not None:
         collected[DRAFTER_ROWS] = []
     ops = verifier.array_ops
@@ -192,23 +221,31 @@ def position_bytes(verifier: Any, dtype_bytes: int = 2) -> int:
 
 
 def fit_projections(
-    plan: RestorationPlan, rows: dict[int, np.ndarray], *, ridge: float, holdout: float = 0.1
+    plan: RestorationPlan,
+    rows: dict[int, np.ndarray],
+    *,
+    ridge: float,
+    holdout: float = 0.1,
+    rotary: Rotary | None = None,
 ) -> tuple[RestorationPlan, dict[str, float]]:
-    """Fit a linear f_θ (closed-form ridge least squares) for every `projected` layer of `plan` from K/V rows of
-    every layer; returns the plan with them and each map's relative error on the held-out tail of the rows."""
+    """Fit a linear f_θ (closed-form ridge least squares; with `rotary`, in the keys' unrotated frame) for every
+    `projected` layer of `plan` from K/V rows of every layer (and their `POSITIONS`); returns the plan with them and
+    each map's relative error on the held-out tail of the rows, measured on the K/V as stored."""
     projections, errors = {}, {}
+    positions = rows[POSITIONS]
     for index, source in enumerate(plan.layers):
         if source.from_layer is None and not source.from_drafter:
             continue
         x = rows[DRAFTER_ROWS if source.from_drafter else source.from_layer]  # type: ignore[index]
         y = rows[index]
         cut = int(len(x) * (1 - holdout))
-        trial = LinearProjection.fit(x[:cut], y[:cut], ridge=ridge)
-        residual = trial.apply(x[cut:]) - y[cut:]
+        fit = partial(LinearProjection.fit, ridge=ridge, rotary=rotary, reads_keys=not source.from_drafter)
+        trial = fit(x[:cut], y[:cut], positions=positions[:cut])
+        residual = trial.apply(x[cut:], positions[cut:]) - y[cut:]
         spread = y[cut:] - y[cut:].mean(axis=0)
         name = "drafter" if source.from_drafter else f"L{source.from_layer}"
         errors[f"{name}->L{index}"] = float(np.sum(residual**2) / max(np.sum(spread**2), 1e-12))
-        projections[index] = LinearProjection.fit(x, y, ridge=ridge)
+        projections[index] = fit(x, y, positions=positions)
     return plan.with_projections(projections), errors
 
 

@@ -42,10 +42,15 @@ def test_train_f_theta_fits_every_projected_layer_and_resumes_from_its_rows(tmp_
     summary = json.loads(log.read_text())["summary"]
     assert set(summary["fit_relative_error"]) == {"L3->L1", "L3->L2"} and summary["rows"] == 2 * 96
     assert log.with_suffix(".png").is_file()
+    assert all(plan.layers[i].projection.rotary is None for i in (1, 2))  # by default, keys as stored
     again = _run(
-        "scripts/train_f_theta.py", "--plan", str(out), *common, "--ridge", "0.1", "--results-dir", str(tmp_path)
+        "scripts/train_f_theta.py",
+        *("--plan", str(out), *common, "--ridge", "0.1", "--key-frame", "unrotated", "--results-dir", str(tmp_path)),
     )
     assert "read K/V rows from" in again.stderr
+    # In the keys' unrotated frame (the bundled model has rotary position embeddings), both sides turned.
+    turned = [RestorationPlan.load(out).layers[i].projection for i in (1, 2)]
+    assert all(m is not None and m.rotary is not None and m.reads_keys for m in turned)
 
 
 def test_plan_restore_measures_each_layer_and_writes_a_plan_within_the_budget(tmp_path):
@@ -74,13 +79,14 @@ def test_train_f_theta_fits_a_layer_from_the_drafter_context(tmp_path):
     _run(
         "scripts/train_f_theta.py",
         *("--plan", "tokens,projected<-drafter,projected<-3,kept", "--texts", "2", "--length", "96"),
-        *("--out", str(out), "--results-dir", str(tmp_path)),
+        *("--key-frame", "unrotated", "--out", str(out), "--results-dir", str(tmp_path)),
     )
     plan = RestorationPlan.load(out)
     assert plan.describe() == "L0:tokens, L1:projected<-drafter, L2:projected<-L3, L3:kept"
     assert plan.drafter is not None and plan.feature_layers == (0, 1, 2, 3)  # the bundled drafter's target layers
     projection = plan.layers[1].projection
     assert projection is not None and projection.weight.shape == (192, 2 * 64)  # context row -> L1's K and V
+    assert projection.rotary is not None and not projection.reads_keys  # keys written unrotated, then turned
     (log,) = tmp_path.glob("train_f_theta_*.json")
     assert set(json.loads(log.read_text())["summary"]["fit_relative_error"]) == {"drafter->L1", "L3->L2"}
 
@@ -157,3 +163,20 @@ def test_bench_restore_rebuild_runs_a_plan_with_compressed_kept_layers_in_one_mo
     state = {s["run"]: s["restoration_state_bytes"] / s["evicted_tokens"] for s in payload["samples"][1:]}
     assert state["model/generation"] == 2 * 64 * 4  # the bundled plan keeps layer 3: K and V of 64 fp32 values
     assert 0 < state["model+kakeya_d4/generation"] < state["model/generation"] / 3
+
+
+def test_plan_restore_measures_named_plans_without_a_sweep_and_writes_none(tmp_path):
+    _run(
+        "scripts/plan_restore.py",
+        *("--lengths", "160", "--samples", "1", "--texts", "1", "--train-texts", "1", "--train-length", "96"),
+        *("--window", "48", "--plans", "tokens,projected<-drafter,projected<-3,kept;kept"),
+        *("--out", str(tmp_path / "restore_plan.json"), "--results-dir", str(tmp_path)),
+    )
+    (log,) = tmp_path.glob("plan_restore_*.json")
+    payload = json.loads(log.read_text())
+    assert payload["samples"]["sensitivity"] == []
+    first, exact = payload["samples"]["combined"]
+    assert first["plan"] == "L0:tokens, L1:projected<-drafter, L2:projected<-L3, L3:kept"
+    assert set(first["fit_relative_error"]) == {"drafter->L1", "L3->L2"}
+    assert exact["kl"] < 1e-6 and exact["recall"] == payload["summary"]["full_recall"]  # keeping every layer is exact
+    assert not (tmp_path / "restore_plan.json").exists() and log.with_suffix(".png").is_file()

@@ -1,5 +1,5 @@
 """Restoration plans as data: the manifest round trip, what a bad manifest raises, compact specs, and the
-closed-form f_θ fit."""
+closed-form f_θ fit, as stored and in the keys' unrotated frame."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan, find_plan
+from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan, Rotary, find_plan
+from kv_cache_proposer.restoration.drafter_context import DrafterContext
 from kv_cache_proposer.restoration.plan import plan_from_spec
 from kv_cache_proposer.restoration.projection import kv_rows, rows_kv
 
@@ -108,3 +109,85 @@ def test_kv_rows_and_back_are_inverse():
     back_keys, back_values = rows_kv(rows, 2, 3)
     np.testing.assert_array_equal(back_keys, keys)
     np.testing.assert_array_equal(back_values, values)
+
+
+def _rotary(head_dim: int = 8) -> Rotary:
+    return Rotary((10000.0 ** -(np.arange(0, head_dim, 2) / head_dim)).astype(np.float32))
+
+
+def test_turning_keys_to_their_positions_and_back_is_the_identity_and_keeps_their_length():
+    rng = np.random.default_rng(3)
+    keys, positions = rng.normal(size=(40, 16)).astype(np.float32), rng.integers(0, 8192, size=40)
+    turned = _rotary().turn(keys, positions)
+    assert not np.allclose(turned, keys)
+    np.testing.assert_allclose(np.linalg.norm(turned, axis=1), np.linalg.norm(keys, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(_rotary().turn(turned, positions, back=True), keys, atol=1e-4)
+    np.testing.assert_array_equal(_rotary().turn(keys, np.zeros(40, dtype=np.int64)), keys)
+
+
+def test_a_map_in_the_unrotated_frame_predicts_turned_keys_that_a_map_of_stored_keys_cannot():
+    """Keys that are a linear function of a position-free row before their rotation (as a verifier computes them):
+    f_θ in the unrotated frame recovers them at any position; f_θ of the keys as stored predicts little more than
+    their mean."""
+    rng = np.random.default_rng(4)
+    rotary, width, heads_dim = _rotary(), 12, 16  # 2 heads of 8: a K/V row of 32 values
+    truth = rng.normal(size=(width, 2 * heads_dim)).astype(np.float32)
+    source = rng.normal(size=(3000, width)).astype(np.float32)
+    positions = rng.integers(0, 4096, size=3000)
+    target = source @ truth
+    target[:, :heads_dim] = rotary.turn(target[:, :heads_dim], positions)
+    unrotated = LinearProjection.fit(source, target, ridge=0.0, rotary=rotary, positions=positions)
+    stored = LinearProjection.fit(source, target, ridge=0.0)
+    np.testing.assert_allclose(unrotated.apply(source, positions), target, atol=1e-3)
+    key_error = np.sum((stored.apply(source)[:, :heads_dim] - target[:, :heads_dim]) ** 2)
+    assert key_error / np.sum(target[:, :heads_dim] ** 2) > 0.5
+    with pytest.raises(ValueError, match="positions"):
+        unrotated.apply(source)
+
+
+def test_a_map_between_layers_turns_the_source_keys_back_before_it():
+    rng = np.random.default_rng(5)
+    rotary, heads_dim = _rotary(), 16
+    truth = rng.normal(size=(2 * heads_dim, 2 * heads_dim)).astype(np.float32)
+    plain = rng.normal(size=(3000, 2 * heads_dim)).astype(np.float32)
+    positions = rng.integers(0, 4096, size=3000)
+    target = plain @ truth
+    source, target[:, :heads_dim] = plain.copy(), rotary.turn(target[:, :heads_dim], positions)
+    source[:, :heads_dim] = rotary.turn(plain[:, :heads_dim], positions)
+    fitted = LinearProjection.fit(source, target, ridge=0.0, rotary=rotary, positions=positions, reads_keys=True)
+    np.testing.assert_allclose(fitted.apply(source, positions), target, atol=1e-3)
+
+
+def test_maps_in_the_unrotated_frame_survive_the_manifest_round_trip_with_the_rotary(tmp_path):
+    rng = np.random.default_rng(6)
+    drafter = DrafterContext((0,), rng.normal(size=(12, 12)).astype(np.float32), np.ones(12, np.float32), 1e-6)
+    rotary = Rotary(_rotary().inv_freq, scale=1.25)
+    between = _projection(8, 32)
+    from_layer = LinearProjection(between.weight, between.bias, rotary, reads_keys=True)
+    from_drafter = LinearProjection(rng.normal(size=(12, 32)).astype(np.float32), np.zeros(32, np.float32), rotary)
+    plan = RestorationPlan(
+        (
+            LayerSource("kept"),
+            LayerSource("projected", from_layer=0, projection=from_layer),
+            LayerSource("projected", projection=from_drafter, from_drafter=True),
+            LayerSource("projected", from_layer=0, projection=_projection(9, 32)),
+        ),
+        drafter=drafter,
+    )
+    loaded = RestorationPlan.load(plan.save(tmp_path))
+    manifest = json.loads((tmp_path / "restore_plan.json").read_text())
+    frames = [entry.get("projection", {}).get("frame") for entry in manifest["layers"]]
+    assert frames == [None, "unrotated", "unrotated", None]
+    read = loaded.rotary
+    assert read is not None and read.scale == 1.25 and np.array_equal(read.inv_freq, rotary.inv_freq)
+    maps = [source.projection for source in loaded.layers[1:]]
+    frames_read = [(m.rotary is not None, m.reads_keys) for m in maps if m is not None]
+    assert frames_read == [(True, True), (True, False), (False, False)]
+    rows, positions = rng.normal(size=(5, 32)).astype(np.float32), np.arange(100, 105)
+    first, original = maps[0], plan.layers[1].projection
+    assert first is not None and original is not None
+    np.testing.assert_array_equal(first.apply(rows, positions), original.apply(rows, positions))
+    del manifest["rotary"]
+    (tmp_path / "restore_plan.json").write_text(json.dumps(manifest))
+    with pytest.raises(ValueError, match="names no `rotary`"):
+        RestorationPlan.load(tmp_path)
