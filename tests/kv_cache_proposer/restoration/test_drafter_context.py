@@ -14,8 +14,9 @@ import torch
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.ngram import NgramProposer
-from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan, RestorationSetup
+from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan, RestorationSetup, Rotary
 from kv_cache_proposer.restoration.drafter_context import DrafterContext
+from kv_cache_proposer.restoration.projection import kv_rows
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy
 from tests.support.backends import BACKENDS, to_numpy
@@ -80,6 +81,51 @@ def test_a_drafter_projected_layer_is_f_theta_of_the_context_of_its_positions(ve
     # Parked: one kept layer per evicted position, plus a context row of every committed position past the sink.
     kept = 10 * 2 * 2 * 16 * 4
     assert cache.footprint().restoration_state_bytes == kept + (21 - 2) * context.width * 4
+
+
+def test_maps_in_the_unrotated_frame_turn_the_keys_they_write_to_their_positions(verifiers, drafter_dir, backend):
+    """A drafter-context map and a map from a kept layer, both in the keys' unrotated frame: the restored keys of
+    the evicted positions are the maps' keys turned to those positions (and a kept layer's keys turned back first)."""
+    verifier = verifiers["qwen3"]
+    context = DrafterContext.from_drafter(drafter_dir)
+    rng = np.random.default_rng(5)
+    rotary = Rotary((10000.0 ** -(np.arange(0, 16, 2) / 16)).astype(np.float32))
+    width = 2 * 2 * 16
+    drafted = LinearProjection(
+        (rng.normal(size=(context.width, width)) * 0.1).astype(np.float32), np.zeros(width, np.float32), rotary
+    )
+    between = LinearProjection(
+        (rng.normal(size=(width, width)) * 0.3).astype(np.float32), np.zeros(width, np.float32), rotary, True
+    )
+    layers = (
+        LayerSource("projected", projection=drafted, from_drafter=True),
+        LayerSource("projected", from_layer=2, projection=between),
+        LayerSource("kept"),
+    )
+    plan = RestorationPlan(layers, drafter=context)
+    tokens = _tokens(4, 21)
+    reference = verifier.new_cache(FullStrategy())
+    full_features = to_numpy(verifier.verify(reference, tokens[:20], 1, feature_layers=(0, 2)).features)
+    verifier.commit(reference, 20)
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(plan, rebuild="step"))
+    verifier.verify(cache, tokens[:20], 1)
+    verifier.commit(cache, 20)
+    verifier.verify(cache, tokens[20:21], 1)  # rebuilt from the state before this forward
+    prefix = cache.prefix
+    assert prefix is not None
+    positions = np.arange(2, 11)
+    full_keys, full_values, _ = reference.resident_kv(2)
+    kept_rows = kv_rows(to_numpy(full_keys)[:, :, 2:11], to_numpy(full_values)[:, :, 2:11])
+    context_rows = context.apply(full_features[2:11])
+    unturned_kept = kept_rows.copy()
+    unturned_kept[:, :32] = rotary.turn(kept_rows[:, :32], positions, back=True)
+    for layer, unturned in ((0, context_rows @ drafted.weight), (1, unturned_kept @ between.weight)):
+        expected = unturned.copy()
+        expected[:, :32] = rotary.turn(unturned[:, :32], positions)
+        keys, values = prefix.layer(layer)
+        got = kv_rows(to_numpy(keys), to_numpy(values))
+        np.testing.assert_allclose(got, expected, atol=1e-3)
+        assert not np.allclose(got[:, :32], unturned[:, :32], atol=1e-2)  # the keys were turned
 
 
 def test_the_caller_gets_the_features_it_asked_for_while_the_cache_takes_its_own(verifiers, drafter_dir, backend):
