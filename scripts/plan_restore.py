@@ -19,14 +19,15 @@ first, else the projection with the lowest KL from a kept layer or the drafter);
 measured recall is within the tolerance at every length and whose state bytes (kept K/V, plus the drafter's
 context row when a layer reads it) fit `--budget` (a fraction of the full K/V bytes of an evicted position) is
 written to `--out` (default: `<model>/restore_plan.json`) with its f_θ weights. `--plans` skips the search: it
-fits and measures the named plans (compact specs, `;`-separated) and writes none. The log
+fits and measures the named plans (compact specs, `;`-separated) and writes none; with `--distill-steps`, their
+maps are then trained on their layers' attention output, as `train_f_theta.py --distill-steps` does. The log
 (`results/plan_restore_<stamp>.json`, with a heat map of the sensitivities) holds every measurement.
 
 Usage:
     python scripts/plan_restore.py [--model NAME|DIR|GGUF] [--budget 0.25] [--lengths 1024,2048] [--samples 5]
         [--sink 4] [--window 256] [--recall-tolerance 0.05] [--max-kl 0.05] [--out PATH] [--dry-run]
         [--sources layers|drafter|all] [--drafter DIR] [--documents code|chat] [--key-frame unrotated|stored]
-        [--plans SPEC;SPEC...]
+        [--plans SPEC;SPEC... [--distill-steps 0] [--distill-lr 1e-2]]
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.distill import DistillSettings, add_distill_options, distill_plan
 from lib.model_option import add_model_option
 from lib.restoration import (
     add_key_frame_option,
@@ -96,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--drafter", type=Path, help="DFlash drafter for `drafter` sources (default: <model>/dflash)")
     add_key_frame_option(p)
+    add_distill_options(p)
     p.add_argument(
         "--plans",
         help="measure these plans only (compact specs such as `tokens,projected<-drafter,kept`, `;`-separated): no "
@@ -103,6 +106,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
+    if args.distill_steps and not args.plans:
+        p.error("--distill-steps trains the maps of the plans --plans names (the per-layer sweep fits least squares)")
+    if args.distill_steps and args.train_texts < 2:
+        p.error("distillation needs --train-texts >= 2 (the last is held out)")
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.samples < 1 or args.texts < 1 or not 0 < args.budget <= 1:
         p.error("--samples and --texts must be >= 1, --budget in (0, 1]")
@@ -198,20 +205,30 @@ def measure_named(
     args: argparse.Namespace,
     verifier: Any,
     probe: Any,
-    rows: dict[int, np.ndarray],
+    training: tuple[list[list[int]], dict[int, np.ndarray]],
     rotary: Rotary | None,
     drafter: DrafterContext | None,
     full_recall: float,
     started: float,
 ) -> int:
-    """`--plans`: fit and measure each named plan; log them as `combined` and write no plan."""
+    """`--plans`: fit (and, with `--distill-steps`, distil) and measure each named plan from the training `texts`
+    and their `rows`; log them as `combined` and write no plan."""
+    texts, rows = training
     row_width = int(rows[0].shape[1])
     measured = []
     for spec in args.plans.split(";"):
         plan, errors = fit_projections(
             plan_from_spec(spec, verifier.num_layers, drafter), rows, ridge=args.ridge, rotary=rotary
         )
-        result = {**measure(verifier, plan, probe, f"plan {spec[:40]}", row_width), "fit_relative_error": errors}
+        attention: dict[str, dict[str, float]] = {}
+        if args.distill_steps:
+            settings = DistillSettings(args.sink, args.window, steps=args.distill_steps, lr=args.distill_lr)
+            plan, attention = distill_plan(verifier, plan, rows, texts, settings)
+        result = {
+            **measure(verifier, plan, probe, f"plan {spec[:40]}", row_width),
+            "fit_relative_error": errors,
+            "attention_output_error": attention,
+        }
         measured.append(result)
         print(f"{plan.describe()}: recall {result['recall']:.2f} (full {full_recall:.2f}), KL {result['kl']:.4f}")
     summary = {"full_recall": full_recall, "proposal": None, "seconds": time.perf_counter() - started}
@@ -273,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
     full_recall = recall(verifier, None, probe, desc="full")
     if args.plans:
-        return measure_named(args, verifier, probe, rows, rotary, drafter, full_recall, started)
+        return measure_named(args, verifier, probe, (train, rows), rotary, drafter, full_recall, started)
     exact = RestorationPlan.uniform(layers, "kept")
 
     sensitivity: list[dict[str, Any]] = []

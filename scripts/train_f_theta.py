@@ -16,11 +16,15 @@ are saved to `--rows-cache` when given and read back from it on a later run (a r
 the forwards). The fitted plan is written to `--out` (default: the model directory's `restore_plan.json`, with its
 safetensors next to it), and a log to `results/train_f_theta_<stamp>.json` with a bar plot of the fit errors.
 
-Only closed-form least squares on K/V is implemented: no attention-output or logit distillation.
+With `--distill-steps N`, each map is then trained further, by gradient descent from its least-squares fit, on
+what attention reads of it: the output of its layer's attention for the training texts' queries over the resident
+K/V (`--sink` + `--window`, exact) and the restored ones (`lib/distill.py`; the last text is held out, and a map
+that does no better there keeps its least-squares weights). No next-token (logit) distillation.
 
 Usage:
     python scripts/train_f_theta.py [--model NAME|DIR|GGUF] --plan SPEC|MANIFEST [--texts 24] [--length 1024]
         [--ridge 1e-3] [--out PATH] [--rows-cache PATH] [--seed 0] [--drafter DIR] [--key-frame unrotated|stored]
+        [--distill-steps 0] [--distill-lr 1e-2] [--sink 4] [--window 256]
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import numpy as np
 from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.distill import DistillSettings, add_distill_options, distill_plan
 from lib.model_option import add_model_option
 from lib.restoration import (
     DRAFTER_ROWS,
@@ -71,10 +76,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="DFlash drafter whose context `projected<-drafter` layers read (default: <model>/dflash)",
     )
     add_key_frame_option(p)
+    add_distill_options(p)
+    p.add_argument("--sink", type=int, default=4, help="sink positions the plan is distilled for (default 4)")
+    p.add_argument("--window", type=int, default=256, help="window positions it is distilled for (default 256)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the log goes (default results/)")
     args = p.parse_args(argv)
     if args.texts < 1 or args.length < 2 or args.ridge < 0:
         p.error("--texts must be >= 1, --length >= 2 and --ridge >= 0")
+    if args.distill_steps < 0 or (args.distill_steps and args.texts < 2):
+        p.error("--distill-steps must be >= 0, and distillation needs --texts >= 2 (the last is held out)")
+    if args.distill_steps and args.length <= args.sink + args.window + 1:
+        p.error(f"--length {args.length} evicts nothing under --sink {args.sink} + --window {args.window}")
     return args
 
 
@@ -95,6 +107,11 @@ def _row_key(layer: int) -> str:
     return {DRAFTER_ROWS: "drafter", POSITIONS: "positions"}.get(layer, f"layer{layer}")
 
 
+def training_texts(args: argparse.Namespace) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
+    return token_stream(tokenizer, args.texts, args.length, random.Random(args.seed), held_out=False)
+
+
 def collect_rows(
     args: argparse.Namespace, verifier: Any, layers: list[int], drafter: DrafterContext | None = None
 ) -> dict[int, np.ndarray]:
@@ -104,9 +121,7 @@ def collect_rows(
         if all(_row_key(layer) in stored for layer in wanted):
             print(f"read K/V rows from {args.rows_cache}", file=sys.stderr)
             return {layer: stored[_row_key(layer)] for layer in wanted}
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    texts = token_stream(tokenizer, args.texts, args.length, random.Random(args.seed), held_out=False)
-    rows = kv_rows_by_layer(verifier, texts, layers, drafter)
+    rows = kv_rows_by_layer(verifier, training_texts(args), layers, drafter)
     if args.rows_cache is not None:
         args.rows_cache.parent.mkdir(parents=True, exist_ok=True)
         np.savez(args.rows_cache, **{_row_key(layer): r for layer, r in rows.items()})  # type: ignore[arg-type]
@@ -143,12 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     rotary = verifier_rotary(verifier) if args.key_frame == "unrotated" else None
     fitted, errors = fit_projections(plan, rows, ridge=args.ridge, rotary=rotary)
     method = f"closed-form ridge least squares, ridge {args.ridge}, keys {'unrotated' if rotary else 'as stored'}"
-    fitted = replace(fitted, verifier=args.model.name, notes={**fitted.notes, "f_theta": method, "fit_error": errors})
+    attention: dict[str, dict[str, float]] = {}
+    if args.distill_steps:
+        settings = DistillSettings(args.sink, args.window, steps=args.distill_steps, lr=args.distill_lr)
+        fitted, attention = distill_plan(verifier, fitted, rows, training_texts(args), settings)
+        method += (
+            f", then {args.distill_steps} steps of attention-output distillation (lr {args.distill_lr}, sink "
+            f"{args.sink} + window {args.window})"
+        )
+    notes = {**fitted.notes, "f_theta": method, "fit_error": errors}
+    if attention:
+        notes["attention_output_error"] = attention
+    fitted = replace(fitted, verifier=args.model.name, notes=notes)
     out = fitted.save(args.out or args.model / PLAN_FILE)
     summary = {
         "plan": fitted.describe(),
         "kept_fraction": fitted.kept_fraction,
         "fit_relative_error": errors,
+        "attention_output_error": attention,
         "rows": int(next(iter(rows.values())).shape[0]),
         "seconds": time.perf_counter() - started,
         "manifest": str(out),
@@ -163,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     for name, value in errors.items():
         print(f"{name}: held-out relative error {value:.4f}")
+    for name, pair in attention.items():
+        print(f"{name}: attention output error {pair['least_squares']:.4f} -> {pair['distilled']:.4f} (held out)")
     print(f"wrote {out} and {path}")
     return 0
 

@@ -1,10 +1,13 @@
 """`dlm_restore` through the daemon: the tokens of `full` over evicting turns with no HistoryTruncated event,
-restoration bytes in GetSessionInfo, the SDK and /metrics, and the restoration plan a server loads."""
+restoration bytes in GetSessionInfo, the SDK and /metrics, the restoration plan a server loads, and a plan whose
+f_θ was distilled on attention through fork and restart."""
 
 from __future__ import annotations
 
 import random
 import re
+import sys
+from pathlib import Path
 
 import kakeya
 import numpy as np
@@ -13,9 +16,15 @@ import pytest
 from inference_engine.config import ConfigError
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan
+from kv_cache_proposer.restoration.plan import plan_from_spec
 from tests.support.backends import BACKENDS
 from tests.support.checkpoints import VOCAB_SIZE
 from tests.support.server import create, generate, info
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+from lib.distill import DistillSettings, distill_plan
+from lib.restoration import fit_projections, kv_rows_by_layer
 
 RESTORE = {"kv_strategy": "dlm_restore", "sink": 2, "window": 9}
 
@@ -106,3 +115,37 @@ def test_a_plan_that_does_not_fit_the_model_stops_the_server(serve, tmp_path):
     (tmp_path / "broken.json").write_text("{not json")
     with pytest.raises(ConfigError, match="restore_plan"):
         serve("qwen3", **RESTORE, restore_plan=str(tmp_path / "broken.json"))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plan_distilled_on_attention_serves_forks_and_comes_back_after_a_restart(
+    serve, backend, verifier_pool, tmp_path
+):
+    """A plan whose f_θ was trained on its layer's attention output (`scripts/lib/distill.py`) is a plan like any
+    other: it loads, serves evicting turns, forks into a session that continues as its parent does, and its
+    sessions come back from the journal after a restart."""
+    teacher = verifier_pool.for_backend("torch")["qwen3"]  # the queries come from a transformers forward
+    texts = [_prompt(seed, 64) for seed in range(20, 36)]
+    rows = kv_rows_by_layer(teacher, texts, range(3))
+    # A strongly shrunk least-squares start, which the attention output tells distillation how to undo.
+    plan, _ = fit_projections(plan_from_spec("tokens,kept,projected<-1", 3), rows, ridge=10.0)
+    plan, report = distill_plan(teacher, plan, rows, texts, DistillSettings(sink=2, window=9, steps=200, lr=1e-3))
+    assert report["L1->L2"]["distilled"] < report["L1->L2"]["least_squares"]  # trained, and better held out
+    manifest = plan.save(tmp_path / "plan" / "restore_plan.json")
+    state = str(tmp_path / "state")
+
+    first = serve("qwen3", **RESTORE, restore_plan=str(manifest), state_dir=state)
+    sid, tokens, truncated = _conversation(first, _prompt(5, 40))
+    assert len(tokens) == 30 and truncated == []
+    fork = first.stub.ForkSession(pb.ForkSessionRequest(session_id=sid)).session_id
+    assert generate(first.stub, fork, max_tokens=8).tokens == generate(first.stub, sid, max_tokens=8).tokens
+    before = info(first.stub, sid, tail=200)
+    assert before.kv_restoration_state_bytes == before.evicted_token_count * 2 * 2 * 16 * 4  # the kept layer
+    first.stop()
+
+    second = serve("qwen3", **RESTORE, restore_plan=str(manifest), state_dir=state)
+    after = info(second.stub, sid, tail=200)
+    assert list(after.history_tail_token_ids) == list(before.history_tail_token_ids)
+    assert info(second.stub, fork).history_length == before.history_length
+    resumed = generate(second.stub, sid, max_tokens=6)
+    assert len(resumed.tokens) == 6 and resumed.truncated == []

@@ -180,3 +180,22 @@ def test_plan_restore_measures_named_plans_without_a_sweep_and_writes_none(tmp_p
     assert set(first["fit_relative_error"]) == {"drafter->L1", "L3->L2"}
     assert exact["kl"] < 1e-6 and exact["recall"] == payload["summary"]["full_recall"]  # keeping every layer is exact
     assert not (tmp_path / "restore_plan.json").exists() and log.with_suffix(".png").is_file()
+
+
+def test_train_f_theta_distils_the_maps_on_attention_and_logs_the_held_out_error(tmp_path):
+    out = tmp_path / "distilled" / "restore_plan.json"
+    _run(
+        "scripts/train_f_theta.py",
+        *("--plan", "tokens,projected<-drafter,projected<-3,kept", "--texts", "3", "--length", "96"),
+        *("--distill-steps", "5", "--sink", "2", "--window", "9", "--out", str(out), "--results-dir", str(tmp_path)),
+    )
+    plan = RestorationPlan.load(out)
+    assert "attention-output distillation" in plan.notes["f_theta"]
+    (log,) = tmp_path.glob("train_f_theta_*.json")
+    attention = json.loads(log.read_text())["summary"]["attention_output_error"]
+    assert set(attention) == {"drafter->L1", "L3->L2"}
+    assert all(set(pair) == {"least_squares", "distilled"} for pair in attention.values())
+    refused = run_child(
+        [sys.executable, "scripts/train_f_theta.py", "--plan", "kept", "--texts", "1", "--distill-steps", "5"], cwd=ROOT
+    )
+    assert refused.returncode == 2 and "--texts >= 2" in refused.stderr
