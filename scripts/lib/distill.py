@@ -165,12 +165,10 @@ def _distill(
     if first_query >= layer.length:
         raise ValueError(f"texts of {layer.length} tokens evict nothing under sink {settings.sink} + {settings.window}")
 
-    def texts(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def output_error(i: int, picked: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """The relative error of text i's attention output at the `picked` query positions, the map being `w`, `b`."""
+        x, q = torch.from_numpy(source[i]), torch.from_numpy(layer.queries[i])
         keys, values = _heads(torch.from_numpy(layer.target[i]), kv_heads)
-        return torch.from_numpy(source[i]), keys, values, torch.from_numpy(layer.queries[i])
-
-    def output_error(i: int, picked: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, float]:
-        x, keys, values, q = texts(i)
         predicted_keys, predicted_values = _heads(x @ w + b, kv_heads)
         if rotary is not None:
             predicted_keys = _turn(predicted_keys, cos, sin)
@@ -188,14 +186,14 @@ def _distill(
         weights = torch.softmax(scores, -1)
         out = (weights * ~evicted) @ values + (weights * evicted) @ predicted_values
         spread = float(((reference - reference.mean(dim=(1, 2), keepdim=True)) ** 2).sum())
-        return ((out - reference) ** 2).sum() / max(spread, 1e-12), spread
+        return ((out - reference) ** 2).sum() / max(spread, 1e-12)
 
     held = len(source) - 1
     everything = torch.arange(first_query, layer.length)
 
     def held_error(w: torch.Tensor, b: torch.Tensor) -> float:
         with torch.no_grad():
-            return float(output_error(held, everything, w, b)[0])
+            return float(output_error(held, everything, w, b))
 
     before = held_error(weight.detach(), bias.detach())
     # The size of a weight that carries the source's spread to the target's: what the step size is relative to.
@@ -206,7 +204,7 @@ def _distill(
         i = int(torch.randint(held, (1,), generator=generator))
         count = min(settings.queries_per_step, len(everything))
         picked = everything[torch.randperm(len(everything), generator=generator)[:count]]
-        loss, _ = output_error(i, picked, weight, bias)
+        loss = output_error(i, picked, weight, bias)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
