@@ -50,13 +50,14 @@ from lib.model_option import add_model_option
 from lib.restoration import (
     add_key_frame_option,
     fit_projections,
+    key_frame_rotary,
     kv_rows_by_layer,
+    least_squares_method,
     logit_divergence,
     make_probe,
     recall,
     token_only_layers,
     token_stream,
-    verifier_rotary,
 )
 from lib.results import RESULTS_DIR, write_results
 
@@ -113,10 +114,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths = [int(x) for x in args.lengths.split(",")]
     if args.samples < 1 or args.texts < 1 or not 0 < args.budget <= 1:
         p.error("--samples and --texts must be >= 1, --budget in (0, 1]")
-    drafter = args.drafter or args.model / "dflash"
-    if (args.sources != "layers" or "drafter" in (args.plans or "")) and not (drafter / "config.json").is_file():
+    args.drafter = args.drafter or args.model / "dflash"
+    # A drafter is read for drafter sources, swept or named in a plan.
+    args.reads_drafter = args.sources != "layers" or "drafter" in (args.plans or "")
+    if args.reads_drafter and not (args.drafter / "config.json").is_file():
         p.error(
-            f"--sources {args.sources} reads a DFlash drafter: there is none at {drafter} (name one with --drafter)"
+            f"--sources {args.sources} reads a DFlash drafter: there is none at {args.drafter} "
+            "(name one with --drafter)"
         )
     return args
 
@@ -222,8 +226,7 @@ def measure_named(
         )
         attention: dict[str, dict[str, float]] = {}
         if args.distill_steps:
-            settings = DistillSettings(args.sink, args.window, steps=args.distill_steps, lr=args.distill_lr)
-            plan, attention = distill_plan(verifier, plan, rows, texts, settings)
+            plan, attention = distill_plan(verifier, plan, rows, texts, DistillSettings.from_args(args))
         result = {
             **measure(verifier, plan, probe, f"plan {spec[:40]}", row_width),
             "fit_relative_error": errors,
@@ -279,12 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         chat=args.documents == "chat",
     )
-    drafter = None
-    if args.sources != "layers" or "drafter" in (args.plans or ""):
-        drafter = DrafterContext.from_drafter(args.drafter or args.model / "dflash")
+    drafter = DrafterContext.from_drafter(args.drafter) if args.reads_drafter else None
     train = token_stream(tokenizer, args.train_texts, args.train_length, random.Random(args.seed), held_out=False)
     rows = kv_rows_by_layer(verifier, train, range(layers), drafter)
-    rotary = verifier_rotary(verifier) if args.key_frame == "unrotated" else None
+    rotary = key_frame_rotary(args, verifier)
     row_width = int(rows[0].shape[1])
     token_layers = token_only_layers(verifier, probe.texts[0][: 2 * args.window], start=args.window)
     print(f"layers rebuilt exactly from tokens: {token_layers}", file=sys.stderr)
@@ -357,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 "recall": proposal["recall"],
                 "full_recall": full_recall,
                 "kl": proposal["kl"],
-                "f_theta": f"closed-form ridge least squares, ridge {args.ridge}, keys "
-                + ("unrotated" if rotary else "as stored"),
+                "f_theta": least_squares_method(args.ridge, rotary),
                 "fit_error": errors,
             },
         )

@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib.drafter_build import build_drafter
 from lib.drafter_eval import (
     BestDrafter,
     acceptance_by_window,
@@ -56,13 +57,10 @@ from lib.drafter_eval import (
 from lib.drafter_rows import Rows, load_rows, load_saved_rows, row_anchors, save_rows, step_batch
 from lib.prompt_rows import prompt_file_rows
 from lib.results import RESULTS_DIR, environment, write_results
-from transformers import Qwen3Config
 
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter, save_drafter
-from kv_cache_proposer.proposers.dflash.config import DFlashSpec
-from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
-from kv_cache_proposer.proposers.dflash.training import block_loss, default_target_layers
+from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
+from kv_cache_proposer.proposers.dflash.training import block_loss
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -170,44 +168,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_drafter(args: argparse.Namespace, verifier: TorchVerifier) -> tuple[DFlashDrafter, DFlashSpec]:
-    vconfig = verifier.model.config.get_text_config()
-    layers = args.target_layers or default_target_layers(verifier.num_layers, max(2, args.layers))
-    mask = args.mask_token_id
-    if mask is None:
-        from transformers import AutoTokenizer
-
-        mask = AutoTokenizer.from_pretrained(args.model, local_files_only=True).mask_token_id
-        if mask is None:
-            raise SystemExit("the tokenizer has no mask token: pass --mask-token-id")
-    head_dim = int(getattr(vconfig, "head_dim", None) or vconfig.hidden_size // vconfig.num_attention_heads)
-    window = args.sliding_window or None
-    config = Qwen3Config(
-        vocab_size=verifier.vocab_size,
-        hidden_size=verifier.hidden_size,
-        intermediate_size=args.intermediate_size or int(vconfig.intermediate_size),
-        num_hidden_layers=args.layers,
-        num_attention_heads=int(vconfig.num_attention_heads),
-        num_key_value_heads=int(vconfig.num_key_value_heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(getattr(vconfig, "rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(getattr(vconfig, "max_position_embeddings", 32768)),
-        rope_parameters=getattr(vconfig, "rope_parameters", None) or {"rope_type": "default", "rope_theta": 1e6},
-        tie_word_embeddings=False,
-        use_sliding_window=window is not None,
-        sliding_window=window,
-        layer_types=["sliding_attention" if window else "full_attention"] * args.layers,
-    )
-    spec = DFlashSpec(
-        block_size=args.block_size,
-        target_layer_ids=tuple(layers),
-        mask_token_id=int(mask),
-        num_target_layers=verifier.num_layers,
-    )
-    torch.manual_seed(args.seed)
-    return DFlashDrafter(config, len(layers)), spec
-
-
 def lr_at(step: int, args: argparse.Namespace, elapsed: float = 0.0) -> float:
     """Linear warm-up, then a cosine decay to zero at `--steps` or, sooner, at `--time-limit` seconds."""
     if step < args.warmup:
@@ -250,11 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     drafter, spec = build_drafter(args, verifier)
-    if args.init is not None:
-        initial, initial_spec = load_drafter(args.init, device=device, dtype=torch.float32)
-        if initial_spec.target_layer_ids != spec.target_layer_ids or len(initial.layers) != len(drafter.layers):
-            raise SystemExit(f"--init {args.init} has other target layers or another layer count than this run")
-        drafter.load_state_dict(initial.state_dict())
     drafter.to(device).train()
     embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)
     head = verifier.model.get_output_embeddings()

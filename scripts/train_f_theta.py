@@ -33,7 +33,9 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from functools import cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -48,9 +50,10 @@ from lib.restoration import (
     POSITIONS,
     add_key_frame_option,
     fit_projections,
+    key_frame_rotary,
     kv_rows_by_layer,
+    least_squares_method,
     token_stream,
-    verifier_rotary,
 )
 from lib.results import RESULTS_DIR, write_results
 
@@ -113,15 +116,21 @@ def training_texts(args: argparse.Namespace) -> list[list[int]]:
 
 
 def collect_rows(
-    args: argparse.Namespace, verifier: Any, layers: list[int], drafter: DrafterContext | None = None
+    args: argparse.Namespace,
+    verifier: Any,
+    layers: list[int],
+    texts: Callable[[], list[list[int]]],
+    drafter: DrafterContext | None = None,
 ) -> dict[int, np.ndarray]:
+    """The K/V rows of `layers` (and the drafter's context rows) of the training `texts`, from `--rows-cache`
+    when it holds them all (the texts are then not read)."""
     wanted = [*layers, POSITIONS, *([DRAFTER_ROWS] if drafter is not None else [])]
     if args.rows_cache is not None and args.rows_cache.exists():
         stored = np.load(args.rows_cache)
         if all(_row_key(layer) in stored for layer in wanted):
             print(f"read K/V rows from {args.rows_cache}", file=sys.stderr)
             return {layer: stored[_row_key(layer)] for layer in wanted}
-    rows = kv_rows_by_layer(verifier, training_texts(args), layers, drafter)
+    rows = kv_rows_by_layer(verifier, texts(), layers, drafter)
     if args.rows_cache is not None:
         args.rows_cache.parent.mkdir(parents=True, exist_ok=True)
         np.savez(args.rows_cache, **{_row_key(layer): r for layer, r in rows.items()})  # type: ignore[arg-type]
@@ -154,18 +163,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.perf_counter()
     layers = sorted({layer for pair in pairs for layer in pair} | set(projected))
-    rows = collect_rows(args, verifier, layers, plan.drafter if plan.uses_drafter else None)
-    rotary = verifier_rotary(verifier) if args.key_frame == "unrotated" else None
+    texts = cache(partial(training_texts, args))  # read once, and only when the rows or distillation need them
+    rows = collect_rows(args, verifier, layers, texts, plan.drafter if plan.uses_drafter else None)
+    rotary = key_frame_rotary(args, verifier)
     fitted, errors = fit_projections(plan, rows, ridge=args.ridge, rotary=rotary)
-    method = f"closed-form ridge least squares, ridge {args.ridge}, keys {'unrotated' if rotary else 'as stored'}"
+    method = least_squares_method(args.ridge, rotary)
     attention: dict[str, dict[str, float]] = {}
     if args.distill_steps:
-        settings = DistillSettings(args.sink, args.window, steps=args.distill_steps, lr=args.distill_lr)
-        fitted, attention = distill_plan(verifier, fitted, rows, training_texts(args), settings)
-        method += (
-            f", then {args.distill_steps} steps of attention-output distillation (lr {args.distill_lr}, sink "
-            f"{args.sink} + window {args.window})"
-        )
+        settings = DistillSettings.from_args(args)
+        fitted, attention = distill_plan(verifier, fitted, rows, texts(), settings)
+        method += f", then {settings.describe()}"
     notes = {**fitted.notes, "f_theta": method, "fit_error": errors}
     if attention:
         notes["attention_output_error"] = attention

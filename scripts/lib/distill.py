@@ -80,6 +80,16 @@ class DistillSettings:
     queries_per_step: int = 256
     seed: int = 0
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DistillSettings:
+        """The settings `add_distill_options` and a script's `--sink` / `--window` name."""
+        return cls(args.sink, args.window, steps=args.distill_steps, lr=args.distill_lr)
+
+    def describe(self) -> str:
+        """How the maps were trained, for a plan's notes."""
+        steps = f"{self.steps} steps of attention-output distillation"
+        return f"{steps} (lr {self.lr}, sink {self.sink} + window {self.window})"
+
 
 def distill_projections(
     plan: RestorationPlan,

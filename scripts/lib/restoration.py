@@ -171,6 +171,16 @@ def add_key_frame_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def key_frame_rotary(args: argparse.Namespace, verifier: Any) -> Rotary | None:
+    """The rotary f_θ turns keys by under `--key-frame` (None: keys as stored)."""
+    return verifier_rotary(verifier) if args.key_frame == "unrotated" else None
+
+
+def least_squares_method(ridge: float, rotary: Rotary | None) -> str:
+    """How a plan's f_θ was fitted, for its notes."""
+    return f"closed-form ridge least squares, ridge {ridge}, keys {'unrotated' if rotary else 'as stored'}"
+
+
 def verifier_rotary(verifier: Any) -> Rotary | None:
     """The rotary position embedding a torch verifier turns its keys by, when it has one over whole heads (None
     otherwise: f_θ then maps keys as stored)."""
