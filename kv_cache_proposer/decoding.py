@@ -15,7 +15,7 @@ from kv_cache_proposer.controls import DecodeControls, pick_controlled
 from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.proposers.base import DraftPolicy, NoDraftSession
 from kv_cache_proposer.proposers.batch import DraftCommit, DraftRequest, commit_all, propose_all
-from kv_cache_proposer.proposers.cost_model import DraftDecision
+from kv_cache_proposer.proposers.cost_model import DraftCostModel, DraftDecision
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.sequence import (
     DraftLength,
@@ -85,6 +85,7 @@ class Decoder:
         self.prefill_chunk_tokens = chunk
         self.burst_tokens = burst
         self.draft_policy = DraftPolicy(draft_policy)
+        self._cost_pools: dict[int, DraftCostModel] = {}  # draft limit -> what its sessions measured (`cost`)
 
     def step(
         self,
@@ -218,6 +219,8 @@ class Decoder:
         wanted = max(0, min(limit, room - 1))
         decision = None
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
+            limit = seq.draft_costs.max_draft_tokens  # the sessions of one draft limit pool what they measure
+            seq.draft_costs.join(self._cost_pools.setdefault(limit, DraftCostModel(limit)))
             wanted, decision = seq.draft_costs.decide(wanted)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(

@@ -3,8 +3,9 @@
 It keeps exponentially weighted averages of the session's acceptance per drafted position and of the seconds of a
 proposal and of a forward per block length, and picks the draft length k (0: a plain step) that maximises the
 expected tokens per second, E[tokens | k] / (t_draft(k) + t_forward(k + 1)); it keeps probing both arms. Every
-decision is a deterministic function of the observations. The rules (priors, probes, refreshes) are in
-docs/speculative-decoding.md ("Draft length").
+decision is a deterministic function of the observations. The sessions of one decoder pool what they observe
+(`join`), so a new session starts from what the others measured. The rules (priors, probes, refreshes, the pool)
+are in docs/speculative-decoding.md ("Draft length").
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ TIME_WEIGHT = 0.25  # weight of the newest observation in the time averages
 MIN_DRAFTS_SEEN = 4  # proposals a session observes before it may decline drafting
 PROBE_SHARE = 0.05  # most that probes add, in expectation, to the time of the plain steps between them
 MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
+MAX_BACKOFF = 6  # a probe that loses doubles the wait for the next, at most this many times in a row
 
 
 class DraftDecision(StrEnum):
@@ -57,6 +59,24 @@ class DraftCostModel:
         self._draft_streak = 0
         self._drafts_seen = 0  # proposals observed
         self._follow_up = False  # the last probe beat the estimate: draft again before judging
+        self._probing = False  # the pending proposal is a probe taken while declining
+        self._backoff = 0  # probes in a row that lost: each doubles the wait for the next
+        self._pool: DraftCostModel | None = None
+
+    def join(self, pool: DraftCostModel) -> None:
+        """Share observations with `pool`, the model of every session of one decoder: a model that has observed
+        nothing yet starts from the pool's estimates (its acceptance counting as at most `MIN_DRAFTS_SEEN`
+        observations, so its own soon outweigh them), and every later observation updates both."""
+        if pool is self._pool or pool is self:
+            return
+        if pool.max_draft_tokens != self.max_draft_tokens:
+            raise ValueError("a pool takes models of its own draft limit only")
+        if not self._drafts_seen and not self._forward_s:
+            self._acceptance = list(pool._acceptance)
+            self._seen = [min(seen, MIN_DRAFTS_SEEN) for seen in pool._seen]
+            self._draft_s, self._forward_s = dict(pool._draft_s), dict(pool._forward_s)
+            self._drafts_seen = min(pool._drafts_seen, MIN_DRAFTS_SEEN)
+        self._pool = pool
 
     @property
     def acceptance(self) -> list[float]:
@@ -100,27 +120,33 @@ class DraftCostModel:
         rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
         best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
         if rates[best_draft] > rates[0]:
+            self._backoff = 0
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
             return self._count(best_draft, DraftDecision.DRAFT)
         if follow_up or self._plain_streak >= self.probe_interval(best_draft):
+            self._probing = True
             return self._count(best_draft, DraftDecision.PROBE)
         return self._count(0, DraftDecision.DECLINE)
 
     def probe_interval(self, draft_tokens: int) -> int:
         """Plain steps in a row before a probe drafting `draft_tokens`: `probe_after_declines`, or more when that
-        probe costs more than a plain step by over `probe_share` (default `PROBE_SHARE`) per plain step."""
+        probe costs more than a plain step by over `probe_share` (default `PROBE_SHARE`) per plain step; doubled
+        for every probe in a row that did not beat its estimate (at most `MAX_PROBE_INTERVAL`)."""
         plain = _estimate(self._forward_s, 1)
         draft = _estimate(self._draft_s, draft_tokens)
         verify = _estimate(self._forward_s, draft_tokens + 1)
-        if plain is None or draft is None or verify is None or plain <= 0:
-            return self.probe_after_declines
-        extra = (draft + verify) / plain - 1
-        return max(self.probe_after_declines, min(MAX_PROBE_INTERVAL, math.ceil(extra / self.probe_share)))
+        interval = self.probe_after_declines
+        if plain is not None and draft is not None and verify is not None and plain > 0:
+            extra = (draft + verify) / plain - 1
+            interval = max(interval, math.ceil(extra / self.probe_share))
+        return min(MAX_PROBE_INTERVAL, interval << self._backoff)
 
     def observe_draft(self, requested: int, accepted: int, seconds: float | None) -> None:
         """A proposal asked for `requested` tokens, of which the verifier accepted the first `accepted` (fewer
         drafted tokens than requested count as rejected); `seconds`: the time of the proposal (None: not timed)."""
+        if self._pool is not None:
+            self._pool.observe_draft(requested, accepted, seconds)
         expected = self.expected_tokens(requested) - 1
         for position in range(min(requested, accepted + 1, self.max_draft_tokens)):
             outcome = 1.0 if position < accepted else 0.0
@@ -129,14 +155,20 @@ class DraftCostModel:
             self._acceptance[position] += weight * (outcome - self._acceptance[position])
         if requested > 0:
             self._drafts_seen += 1
-            # A proposal taken while declining that beat the estimate: the text may have turned predictable.
-            self._follow_up = self._plain_streak > 0 and accepted > expected
+            # A probe taken while declining that beat the estimate: the text may have turned predictable. One that
+            # did not makes the next wait longer.
+            probing, self._probing = self._probing, False
+            self._follow_up = probing and accepted > expected
+            if probing:
+                self._backoff = 0 if self._follow_up else min(self._backoff + 1, MAX_BACKOFF)
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
 
     def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
         """`steps` verifier forwards of `block_tokens` tokens each took `seconds` in all. A burst of plain steps
         (one decision) counts every one of its steps towards the next probe, as single plain steps would."""
+        if self._pool is not None:
+            self._pool.observe_forward(block_tokens, seconds, steps)
         if block_tokens > 0 and steps > 0:
             _average(self._forward_s, block_tokens, seconds / steps)
         if block_tokens == 1 and steps > 1 and self._plain_streak:

@@ -13,7 +13,7 @@ import pytest
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
 from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession
-from kv_cache_proposer.proposers.cost_model import PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+from kv_cache_proposer.proposers.cost_model import MIN_DRAFTS_SEEN, PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter, save_draft_model
@@ -46,8 +46,10 @@ class SlowDraft:
         self.max_draft_tokens = inner.max_draft_tokens
         self.feature_layers = inner.feature_layers
         self.nbytes = inner.nbytes
+        self.proposals = 0
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
+        self.proposals += 1
         time.sleep(self.delay_s)
         return self.inner.propose(history, max_tokens)
 
@@ -134,3 +136,24 @@ def test_a_session_learns_the_acceptance_of_its_drafts_from_the_steps_it_verifie
     assert tokens == reference
     assert sum(step.accepted for step in steps) > 0
     assert all(rate > PRIOR_ACCEPTANCE for rate in seq.draft_costs.acceptance)
+
+
+def test_a_decoders_later_session_declines_slow_drafts_from_its_first_step(verifiers, proposer_options):
+    verifier = verifiers["llama"]
+    proposer = load_proposer(proposer_options["ngram"], verifier, backend="torch")
+    decoder = Decoder(verifier, draft_policy=DraftPolicy.COST)
+
+    def run_session() -> tuple[list[int], list[StepResult], SlowDraft]:
+        draft = SlowDraft(proposer.open(FullStrategy()), delay_s=0.05)
+        seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
+        return (*_run(decoder, seq), draft)
+
+    first_tokens, _, first = run_session()
+    # The first session drafts until it has measured that drafting loses: its warm-up.
+    assert first.proposals >= MIN_DRAFTS_SEEN
+    # The next one starts from what the first measured: it proposes nothing (a probe would come only after many
+    # more plain steps than this generation takes) and emits the same tokens.
+    second_tokens, steps, second = run_session()
+    assert second_tokens == first_tokens
+    assert second.proposals == 0
+    assert {step.decision for step in steps} == {DraftDecision.DECLINE}

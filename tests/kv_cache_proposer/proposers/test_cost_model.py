@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from kv_cache_proposer.proposers.cost_model import MIN_DRAFTS_SEEN, PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+from kv_cache_proposer.proposers.cost_model import (
+    MAX_BACKOFF,
+    MAX_PROBE_INTERVAL,
+    MIN_DRAFTS_SEEN,
+    PRIOR_ACCEPTANCE,
+    DraftCostModel,
+    DraftDecision,
+)
 
 PLAIN_S = 0.010
 
@@ -104,6 +111,64 @@ def test_a_costly_probe_comes_after_enough_plain_steps_to_cost_them_at_most_five
     # However slow drafting gets, it is still probed now and then.
     slow = _measured(draft_s=5.0, verify_s=0.050, accepted=0)
     assert slow.probe_interval(4) == 512
+
+
+def _probe(model: DraftCostModel, limit: int, accepted: int) -> int:
+    """Decline until the model probes; the probe's proposal is accepted up to `accepted`. The declines it took."""
+    declines = 0
+    while (decision := model.decide(limit))[1] is DraftDecision.DECLINE:
+        declines += 1
+    assert decision == (limit, DraftDecision.PROBE)
+    model.observe_draft(limit, accepted, 0.008)
+    model.observe_forward(limit + 1, 0.012)
+    return declines
+
+
+def test_each_losing_probe_doubles_the_wait_for_the_next_and_a_winning_one_ends_the_wait():
+    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    base = model.probe_interval(4)
+    assert base == 20  # a probe costs two plain steps: (2 - 1) / 0.05
+    assert [_probe(model, 4, accepted=0) for _ in range(3)] == [base, 2 * base, 4 * base]
+    # A probe whose drafts were accepted beyond the estimate: the model drafts again at once, to see whether the
+    # text turned predictable; when that one wins too, the next wait is the shortest again.
+    _probe(model, 4, accepted=4)
+    assert model.probe_interval(4) == base
+    assert model.decide(4) == (4, DraftDecision.PROBE)
+    model.observe_draft(4, 4, 0.008)
+    assert model.probe_interval(4) == base
+    for _ in range(MAX_BACKOFF + 4):  # however long drafting keeps losing, it is probed now and then
+        model.observe_draft(4, 0, 0.008)
+        _probe(model, 4, accepted=0)
+    assert model.probe_interval(4) == MAX_PROBE_INTERVAL
+
+
+def test_a_new_session_starts_from_what_the_other_sessions_measured():
+    pool = DraftCostModel(4)
+    first = DraftCostModel(4)
+    first.join(pool)
+    for _ in range(20):  # the first session learns that drafting loses, and the pool with it
+        first.observe_draft(4, 0, 0.008)
+        first.observe_forward(5, 0.012)
+    first.observe_forward(1, PLAIN_S)
+    assert pool.decide(4) == (0, DraftDecision.DECLINE)
+    # A session that joins before it observed anything declines at once, without drafting to learn it.
+    second = DraftCostModel(4)
+    second.join(pool)
+    assert second.decide(4) == (0, DraftDecision.DECLINE)
+    assert second.acceptance == pool.acceptance
+    # The pool's estimates weigh no more than its own first few observations: a few cheap, accepted drafts turn
+    # its decision (and the pool's, which sees them too).
+    for _ in range(6):
+        second.observe_draft(4, 4, 0.0005)
+        second.observe_forward(5, 0.011)
+    assert second.decide(4)[1] is DraftDecision.DRAFT
+    assert pool.acceptance == second.acceptance
+    # A session that already measured something keeps its own estimates when it joins.
+    measured = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    measured.join(pool)
+    assert measured.decide(4)[1] is DraftDecision.DRAFT
+    with pytest.raises(ValueError):
+        DraftCostModel(3).join(pool)
 
 
 def test_after_a_run_of_drafts_it_refreshes_the_time_of_a_plain_step():
