@@ -79,6 +79,9 @@ class MlxDFlashProposer:
                 cache.stage_layer(index, keys, values)
             cache.commit(count)
 
+    def join_features(self, parts: Sequence[mx.array]) -> mx.array:
+        return mx.concatenate(list(parts))
+
     def draft(self, cache: SessionCache[mx.array], last_token: int, count: int) -> list[int]:
         with mx.stream(self._verifier.device):
             block = mx.array([[last_token] + [self.spec.mask_token_id] * count], dtype=mx.int32)  # [1, M]

@@ -81,6 +81,9 @@ class DFlashProposer:
             cache.stage_layer(index, keys, values)
         cache.commit(count)
 
+    def join_features(self, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(list(parts))
+
     @torch.inference_mode()
     def draft(self, cache: SessionCache[torch.Tensor], last_token: int, count: int) -> list[int]:
         """Draft `count` tokens after `last_token`, which sits at the cache's next position."""

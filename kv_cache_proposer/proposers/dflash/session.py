@@ -1,13 +1,16 @@
 """Per-session DFlash drafting, shared by the backends.
 
 Each session keeps the drafter's context K/V for committed positions only, under the session's KV strategy. The
-verifier's features of a position arrive with the commit that makes it resident (captured by the same forward),
-are projected to context K/V at once, and are never recomputed. A proposal runs one drafter forward over
-`[last token, MASK x n]` at the next positions and reads the n drafts through the verifier's LM head; the block's
-own K/V are staged and dropped. The backend's `DraftEngine` does the tensor work.
+verifier's features of a position arrive with the commit that makes it resident (captured by the same forward) and
+are projected to context K/V once, before the session's next proposal (at most `PENDING_POSITIONS` wait): a
+session whose steps decline to draft (the `cost` policy) projects a run of commits in one call, not one per commit.
+A proposal runs one drafter forward over `[last token, MASK x n]` at the next positions and reads the n drafts
+through the verifier's LM head; the block's own K/V are staged and dropped. The backend's `DraftEngine` does the
+tensor work.
 
 The sessions of one proposer share a `DFlashBatchDrafter`: a batch step's proposals run as one drafter forward,
-each block over its own context, positions and mask, and its commits' context projections as one projection.
+each block over its own context, positions and mask, after one projection of the features its sessions' commits
+left waiting.
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ from kv_cache_proposer.proposers.dflash.config import DFlashSpec
 from kv_cache_proposer.strategies import KVStrategy
 
 T = TypeVar("T")
+
+PENDING_POSITIONS = 256  # committed positions whose features may wait for their projection
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +105,10 @@ class DraftEngine(Protocol[A]):
         """Project the verifier features [n, L*H] of the cache's next n positions to context K/V and keep them."""
         ...
 
+    def join_features(self, parts: Sequence[A]) -> A:
+        """Features [n_i, L*H] of consecutive positions joined into one [sum n_i, L*H]."""
+        ...
+
     def draft(self, cache: SessionCache[A], last_token: int, count: int) -> list[int]:
         """Draft `count` tokens after `last_token`, which sits at the cache's next position."""
         ...
@@ -135,6 +144,10 @@ class DFlashBatchDrafter(Generic[A]):
             count = session.draft_count(request.history, request.max_tokens)
             if count:
                 blocks.append((index, session._cache, request.history[-1], count))
+        settled = self._settle([(index, self._own(requests[index].session)) for index, *_ in blocks])
+        for index, error in settled.items():
+            results[index] = error
+        blocks = [block for block in blocks if block[0] not in settled]
         engine = self._engine
         drafts: list[list[int] | Exception]
         if len(blocks) == 1:
@@ -153,34 +166,32 @@ class DFlashBatchDrafter(Generic[A]):
 
     def on_commit_batch(self, commits: Sequence[DraftCommit]) -> list[Exception | None]:
         results: list[Exception | None] = [None] * len(commits)
-        items: list[tuple[int, SessionCache[A], A]] = []  # (commit, cache, features)
         for index, commit in enumerate(commits):
             session = self._own(commit.session)
             if isinstance(session, Exception):
                 results[index] = session
                 continue
-            try:
-                features = session.new_context(commit.committed, commit.features)
-            except Exception as exc:  # handed to that session's caller
-                results[index] = exc
-                continue
-            if features is not None:
-                items.append((index, session._cache, features))
+            results[index] = _outcome(partial(session.on_commit, commit.history, commit.committed, commit.features))
+        return results
+
+    def _settle(self, sessions: Sequence[tuple[int, DFlashDraftSession[A] | Exception]]) -> dict[int, Exception]:
+        """Project the waiting features of every session (keyed by request) with one projection; the errors of
+        those whose context could not take them."""
+        items = [(key, session) for key, session in sessions if isinstance(session, DFlashDraftSession)]
+        items = [(key, session) for key, session in items if session._pending]
         engine = self._engine
         errors: list[Exception | None]
         if len(items) == 1:
-            _, cache, features = items[0]
-            errors = [_outcome(lambda: engine.add_context(cache, features))]
+            errors = [_outcome(items[0][1].settle)]
         elif items:
+            batch = [(session._cache, session._take_pending()) for _, session in items]
             try:
-                errors = engine.add_context_batch([(cache, features) for _, cache, features in items])
+                errors = engine.add_context_batch(batch)
             except Exception:  # nothing was stored: each alone, so the error lands on its own session
-                errors = [_outcome(partial(engine.add_context, cache, features)) for _, cache, features in items]
+                errors = [_outcome(partial(engine.add_context, cache, features)) for cache, features in batch]
         else:
             errors = []
-        for (index, *_), error in zip(items, errors, strict=True):
-            results[index] = error
-        return results
+        return {key: error for (key, _), error in zip(items, errors, strict=True) if error is not None}
 
     def _own(self, session: object) -> DFlashDraftSession[A] | Exception:
         if isinstance(session, DFlashDraftSession) and session._engine is self._engine:
@@ -209,6 +220,8 @@ class DFlashDraftSession(Generic[A]):
         self._engine = engine
         self._cache = cache
         self._batch = batch
+        self._pending: list[A] = []  # features of committed positions, waiting for their projection
+        self._pending_count = 0
 
     @classmethod
     def opened(
@@ -237,13 +250,28 @@ class DFlashDraftSession(Generic[A]):
 
     @property
     def nbytes(self) -> int:
-        return self._cache.footprint().nbytes
+        waiting: Any = self._pending
+        return self._cache.footprint().nbytes + sum(int(part.nbytes) for part in waiting)
+
+    @property
+    def _held(self) -> int:
+        """Positions whose features this session has (projected or waiting)."""
+        return self._cache.next_position + self._pending_count
+
+    def settle(self) -> None:
+        """Project the waiting features to context K/V and keep them."""
+        if self._pending:
+            self._engine.add_context(self._cache, self._take_pending())
+
+    def _take_pending(self) -> A:
+        parts, self._pending, self._pending_count = self._pending, [], 0
+        return parts[0] if len(parts) == 1 else self._engine.join_features(parts)
 
     def draft_count(self, history: Sequence[int], max_tokens: int) -> int:
         """How many tokens a proposal after `history` drafts (0: none)."""
         # Drafting needs the features of every position before the last token; after an append the pending
         # tokens have none yet, so that step verifies them without a draft.
-        if self._cache.next_position != len(history) - 1 or max_tokens < 1:
+        if self._held != len(history) - 1 or max_tokens < 1:
             return 0
         return min(max_tokens, self.max_draft_tokens)
 
@@ -253,29 +281,36 @@ class DFlashDraftSession(Generic[A]):
         if features is None:
             raise EngineError("the DFlash drafter needs verifier features with every commit")
         count = int(features.shape[0])
-        if committed - count != self._cache.next_position:
+        if committed - count != self._held:
             raise EngineError(
-                f"DFlash context holds {self._cache.next_position} positions but features arrived for "
-                f"{committed - count}..{committed}"
+                f"DFlash context holds {self._held} positions but features arrived for {committed - count}..{committed}"
             )
         return cast(A, features) if count else None
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
         count = self.draft_count(history, max_tokens)
-        return self._engine.draft(self._cache, history[-1], count) if count else []
+        if not count:
+            return []
+        self.settle()
+        return self._engine.draft(self._cache, history[-1], count)
 
     def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
         context = self.new_context(committed, features)
         if context is not None:
-            self._engine.add_context(self._cache, context)
+            self._pending.append(context)
+            self._pending_count += int(context.shape[0])  # type: ignore[attr-defined]
+            if self._pending_count >= PENDING_POSITIONS:
+                self.settle()
 
     def release(self) -> None:
+        self._pending, self._pending_count = [], 0
         self._cache.release()
 
     def clone(self, length: int) -> DFlashDraftSession:
         # The context K/V track the verifier's committed positions one for one, so they clone at the same length.
         # A context held over the drafter's window alone keeps what it still holds of the window before `length`:
         # the clone drafts with less context until its window fills again.
+        self.settle()
         held = self._cache.strategy
         if isinstance(held, DrafterWindow):
             cache = cast(KVSessionCache[A], self._cache)

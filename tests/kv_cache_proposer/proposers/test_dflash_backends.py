@@ -13,7 +13,7 @@ import torch
 from kv_cache_proposer.cache import KVSessionCache
 from kv_cache_proposer.proposers.dflash.mlx_proposer import MlxDFlashProposer
 from kv_cache_proposer.proposers.dflash.proposer import DFlashProposer
-from kv_cache_proposer.proposers.dflash.session import DFlashDraftSession
+from kv_cache_proposer.proposers.dflash.session import PENDING_POSITIONS, DFlashDraftSession
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.backends import to_numpy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter
@@ -121,3 +121,45 @@ def test_a_windowed_drafter_holds_its_window_alone_and_drafts_as_over_the_whole_
         for session in (bounded, whole, fork):
             session.release()
     assert drafts["mlx"] == drafts["torch"]
+
+
+@pytest.mark.parametrize("backend", ["torch", "mlx"])
+def test_features_wait_for_the_next_proposal_and_are_projected_once_in_one_call(verifier_pool, drafter_dir, backend):
+    # A session that commits step after step without drafting (the `cost` policy declining) keeps the features and
+    # projects them in one call before it drafts; it drafts what a session projecting at every commit drafts.
+    verifier = verifier_pool.get(backend, "qwen3")
+    loader = DFlashProposer if backend == "torch" else MlxDFlashProposer
+    proposer = loader.load(drafter_dir, verifier)
+    rng = random.Random(5)
+    tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(40)]
+    out = verifier.verify(verifier.new_cache(FullStrategy()), tokens, 1, feature_layers=proposer.spec.target_layer_ids)
+    eager, waiting = proposer.open(FullStrategy()), proposer.open(FullStrategy())
+    eager_drafts = []
+    for end in range(20, 40, 2):
+        eager.on_commit(tokens, end, out.features[end - 2 if end > 20 else 0 : end])
+        eager_drafts.append(eager.propose(tokens[: end + 1], 4))  # settles at each proposal: one call per commit
+    before = proposer.context_projections
+    bytes_parked = waiting.nbytes
+    for end in range(20, 40, 2):
+        waiting.on_commit(tokens, end, out.features[end - 2 if end > 20 else 0 : end])
+    assert proposer.context_projections == before  # nothing projected yet
+    assert waiting.nbytes > bytes_parked  # the waiting features count in the session's bytes
+    assert waiting.propose(tokens[:21], 4) == []  # the history does not continue what it holds: no draft
+    fork = waiting.clone(30)  # a fork projects what waits first, and holds its first 30 positions
+    assert proposer.context_projections == before + 1
+    assert waiting.propose(tokens[:39], 4) == eager_drafts[-1]
+    assert proposer.context_projections == before + 1
+    fork.on_commit(tokens, 38, out.features[30:38])
+    assert fork.propose(tokens[:39], 4) == eager_drafts[-1]
+    # However long a session declines, what waits stays bounded.
+    bounded = proposer.open(FullStrategy())
+    long_tokens = [rng.randrange(VOCAB_SIZE - 1) for _ in range(PENDING_POSITIONS + 8)]
+    long_out = verifier.verify(
+        verifier.new_cache(FullStrategy()), long_tokens, 1, feature_layers=proposer.spec.target_layer_ids
+    )
+    before = proposer.context_projections
+    for end in range(1, len(long_tokens) + 1):
+        bounded.on_commit(long_tokens, end, long_out.features[end - 1 : end])
+    assert proposer.context_projections == before + 1 and bounded._cache.next_position == PENDING_POSITIONS
+    for session in (eager, waiting, fork, bounded):
+        session.release()
