@@ -62,11 +62,14 @@ class DraftCostModel:
         self._probing = False  # the pending proposal is a probe taken while declining
         self._backoff = 0  # probes in a row that lost: each doubles the wait for the next
         self._pool: DraftCostModel | None = None
+        self._borrowed: set[int] = set()  # block lengths whose forward time is the pool's, not yet measured here
 
     def join(self, pool: DraftCostModel) -> None:
         """Share observations with `pool`, the model of every session of one decoder: a model that has observed
         nothing yet starts from the pool's estimates (its acceptance counting as at most `MIN_DRAFTS_SEEN`
-        observations, so its own soon outweigh them), and every later observation updates both."""
+        observations, so its own soon outweigh them; the forward times scaled by its own first plain step, since
+        a forward's time grows with the history and the pool's came from other histories), and every later
+        observation updates both."""
         if pool is self._pool or pool is self:
             return
         if pool.max_draft_tokens != self.max_draft_tokens:
@@ -75,6 +78,7 @@ class DraftCostModel:
             self._acceptance = list(pool._acceptance)
             self._seen = [min(seen, MIN_DRAFTS_SEEN) for seen in pool._seen]
             self._draft_s, self._forward_s = dict(pool._draft_s), dict(pool._forward_s)
+            self._borrowed = set(self._forward_s)
             self._drafts_seen = min(pool._drafts_seen, MIN_DRAFTS_SEEN)
         self._pool = pool
 
@@ -170,7 +174,13 @@ class DraftCostModel:
         if self._pool is not None:
             self._pool.observe_forward(block_tokens, seconds, steps)
         if block_tokens > 0 and steps > 0:
-            _average(self._forward_s, block_tokens, seconds / steps)
+            if block_tokens == 1 and 1 in self._borrowed:  # the pool's times, in proportion to this history's
+                scale = seconds / steps / self._forward_s[1]
+                self._forward_s.update({length: self._forward_s[length] * scale for length in self._borrowed})
+                self._borrowed.clear()
+            else:
+                self._borrowed.discard(block_tokens)
+                _average(self._forward_s, block_tokens, seconds / steps)
         if block_tokens == 1 and steps > 1 and self._plain_streak:
             self._plain_streak += steps - 1
 

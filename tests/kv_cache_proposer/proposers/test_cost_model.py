@@ -163,6 +163,14 @@ def test_a_new_session_starts_from_what_the_other_sessions_measured():
         second.observe_forward(5, 0.011)
     assert second.decide(4)[1] is DraftDecision.DRAFT
     assert pool.acceptance == second.acceptance
+    # The pool's forward times came from other histories: a session scales them by its own first plain step.
+    shorter = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    longer = DraftCostModel(4)
+    longer.join(shorter)
+    longer.observe_forward(1, 2 * PLAIN_S)
+    # the draft's time stays the pool's: no history changes it (a windowed drafter's cost is flat)
+    assert longer.tokens_per_second(0) == pytest.approx(1 / (2 * PLAIN_S))
+    assert longer.tokens_per_second(4) == pytest.approx(longer.expected_tokens(4) / (0.008 + 2 * 0.012))
     # A session that already measured something keeps its own estimates when it joins.
     measured = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
     measured.join(pool)
