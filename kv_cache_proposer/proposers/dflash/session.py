@@ -136,6 +136,7 @@ class DFlashBatchDrafter(Generic[A]):
     def propose_batch(self, requests: Sequence[DraftRequest]) -> list[list[int] | Exception]:
         results: list[list[int] | Exception] = [[] for _ in requests]
         blocks: list[tuple[int, SessionCache[A], int, int]] = []  # (request, cache, last token, count)
+        drafting: list[tuple[int, DFlashDraftSession[A]]] = []
         for index, request in enumerate(requests):
             session = self._own(request.session)
             if isinstance(session, Exception):
@@ -144,7 +145,8 @@ class DFlashBatchDrafter(Generic[A]):
             count = session.draft_count(request.history, request.max_tokens)
             if count:
                 blocks.append((index, session._cache, request.history[-1], count))
-        settled = self._settle([(index, self._own(requests[index].session)) for index, *_ in blocks])
+                drafting.append((index, session))
+        settled = self._settle(drafting)
         for index, error in settled.items():
             results[index] = error
         blocks = [block for block in blocks if block[0] not in settled]
@@ -174,11 +176,10 @@ class DFlashBatchDrafter(Generic[A]):
             results[index] = _outcome(partial(session.on_commit, commit.history, commit.committed, commit.features))
         return results
 
-    def _settle(self, sessions: Sequence[tuple[int, DFlashDraftSession[A] | Exception]]) -> dict[int, Exception]:
+    def _settle(self, sessions: Sequence[tuple[int, DFlashDraftSession[A]]]) -> dict[int, Exception]:
         """Project the waiting features of every session (keyed by request) with one projection; the errors of
         those whose context could not take them."""
-        items = [(key, session) for key, session in sessions if isinstance(session, DFlashDraftSession)]
-        items = [(key, session) for key, session in items if session._pending]
+        items = [(key, session) for key, session in sessions if session._pending]
         engine = self._engine
         errors: list[Exception | None]
         if len(items) == 1:
