@@ -219,8 +219,7 @@ class Decoder:
         wanted = max(0, min(limit, room - 1))
         decision = None
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
-            limit = seq.draft_costs.max_draft_tokens  # the sessions of one draft limit pool what they measure
-            seq.draft_costs.join(self._cost_pools.setdefault(limit, DraftCostModel(limit)))
+            seq.draft_costs.join(self._cost_pool(seq.draft_costs.max_draft_tokens))
             wanted, decision = seq.draft_costs.decide(wanted)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
@@ -232,6 +231,13 @@ class Decoder:
             plan.draft_s = time.perf_counter() - started
             self._attach_draft(plan, proposed)
         return plan
+
+    def _cost_pool(self, limit: int) -> DraftCostModel:
+        """What the sessions of draft limit `limit` measured (`cost`), built the first time one asks."""
+        pool = self._cost_pools.get(limit)
+        if pool is None:
+            pool = self._cost_pools[limit] = DraftCostModel(limit)
+        return pool
 
     @staticmethod
     def _attach_draft(plan: _Plan, proposed: list[int]) -> None:
