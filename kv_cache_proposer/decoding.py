@@ -353,7 +353,7 @@ class Decoder:
                 costs.observe_forward(1, plan.forward_s, steps=plan.burst)
             return
         if plan.wanted > 0:
-            costs.observe_draft(plan.wanted, accepted, plan.draft_s if timed else None)
+            costs.observe_draft(plan.wanted, accepted, plan.draft_s if timed else None, drafted=len(plan.draft))
         if timed and plan.forward_s is not None:
             costs.observe_forward(len(plan.draft) + 1, plan.forward_s)
 

@@ -53,11 +53,12 @@ class DraftCostModel:
         self.refresh_plain_after = refresh_plain_after
         self._acceptance = [PRIOR_ACCEPTANCE] * max_draft_tokens  # [i]: position i + 1, given positions <= i
         self._seen = [0] * max_draft_tokens  # observations of each position
+        self._offered = 1.0  # the share of proposals that offered a draft (a lookup may find nothing)
         self._draft_s: dict[int, float] = {}  # requested draft length -> seconds of a proposal
         self._forward_s: dict[int, float] = {}  # block length -> seconds of a verifier forward
         self._plain_streak = 0
         self._draft_streak = 0
-        self._drafts_seen = 0  # proposals observed
+        self._drafts_seen = 0  # proposals observed, empty ones included
         self._follow_up = False  # the last probe beat the estimate: draft again before judging
         self._probing = False  # the pending proposal is a probe taken while declining
         self._backoff = 0  # probes in a row that lost: each doubles the wait for the next
@@ -77,6 +78,7 @@ class DraftCostModel:
         if not self._drafts_seen and not self._forward_s:
             self._acceptance = list(pool._acceptance)
             self._seen = [min(seen, MIN_DRAFTS_SEEN) for seen in pool._seen]
+            self._offered = pool._offered
             self._draft_s, self._forward_s = dict(pool._draft_s), dict(pool._forward_s)
             self._borrowed = set(self._forward_s)
             self._drafts_seen = min(pool._drafts_seen, MIN_DRAFTS_SEEN)
@@ -87,13 +89,19 @@ class DraftCostModel:
         """The estimated acceptance of each drafted position, given that every earlier one was accepted."""
         return list(self._acceptance)
 
+    @property
+    def offered(self) -> float:
+        """The estimated share of proposals that offer a draft at all."""
+        return self._offered
+
     def expected_tokens(self, draft_tokens: int) -> float:
-        """Tokens a step that drafts `draft_tokens` is expected to emit (its accepted drafts plus one)."""
-        expected, reach = 1.0, 1.0
+        """Tokens a step that drafts `draft_tokens` is expected to emit (its accepted drafts plus one), an empty
+        proposal's plain step included."""
+        accepted, reach = 0.0, 1.0
         for rate in self._acceptance[:draft_tokens]:
             reach *= rate
-            expected += reach
-        return expected
+            accepted += reach
+        return 1.0 + (self._offered * accepted if draft_tokens > 0 else 0.0)
 
     def tokens_per_second(self, draft_tokens: int) -> float | None:
         """The expected rate of a step that drafts `draft_tokens` (0: a plain step); None until one is timed."""
@@ -105,7 +113,8 @@ class DraftCostModel:
             measured = _estimate(self._draft_s, draft_tokens)
             if measured is None:
                 return None
-            draft = measured
+            plain = self._forward_s.get(1, forward)  # what a step whose proposal was empty verifies
+            draft, forward = measured, self._offered * forward + (1 - self._offered) * plain
         return self.expected_tokens(draft_tokens) / max(draft + forward, 1e-12)
 
     def decide(self, limit: int) -> tuple[int, DraftDecision]:
@@ -146,19 +155,27 @@ class DraftCostModel:
             interval = max(interval, math.ceil(extra / self.probe_share))
         return min(MAX_PROBE_INTERVAL, interval << self._backoff)
 
-    def observe_draft(self, requested: int, accepted: int, seconds: float | None) -> None:
-        """A proposal asked for `requested` tokens, of which the verifier accepted the first `accepted` (fewer
-        drafted tokens than requested count as rejected); `seconds`: the time of the proposal (None: not timed)."""
+    def observe_draft(
+        self, requested: int, accepted: int, seconds: float | None, *, drafted: int | None = None
+    ) -> None:
+        """A proposal asked for `requested` tokens and gave `drafted` (None: as many), of which the verifier accepted
+        the first `accepted`; `seconds`: the time of the proposal (None: not timed). Only drafted positions are
+        observed: a proposer that offers fewer tokens, or none (a lookup that found no match), has not been
+        rejected beyond what it offered; how often it offers nothing is estimated apart (`offered`), since such a
+        step costs the proposal and a plain step."""
         if self._pool is not None:
-            self._pool.observe_draft(requested, accepted, seconds)
-        expected = self.expected_tokens(requested) - 1
-        for position in range(min(requested, accepted + 1, self.max_draft_tokens)):
+            self._pool.observe_draft(requested, accepted, seconds, drafted=drafted)
+        drafted = requested if drafted is None else min(drafted, requested)
+        expected = self.expected_tokens(drafted) - 1
+        for position in range(min(drafted, accepted + 1, self.max_draft_tokens)):
             outcome = 1.0 if position < accepted else 0.0
             self._seen[position] += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
             self._acceptance[position] += weight * (outcome - self._acceptance[position])
         if requested > 0:
             self._drafts_seen += 1
+            weight = max(ACCEPTANCE_WEIGHT, 1 / (self._drafts_seen + 1))
+            self._offered += weight * ((1.0 if drafted else 0.0) - self._offered)
             # A probe taken while declining that beat the estimate: the text may have turned predictable. One that
             # did not makes the next wait longer.
             probing, self._probing = self._probing, False

@@ -199,6 +199,54 @@ def test_a_position_after_the_accepted_prefix_is_observed_rejected_and_later_one
     assert third == fourth == PRIOR_ACCEPTANCE
 
 
+def test_a_shorter_proposal_is_observed_only_as_far_as_it_drafted_and_an_empty_one_as_a_plain_step():
+    """A lookup proposer offers what its match holds, often fewer tokens than asked and often none: positions it
+    never offered were not rejected, and an empty proposal costs the proposal and a plain step."""
+    model = DraftCostModel(6)
+    model.observe_draft(6, 2, 0.0001, drafted=2)  # two offered, both accepted
+    first, second, third, *_ = model.acceptance
+    assert first > PRIOR_ACCEPTANCE and second > PRIOR_ACCEPTANCE and third == PRIOR_ACCEPTANCE
+    before, rate_before = model.acceptance, model.expected_tokens(6)
+    assert model.offered == 1.0
+    model.observe_draft(6, 0, 0.0001, drafted=0)  # no match
+    assert model.acceptance == before and model.offered < 1.0
+    assert model.expected_tokens(6) - 1 == pytest.approx(model.offered * (rate_before - 1))
+    model.observe_forward(3, 0.020)
+    model.observe_forward(1, PLAIN_S)
+    # an empty proposal's step verifies one token: its cost weighs in by how often proposals are empty
+    draft = 0.0001
+    expected_s = draft + model.offered * 0.020 + (1 - model.offered) * PLAIN_S
+    assert model.tokens_per_second(2) == pytest.approx(model.expected_tokens(2) / expected_s)
+    model.observe_draft(6, 1, 0.0001, drafted=3)  # the third offered position rejected
+    assert model.acceptance[2] == before[2] and model.acceptance[1] < before[1]
+
+
+def test_slow_proposals_that_are_always_empty_are_declined():
+    model = DraftCostModel(4)
+    model.observe_forward(1, PLAIN_S)
+    for _ in range(MIN_DRAFTS_SEEN + 4):
+        draft, _ = model.decide(4)
+        model.observe_draft(draft, 0, 0.008, drafted=0)
+        model.observe_forward(1, PLAIN_S)
+    assert model.offered <= 0.2
+    assert model.decide(4) == (0, DraftDecision.DECLINE)
+
+
+def test_cheap_lookup_drafts_that_are_accepted_when_offered_keep_drafting_among_steps_with_no_match():
+    model = DraftCostModel(7)
+    model.observe_forward(1, PLAIN_S)
+    decisions = []
+    for step in range(60):
+        draft, _ = model.decide(7)
+        offered = 3 if draft and step % 3 == 0 else 0  # a match on one step in three, accepted in full
+        model.observe_draft(draft, offered, 0.0001, drafted=offered)
+        model.observe_forward(offered + 1, PLAIN_S * (1.1 if offered else 1.0))
+        decisions.append(draft)
+    assert all(draft >= 3 for draft in decisions), decisions
+    draft, decision = model.decide(7)
+    assert decision is DraftDecision.DRAFT and draft >= 3
+
+
 def test_an_unmeasured_length_costs_what_the_nearest_longer_one_costs_or_more_in_proportion():
     model = DraftCostModel(8)
     model.observe_draft(4, 0, 0.004)
