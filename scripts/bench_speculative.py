@@ -18,10 +18,17 @@ is left out, with a note. The draft_model arm uses `--draft-model`, else (with `
 to its first N decoder layers, which keeps its embeddings, final norm and LM head: a smaller AR model with the same
 vocabulary, written to a temporary directory.
 
+With `--histories` the proposers run through the daemon instead, one daemon per `--arms` entry, on held-out
+prompts of each history length (chat-formatted in the model's own template by default): decode tokens/s, tokens
+per verifier forward and the ratio to `none` per history (lib/speculative_daemon.py says how).
+
 Usage:
     python scripts/bench_speculative.py [--model NAME|DIR|GGUF] [--dflash DRAFTER_DIR]
         [--draft-model DIR | --draft-layers N] [--corpus FILE] [--prompts 8] [--prompt-tokens 128]
         [--max-tokens 128] [--repeats 2] [--draft-policies full adaptive] [--results-dir DIR]
+    python scripts/bench_speculative.py --histories 128,1024,4096,8192 [--model NAME|DIR|GGUF]
+        [--dflash DRAFTER_DIR] [--arms none,ngram,ngram/cost,dflash,dflash/cost] [--prompt-form chat|source]
+        [--prompts 4] [--max-tokens 128] [--repeats 1] [--daemon-flags "--weights float32"]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from lib import speculative_daemon
 from lib.corpus import STDLIB, read_text, split_sources, stdlib_sources
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
@@ -80,7 +88,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    return p.parse_args(argv)
+    daemon = p.add_argument_group("through the daemon (--histories)")
+    daemon.add_argument(
+        "--histories", default="", help="history lengths in tokens, comma-separated: run every arm through a daemon"
+    )
+    daemon.add_argument(
+        "--arms",
+        default="",
+        help="daemon arms, comma-separated: none, ngram, dflash, draft_model, each optionally /full, /adaptive or "
+        "/cost for its --draft-policy (default: none,ngram,ngram/cost, and dflash,dflash/cost with a drafter)",
+    )
+    daemon.add_argument(
+        "--prompt-form",
+        choices=("chat", "source"),
+        default="chat",
+        help="chat: held-out chat prompts in the model's template; source: held-out source windows",
+    )
+    daemon.add_argument("--daemon-flags", default="", help="more flags for every daemon (the defaults otherwise)")
+    daemon.add_argument("--seed", type=int, default=0, help="seeds the chat prompts")
+    args = p.parse_args(argv)
+    args.histories = [int(h) for h in args.histories.split(",") if h]
+    if any(h < 1 for h in args.histories):
+        p.error("--histories must hold lengths >= 1")
+    return args
 
 
 def load_prompts(args: argparse.Namespace) -> tuple[list[list[int]], list[str]]:
@@ -252,8 +282,27 @@ def plot(summary: dict[str, Any], png: Path) -> None:
     plt.close(fig)
 
 
+def through_daemon(args: argparse.Namespace) -> int:
+    if args.dflash is None:
+        args.dflash = model_drafter(args.model)
+    default = "none,ngram,ngram/cost" + (",dflash,dflash/cost" if args.dflash is not None else "")
+    try:
+        args.arms = speculative_daemon.parse_arms(args.arms or default)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+    if any(a.startswith("dflash") for a in args.arms) and args.dflash is None:
+        raise SystemExit(f"{args.model_name} ships no DFlash drafter (dflash/): name one with --dflash")
+    if any(a.startswith("draft_model") for a in args.arms) and args.draft_model is None:
+        raise SystemExit("a draft_model arm needs --draft-model")
+    path = speculative_daemon.run(args)
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.histories:
+        return through_daemon(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     verifier = TorchVerifier.load(args.model, device=args.device, dtype=args.dtype)

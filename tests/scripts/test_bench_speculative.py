@@ -79,3 +79,43 @@ def test_draft_layers_cuts_the_verifier_into_a_draft_model(checkpoints, tmp_path
     assert proposers["draft_model"]["identical_to_none"] and proposers["draft_model"]["draft_acceptance_rate"] > 0
     too_deep = run_child([*common, *small, "--draft-layers", "9"], cwd=ROOT)
     assert too_deep.returncode != 0 and "--draft-layers must be in" in too_deep.stderr
+
+
+def test_histories_run_every_arm_through_its_own_daemon_on_held_out_chat_prompts(tmp_path):
+    """The bundled model ships a drafter and a chat template: a short rung of chat prompts and a document rung cut
+    to its length, each arm's daemon started with its proposer and policy, every stream equal to none's."""
+    results = tmp_path / "results"
+    command = [sys.executable, "scripts/bench_speculative.py", "--histories", "64,300", "--prompts", "2"]
+    command += ["--max-tokens", "12", "--repeats", "1", "--arms", "dflash,ngram/cost", "--results-dir", str(results)]
+    result = run_child(command, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (path,) = results.glob("bench_speculative_*.json")
+    payload = json.loads(path.read_text())
+    arms = payload["summary"]["arms"]
+    assert list(arms) == ["none", "dflash", "ngram/cost"]
+    assert payload["config"]["daemon_flags_by_arm"]["ngram/cost"][-4:] == [
+        "--proposer",
+        "ngram",
+        "--draft-policy",
+        "cost",
+    ]
+    for arm, rows in arms.items():
+        assert list(rows) == ["64", "300"]
+        assert all(row["identical_to_none"] and row["decode_tokens_per_s"] > 0 for row in rows.values()), arm
+    assert arms["dflash"]["64"]["tokens_per_forward"] > 1.0 and arms["dflash"]["64"]["acceptance_rate"] > 0
+    assert arms["none"]["300"]["drafted_per_token"] == 0
+    samples = payload["samples"]
+    short = [s["prompt_tokens"] for s in samples if s["history"] == 64]
+    documents = [s["prompt_tokens"] for s in samples if s["history"] == 300]
+    assert len(short) == len(documents) == 3 * 2
+    assert max(short) <= 128 and all(250 <= n <= 330 for n in documents)
+    assert path.with_suffix(".png").is_file()
+
+
+def test_histories_refuse_unknown_arms_and_a_missing_drafter(checkpoints, tmp_path):
+    base = [sys.executable, "scripts/bench_speculative.py", "--histories", "64", "--results-dir", str(tmp_path)]
+    unknown = run_child([*base, "--arms", "none,medusa"], cwd=ROOT)
+    assert unknown.returncode != 0 and "unknown proposers in --arms: medusa" in unknown.stderr
+    missing = run_child([*base, "--model", str(checkpoints["qwen3"]), "--arms", "dflash"], cwd=ROOT)
+    assert missing.returncode != 0 and "ships no DFlash drafter" in missing.stderr
+    assert not list(tmp_path.glob("bench_speculative_*.json"))
