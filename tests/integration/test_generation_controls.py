@@ -113,7 +113,12 @@ def proposers(checkpoints, tmp_path_factory):
     return {
         "ngram": {"proposer": "ngram", "num_draft_tokens": 5, "ngram_max_n": 3},
         "draft_model_self": {"proposer": "draft_model", "draft_model": str(checkpoints["qwen3"])},
-        "dflash": {"proposer": "dflash", "draft_model": str(save_dflash_drafter(root / "dflash"))},
+        # full: every step drafts (the cost policy, dflash's auto, may decline the random drafter's drafts)
+        "dflash": {
+            "proposer": "dflash",
+            "draft_model": str(save_dflash_drafter(root / "dflash")),
+            "draft_policy": "full",
+        },
     }
 
 

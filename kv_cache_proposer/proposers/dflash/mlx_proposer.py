@@ -60,7 +60,7 @@ class MlxDFlashProposer:
             input_major(drafter)
         return cls(drafter, spec, layer_windows(raw), verifier, max_draft_tokens=max_draft_tokens)
 
-    draft_policy = DraftPolicy.FULL
+    draft_policy = DraftPolicy.COST
 
     @property
     def name(self) -> str:

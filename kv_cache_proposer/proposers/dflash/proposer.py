@@ -60,7 +60,7 @@ class DFlashProposer:
         drafter, spec = load_drafter(directory, device=verifier.device, dtype=verifier.dtype)
         return cls(drafter, spec, verifier, max_draft_tokens=max_draft_tokens)
 
-    draft_policy = DraftPolicy.FULL
+    draft_policy = DraftPolicy.COST
 
     @property
     def name(self) -> str:
