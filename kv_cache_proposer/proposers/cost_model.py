@@ -215,8 +215,13 @@ def _average(table: dict[int, float], key: int, seconds: float) -> None:
 
 
 def _estimate(table: dict[int, float], length: int) -> float | None:
-    """The measured seconds at `length`, else at the nearest longer measured length, else the longest measured
-    one scaled up to `length` (None when nothing was measured)."""
+    """The measured seconds at `length`, else at the nearest longer measured length, else (past the longest
+    measured) the line through the shortest and the longest measured lengths, never falling, carried on to
+    `length`: a forward costs a fixed part and a part per token, and a block of a few more tokens costs a CPU
+    little more. With one length measured, its seconds scaled up to `length`. None when nothing was measured.
+
+    A length never measured is so estimated at no more than it is likely to cost: a session that drafts it learns
+    its real cost, while one that priced it too high would never draft it to find out."""
     if length in table:
         return table[length]
     longer = [key for key in table if key > length]
@@ -224,5 +229,8 @@ def _estimate(table: dict[int, float], length: int) -> float | None:
         return table[min(longer)]
     if not table:
         return None
-    longest = max(table)
-    return table[longest] * length / longest
+    longest, shortest = max(table), min(table)
+    if shortest == longest:
+        return table[longest] * length / longest
+    slope = max(0.0, (table[longest] - table[shortest]) / (longest - shortest))
+    return table[longest] + slope * (length - longest)

@@ -247,14 +247,32 @@ def test_cheap_lookup_drafts_that_are_accepted_when_offered_keep_drafting_among_
     assert decision is DraftDecision.DRAFT and draft >= 3
 
 
-def test_an_unmeasured_length_costs_what_the_nearest_longer_one_costs_or_more_in_proportion():
+def test_an_unmeasured_length_costs_what_the_nearest_longer_one_costs_or_what_the_measured_line_gives():
     model = DraftCostModel(8)
     model.observe_draft(4, 0, 0.004)
-    model.observe_forward(5, 0.010)
+    model.observe_forward(5, 0.014)
     model.observe_forward(1, 0.010)
     expected = model.expected_tokens(2)
-    assert model.tokens_per_second(2) == pytest.approx(expected / (0.004 + 0.010))
-    assert model.tokens_per_second(8) == pytest.approx(model.expected_tokens(8) / (0.008 + 0.010 * 9 / 5))
+    assert model.tokens_per_second(2) == pytest.approx(expected / (0.004 + 0.014))
+    # a block of 9: the line through the 1- and 5-token forwards (1 ms a token), one draft length: in proportion
+    assert model.tokens_per_second(8) == pytest.approx(model.expected_tokens(8) / (0.008 + 0.018))
+
+
+def test_a_longer_draft_priced_by_the_measured_line_is_tried_and_then_judged_on_its_own_time():
+    """A session that has verified only one-token drafts does not price a longer block in proportion to its length
+    (on a CPU an 8-token block costs about 1.5 single-token ones), so it drafts longer and learns what that costs."""
+    model = DraftCostModel(7)
+    for _ in range(MIN_DRAFTS_SEEN):
+        model.observe_draft(1, 1, 0.00002)
+        model.observe_forward(2, 0.011)
+    model.observe_forward(1, PLAIN_S)
+    for _ in range(MIN_DRAFTS_SEEN):
+        model.observe_draft(7, 7, 0.00002, drafted=7)  # lookups that matched in full
+    draft, decision = model.decide(7)
+    assert decision is DraftDecision.DRAFT and draft == 7
+    for _ in range(20):  # but it turns out a long block is dear: the cost model moves to a shorter one
+        model.observe_forward(8, 0.080)
+    assert model.decide(7)[0] < 7
 
 
 def test_a_burst_counts_as_plain_steps_of_its_average_time():
