@@ -96,7 +96,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--arms",
         default="",
         help="daemon arms, comma-separated: none, ngram, dflash, draft_model, each optionally /full, /adaptive or "
-        "/cost for its --draft-policy (default: none,ngram,ngram/cost, and dflash,dflash/cost with a drafter)",
+        "/cost for its --draft-policy (alone: the proposer's auto policy; default: none,ngram/full,ngram/cost, and "
+        "dflash/full,dflash/cost with a drafter)",
     )
     daemon.add_argument(
         "--prompt-form",
@@ -285,7 +286,7 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 def through_daemon(args: argparse.Namespace) -> int:
     if args.dflash is None:
         args.dflash = model_drafter(args.model)
-    default = "none,ngram,ngram/cost" + (",dflash,dflash/cost" if args.dflash is not None else "")
+    default = "none,ngram/full,ngram/cost" + (",dflash/full,dflash/cost" if args.dflash is not None else "")
     try:
         args.arms = speculative_daemon.parse_arms(args.arms or default)
     except ValueError as e:
