@@ -27,7 +27,7 @@ Usage:
         [--draft-model DIR | --draft-layers N] [--corpus FILE] [--prompts 8] [--prompt-tokens 128]
         [--max-tokens 128] [--repeats 2] [--draft-policies full adaptive] [--results-dir DIR]
     python scripts/bench_speculative.py --histories 128,1024,4096,8192 [--model NAME|DIR|GGUF]
-        [--dflash DRAFTER_DIR] [--arms none,ngram,ngram/cost,dflash,dflash/cost] [--prompt-form chat|source]
+        [--dflash DRAFTER_DIR] [--arms none,ngram/full,ngram/cost,dflash/full,dflash/cost] [--prompt-form chat|source]
         [--prompts 4] [--max-tokens 128] [--repeats 1] [--daemon-flags "--weights float32"]
 """
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from kv_cache_proposer.proposers import PROPOSERS
 from lib.chat_prompts import ChatPromptBuilder
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
@@ -38,7 +39,6 @@ SHORT_HISTORY = 256
 """A rung of at most this many tokens holds short chat prompts (no document)."""
 
 SHORT_KINDS = ("question", "multi_turn", "code", "tool_call")
-PROPOSERS = ("none", "ngram", "dflash", "draft_model")
 
 
 def parse_arms(text: str) -> list[str]:
