@@ -97,11 +97,15 @@ class DraftCostModel:
     def expected_tokens(self, draft_tokens: int) -> float:
         """Tokens a step that drafts `draft_tokens` is expected to emit (its accepted drafts plus one), an empty
         proposal's plain step included."""
+        return 1.0 + self._offered * self.expected_accepted(draft_tokens)
+
+    def expected_accepted(self, drafted: int) -> float:
+        """Drafted tokens the verifier is expected to accept of a proposal that offered `drafted` of them."""
         accepted, reach = 0.0, 1.0
-        for rate in self._acceptance[:draft_tokens]:
+        for rate in self._acceptance[:drafted]:
             reach *= rate
             accepted += reach
-        return 1.0 + (self._offered * accepted if draft_tokens > 0 else 0.0)
+        return accepted
 
     def tokens_per_second(self, draft_tokens: int) -> float | None:
         """The expected rate of a step that drafts `draft_tokens` (0: a plain step); None until one is timed."""
@@ -166,7 +170,7 @@ class DraftCostModel:
         if self._pool is not None:
             self._pool.observe_draft(requested, accepted, seconds, drafted=drafted)
         drafted = requested if drafted is None else min(drafted, requested)
-        expected = self.expected_tokens(drafted) - 1
+        expected = self.expected_accepted(drafted)
         for position in range(min(drafted, accepted + 1, self.max_draft_tokens)):
             outcome = 1.0 if position < accepted else 0.0
             self._seen[position] += 1
@@ -176,8 +180,8 @@ class DraftCostModel:
             self._drafts_seen += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._drafts_seen + 1))
             self._offered += weight * ((1.0 if drafted else 0.0) - self._offered)
-            # A probe taken while declining that beat the estimate: the text may have turned predictable. One that
-            # did not makes the next wait longer.
+            # A probe taken while declining that beat the estimate (of a proposal that offered as many tokens as it
+            # did): the text may have turned predictable. One that did not makes the next wait longer.
             probing, self._probing = self._probing, False
             self._follow_up = probing and accepted > expected
             if probing:

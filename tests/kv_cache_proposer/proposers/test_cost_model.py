@@ -142,6 +142,24 @@ def test_each_losing_probe_doubles_the_wait_for_the_next_and_a_winning_one_ends_
     assert model.probe_interval(4) == MAX_PROBE_INTERVAL
 
 
+def test_a_probe_is_judged_against_what_a_draft_it_offered_is_expected_to_earn():
+    """A lookup that offers a draft one step in four: a probe's accepted tokens are compared with what an offered
+    draft is expected to earn, not with that figure shrunk by the steps that offer nothing."""
+    model = DraftCostModel(4)
+    for index in range(20):
+        drafted = 4 if index % 4 == 0 else 0  # offered drafts: two accepted, the third rejected
+        model.observe_draft(4, min(drafted, 2), 0.008, drafted=drafted)
+        model.observe_forward(drafted + 1, 0.012 if drafted else PLAIN_S)
+    assert model.offered < 0.25
+    assert model.expected_tokens(4) - 1 < 1 < model.expected_accepted(4)
+    base = model.probe_interval(4)
+    _probe(model, 4, accepted=1)  # above the shrunk figure, below an offered draft's
+    assert model.probe_interval(4) == 2 * base  # it lost: no follow-up, and a longer wait
+    assert model.decide(4)[1] is DraftDecision.DECLINE
+    _probe(model, 4, accepted=4)  # it won: the model drafts again at once
+    assert model.decide(4)[0] == 4
+
+
 def test_a_new_session_starts_from_what_the_other_sessions_measured():
     pool = DraftCostModel(4)
     first = DraftCostModel(4)
