@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from kv_cache_proposer.proposers import PROPOSERS
+from kv_cache_proposer.proposers.base import DraftPolicy
 from lib.chat_prompts import ChatPromptBuilder
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
@@ -47,6 +48,12 @@ def parse_arms(text: str) -> list[str]:
     unknown = [a for a in arms if a.partition("/")[0] not in PROPOSERS]
     if unknown:
         raise ValueError(f"unknown proposers in --arms: {', '.join(unknown)} (from {', '.join(PROPOSERS)})")
+    policies = ("auto", *(policy.value for policy in DraftPolicy))
+    bad = [a for a in arms if "/" in a and (a.startswith("none/") or a.partition("/")[2] not in policies)]
+    if bad:
+        raise ValueError(
+            f"unknown draft policies in --arms: {', '.join(bad)} (from {', '.join(policies)}; `none` takes none)"
+        )
     return ["none", *(a for a in arms if a != "none")]
 
 

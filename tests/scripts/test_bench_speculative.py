@@ -116,6 +116,8 @@ def test_histories_refuse_unknown_arms_and_a_missing_drafter(checkpoints, tmp_pa
     base = [sys.executable, "scripts/bench_speculative.py", "--histories", "64", "--results-dir", str(tmp_path)]
     unknown = run_child([*base, "--arms", "none,medusa"], cwd=ROOT)
     assert unknown.returncode != 0 and "unknown proposers in --arms: medusa" in unknown.stderr
+    policy = run_child([*base, "--arms", "ngram/cost,ngram/greedy,none/full"], cwd=ROOT)
+    assert policy.returncode != 0 and "unknown draft policies in --arms: ngram/greedy, none/full" in policy.stderr
     missing = run_child([*base, "--model", str(checkpoints["qwen3"]), "--arms", "dflash"], cwd=ROOT)
     assert missing.returncode != 0 and "ships no DFlash drafter" in missing.stderr
     assert not list(tmp_path.glob("bench_speculative_*.json"))
