@@ -220,7 +220,7 @@ class Decoder:
         decision = None
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
             seq.draft_costs.join(self._cost_pool(seq.draft_costs.max_draft_tokens))
-            wanted, decision = seq.draft_costs.decide(wanted)
+            wanted, decision = seq.draft_costs.decide(wanted, decoding=pending == 1)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
             request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
@@ -352,7 +352,7 @@ class Decoder:
             if timed and plan.forward_s is not None:
                 costs.observe_forward(1, plan.forward_s, steps=plan.burst)
             return
-        if plan.wanted > 0:
+        if plan.wanted > 0 and (timed or plan.draft):  # an empty proposal after an append says nothing of drafting
             costs.observe_draft(plan.wanted, accepted, plan.draft_s if timed else None, drafted=len(plan.draft))
         if timed and plan.forward_s is not None:
             costs.observe_forward(len(plan.draft) + 1, plan.forward_s)

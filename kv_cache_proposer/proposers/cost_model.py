@@ -121,12 +121,18 @@ class DraftCostModel:
             draft, forward = measured, self._offered * forward + (1 - self._offered) * plain
         return self.expected_tokens(draft_tokens) / max(draft + forward, 1e-12)
 
-    def decide(self, limit: int) -> tuple[int, DraftDecision]:
+    def decide(self, limit: int, *, decoding: bool = True) -> tuple[int, DraftDecision]:
         """The draft length of the next step, at most `limit` (0: a plain step), and why; counts the decision
-        towards the next probe."""
+        towards the next probe. `decoding=False`: a step that also verifies appended tokens, which is not counted
+        and takes no probe: the estimates alone decide it (before they are measured, it drafts the limit)."""
         limit = min(limit, self.max_draft_tokens)
         if limit < 1:
             return 0, DraftDecision.DECLINE
+        if not decoding:
+            if not self._draft_s or 1 not in self._forward_s or self._drafts_seen < MIN_DRAFTS_SEEN:
+                return limit, DraftDecision.PROBE  # not yet measured: the whole limit, as a decode step drafts
+            best_draft, pays = self._fastest(limit)
+            return (best_draft, DraftDecision.DRAFT) if pays else (0, DraftDecision.DECLINE)
         if not self._draft_s:
             return self._count(limit, DraftDecision.PROBE)
         if 1 not in self._forward_s:
@@ -134,9 +140,8 @@ class DraftCostModel:
         if self._drafts_seen < MIN_DRAFTS_SEEN:  # one unlucky draft is no evidence against drafting
             return self._count(limit, DraftDecision.PROBE)
         follow_up, self._follow_up = self._follow_up, False
-        rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
-        best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
-        if rates[best_draft] > rates[0]:
+        best_draft, pays = self._fastest(limit)
+        if pays:
             self._backoff = 0
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
@@ -145,6 +150,12 @@ class DraftCostModel:
             self._probing = True
             return self._count(best_draft, DraftDecision.PROBE)
         return self._count(0, DraftDecision.DECLINE)
+
+    def _fastest(self, limit: int) -> tuple[int, bool]:
+        """The draft length of at most `limit` expected fastest, and whether it beats a plain step."""
+        rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
+        best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
+        return best_draft, rates[best_draft] > rates[0]
 
     def probe_interval(self, draft_tokens: int) -> int:
         """Plain steps in a row before a probe drafting `draft_tokens`: `probe_after_declines`, or more when that

@@ -157,3 +157,26 @@ def test_a_decoders_later_session_declines_slow_drafts_from_its_first_step(verif
     assert second_tokens == first_tokens
     assert second.proposals == 0
     assert {step.decision for step in steps} == {DraftDecision.DECLINE}
+
+
+def test_the_step_that_verifies_an_append_counts_no_empty_proposal(verifiers, proposer_options):
+    """After an append the first step verifies the appended tokens. A drafter that reads features has none for them
+    yet and proposes nothing, which says nothing of how often it drafts at a decode step: a session whose
+    estimates say drafting pays decides to draft there, and its cost model does not count the empty proposal."""
+    verifier = verifiers["qwen3"]
+    proposer = load_proposer(proposer_options["dflash"], verifier, backend="torch")
+    draft = proposer.open(FullStrategy())
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
+    limit = draft.max_draft_tokens
+    for _ in range(MIN_DRAFTS_SEEN):  # measured: drafts cost nothing and are accepted whole
+        seq.draft_costs.observe_draft(limit, limit, 1e-6)
+        seq.draft_costs.observe_forward(limit + 1, 0.001)
+    seq.draft_costs.observe_forward(1, 0.001)
+    decoder = Decoder(verifier, draft_policy=DraftPolicy.COST)
+    offered, acceptance = seq.draft_costs.offered, seq.draft_costs.acceptance
+    step = decoder.step(seq, SamplingParams(), GenerationBudget(TOKENS), 0)  # verifies the prompt
+    assert step.prefilled > 0 and step.decision is DraftDecision.DRAFT and step.drafted == 0
+    assert (seq.draft_costs.offered, seq.draft_costs.acceptance) == (offered, acceptance)
+    # The next step decodes, and the drafter has every feature: it drafts.
+    step = decoder.step(seq, SamplingParams(), GenerationBudget(TOKENS), 1)
+    assert step.decision is DraftDecision.DRAFT and step.drafted > 0

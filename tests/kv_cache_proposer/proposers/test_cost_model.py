@@ -160,6 +160,20 @@ def test_a_probe_is_judged_against_what_a_draft_it_offered_is_expected_to_earn()
     assert model.decide(4)[0] == 4
 
 
+def test_a_step_that_verifies_appended_tokens_takes_no_probe_and_does_not_count_towards_one():
+    unmeasured = DraftCostModel(4)
+    assert unmeasured.decide(4, decoding=False) == (4, DraftDecision.PROBE)  # drafts the limit, as at decode steps
+    model = DraftCostModel(4, probe_after_declines=3)
+    for _ in range(20):  # a probe costs 5 % more than a plain step: every 3 declines
+        model.observe_draft(4, 0, 0.0001)
+        model.observe_forward(5, 0.0104)
+    model.observe_forward(1, PLAIN_S)
+    assert [model.decide(4, decoding=False) for _ in range(10)] == [(0, DraftDecision.DECLINE)] * 10
+    assert [model.decide(4)[1] for _ in range(4)] == [DraftDecision.DECLINE] * 3 + [DraftDecision.PROBE]
+    cheap = _measured(draft_s=0.0001, verify_s=0.011, accepted=4)
+    assert cheap.decide(4, decoding=False) == (4, DraftDecision.DRAFT)
+
+
 def test_a_new_session_starts_from_what_the_other_sessions_measured():
     pool = DraftCostModel(4)
     first = DraftCostModel(4)
