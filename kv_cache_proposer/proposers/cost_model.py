@@ -69,7 +69,8 @@ class DraftCostModel:
         """Share observations with `pool`, the model of every session of one decoder: a model that has observed
         nothing yet starts from the pool's estimates (its acceptance counting as at most `MIN_DRAFTS_SEEN`
         observations, so its own soon outweigh them; the forward times scaled by its own first plain step, since
-        a forward's time grows with the history and the pool's came from other histories), and every later
+        a forward's time grows with the history and the pool's came from other histories) and from the probe
+        wait of the session that probed last (probes that lost elsewhere are evidence here too), and every later
         observation updates both."""
         if pool is self._pool or pool is self:
             return
@@ -82,6 +83,7 @@ class DraftCostModel:
             self._draft_s, self._forward_s = dict(pool._draft_s), dict(pool._forward_s)
             self._borrowed = set(self._forward_s)
             self._drafts_seen = min(pool._drafts_seen, MIN_DRAFTS_SEEN)
+            self._backoff = pool._backoff
         self._pool = pool
 
     @property
@@ -197,6 +199,8 @@ class DraftCostModel:
             self._follow_up = probing and accepted > expected
             if probing:
                 self._backoff = 0 if self._follow_up else min(self._backoff + 1, MAX_BACKOFF)
+                if self._pool is not None:  # the wait a session that joins next starts from
+                    self._pool._backoff = self._backoff
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
 

@@ -211,6 +211,30 @@ def test_a_new_session_starts_from_what_the_other_sessions_measured():
         DraftCostModel(3).join(pool)
 
 
+def test_a_new_session_starts_from_the_probe_wait_of_the_session_that_probed_last():
+    """Probes that lost in other sessions are evidence for a new one too: it waits as long as they would before
+    its first probe, and a probe that wins anywhere shortens the wait again for the sessions after it."""
+    pool = DraftCostModel(4)
+    first = DraftCostModel(4)
+    first.join(pool)
+    for _ in range(20):
+        first.observe_draft(4, 0, 0.008)
+        first.observe_forward(5, 0.012)
+    first.observe_forward(1, PLAIN_S)
+    base = first.probe_interval(4)
+    _probe(first, 4, accepted=0)
+    _probe(first, 4, accepted=0)
+    second = DraftCostModel(4)
+    second.join(pool)
+    second.observe_forward(1, PLAIN_S)
+    assert second.probe_interval(4) == 4 * base
+    assert _probe(second, 4, accepted=4) == 4 * base  # this one wins
+    third = DraftCostModel(4)
+    third.join(pool)
+    third.observe_forward(1, PLAIN_S)
+    assert third.probe_interval(4) == base
+
+
 def test_after_a_run_of_drafts_it_refreshes_the_time_of_a_plain_step():
     model = DraftCostModel(4, refresh_plain_after=5)
     for _ in range(10):
