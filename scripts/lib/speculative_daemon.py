@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from inference_engine.config import DRAFT_POLICIES
 from kv_cache_proposer.proposers import PROPOSERS
-from kv_cache_proposer.proposers.base import DraftPolicy
 from lib.chat_prompts import ChatPromptBuilder
 from lib.corpus import read_text, split_sources, stdlib_sources
 from lib.daemon import Daemon
@@ -48,11 +48,10 @@ def parse_arms(text: str) -> list[str]:
     unknown = [a for a in arms if a.partition("/")[0] not in PROPOSERS]
     if unknown:
         raise ValueError(f"unknown proposers in --arms: {', '.join(unknown)} (from {', '.join(PROPOSERS)})")
-    policies = ("auto", *(policy.value for policy in DraftPolicy))
-    bad = [a for a in arms if "/" in a and (a.startswith("none/") or a.partition("/")[2] not in policies)]
+    bad = [a for a in arms if "/" in a and (a.startswith("none/") or a.partition("/")[2] not in DRAFT_POLICIES)]
     if bad:
         raise ValueError(
-            f"unknown draft policies in --arms: {', '.join(bad)} (from {', '.join(policies)}; `none` takes none)"
+            f"unknown draft policies in --arms: {', '.join(bad)} (from {', '.join(DRAFT_POLICIES)}; `none` takes none)"
         )
     return ["none", *(a for a in arms if a != "none")]
 
