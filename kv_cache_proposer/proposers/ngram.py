@@ -23,8 +23,10 @@ class NgramDraftSession:
     """Looks up the longest suffix of `max_n` down to `min_n` tokens that occurred earlier in the history, and
     proposes the tokens that followed its most recent earlier occurrence.
 
-    An index from every n-gram to the position after its latest occurrence is kept up to date incrementally,
-    so a proposal costs O(max_n) whatever the history length.
+    An index from every n-gram to the position after its latest occurrence is kept up to date as positions are
+    committed (prefill chunks included), so a proposal costs O(max_n) whatever the history length, and a session
+    that starts drafting late pays no indexing of its history in its first proposal (where a cost model would
+    take it for the price of every proposal).
     """
 
     max_n: int
@@ -61,15 +63,18 @@ class NgramDraftSession:
         return []
 
     def on_commit(self, history: Sequence[int], committed: int, features: Any | None) -> None:
-        return None
+        self._extend_index(history, min(committed, len(history) - 1))
 
     def release(self) -> None:
         self._index = [{} for _ in range(self.max_n + 1)]
         self._indexed = 0
 
     def clone(self, length: int) -> NgramDraftSession:
-        # The index is rebuilt from the fork's own history on its first proposal.
-        return NgramDraftSession(max_n=self.max_n, min_n=self.min_n, lookahead=self.lookahead)
+        fork = NgramDraftSession(max_n=self.max_n, min_n=self.min_n, lookahead=self.lookahead)
+        if length >= self._indexed:  # every indexed n-gram lies within the fork's history
+            fork._index, fork._indexed = [dict(grams) for grams in self._index], self._indexed
+        # else the fork indexes its own history from the start, at its next commit or proposal
+        return fork
 
     def _extend_index(self, history: Sequence[int], upto: int) -> None:
         for last in range(self._indexed, upto):

@@ -35,3 +35,23 @@ def test_the_daemon_s_ngram_drafts_at_most_seven_tokens_after_a_two_token_match(
     history = [*range(100, 120), 1, 2, *range(200, 220), 1, 2]
     session = proposer.open(FullStrategy())
     assert session.propose(history, session.max_draft_tokens) == list(range(200, 207))
+
+
+def test_commits_index_the_history_and_forks_propose_from_their_own() -> None:
+    """Committed positions are indexed as they commit (a session drafts as one that indexed on its first
+    proposal), and a fork proposes from its own history only: a fork at the end keeps the parent's index, one
+    from an earlier point never proposes what followed that point in the parent."""
+    history = [1, 2, 10, 11, 12, 1, 2, 20, 21, 22, 5, 6]
+    committed = NgramProposer().open(FullStrategy())
+    for end in range(1, len(history)):  # committed one position at a time, the next token pending
+        committed.on_commit(history[: end + 1], end, None)
+    fresh = NgramProposer().open(FullStrategy())
+    for suffix in ([1, 2], [5, 6], [10, 11]):
+        assert committed.propose([*history, *suffix], 4) == fresh.propose([*history, *suffix], 4)
+    assert committed.propose([*history, 1, 2], 4) == [20, 21, 22, 5]
+
+    at_end = committed.clone(len(history) - 1)
+    assert at_end.propose([*history, 1, 2], 4) == [20, 21, 22, 5]
+    early = committed.clone(4)  # its history: 1 2 10 11 12, then its own tokens
+    fork_history = [*history[:5], 40, 41, 1, 2]
+    assert early.propose(fork_history, 4) == [10, 11, 12, 40]  # not what followed the parent's later 1 2
