@@ -54,6 +54,7 @@ class _Plan:
     prefill: bool = False
     burst: int = 1  # plain greedy steps run back to back in one call (see `Decoder.burst_tokens`)
     wanted: int = 0  # draft tokens to ask the proposer for
+    proposed: bool = False  # the proposer was asked already (the draft, cut to `wanted`, is attached)
     draft_commit: DraftCommit | None = None  # what the draft session learns once the verifier committed
     decision: DraftDecision | None = None  # the `cost` policy's choice of `wanted`
     draft_s: float | None = None  # seconds of the proposal
@@ -138,7 +139,7 @@ class Decoder:
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
             planned = []
-        drafting = [plan for _, plan in planned if plan.wanted > 0]
+        drafting = [plan for _, plan in planned if plan.wanted > 0 and not plan.proposed]
         started = time.perf_counter()
         proposed = propose_all(
             [DraftRequest(plan.seq.draft_session, plan.seq.tokens, plan.wanted) for plan in drafting]
@@ -197,7 +198,8 @@ class Decoder:
     def _plan(self, request: StepRequest, *, propose: bool = True, alone: bool = True) -> _Plan:
         """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft
         (`propose=False`: no draft yet; `wanted` says how long one may be, `_attach_draft` adds it), or, for a
-        plain greedy step that runs `alone`, how many steps to run back to back."""
+        plain greedy step that runs `alone`, how many steps to run back to back. Under `cost`, a proposal that
+        costs next to nothing (`DraftCostModel.peeks`) is made first, whatever `propose`, and decided with."""
         seq, budget, generated = request.seq, request.budget, request.generated
         self._check_position(seq)
         pending = seq.pending_count
@@ -217,15 +219,27 @@ class Decoder:
             raise ValueError("no room left for another token")
         limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
         wanted = max(0, min(limit, room - 1))
-        decision = None
+        decision, peeked, peek_s = None, None, None
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
-            seq.draft_costs.join(self._cost_pool(seq.draft_costs.max_draft_tokens))
-            wanted, decision = seq.draft_costs.decide(wanted, decoding=pending == 1)
+            costs = seq.draft_costs
+            costs.join(self._cost_pool(costs.max_draft_tokens))
+            if costs.peeks(wanted):  # a cheap proposal: decide with it in hand
+                started = time.perf_counter()
+                peeked = seq.draft_session.propose(seq.tokens, wanted)
+                peek_s = time.perf_counter() - started
+                wanted, decision = costs.decide(wanted, decoding=pending == 1, offered=len(peeked))
+            else:
+                wanted, decision = costs.decide(wanted, decoding=pending == 1)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
             request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
         )
-        if propose and wanted > 0 and burst == 1:
+        if peeked is not None:
+            plan.proposed, plan.draft_s = True, peek_s
+            if wanted > 0:
+                self._attach_draft(plan, peeked)
+        elif propose and wanted > 0 and burst == 1:
+            plan.proposed = True
             started = time.perf_counter()
             proposed = seq.draft_session.propose(seq.tokens, wanted)
             plan.draft_s = time.perf_counter() - started

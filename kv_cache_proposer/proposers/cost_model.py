@@ -21,6 +21,7 @@ MIN_DRAFTS_SEEN = 4  # proposals a session observes before it may decline drafti
 PROBE_SHARE = 0.05  # most that probes add, in expectation, to the time of the plain steps between them
 MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
 MAX_BACKOFF = 6  # a probe that loses doubles the wait for the next, at most this many times in a row
+PEEK_SHARE = 0.05  # a proposal that costs at most this share of a plain step is made before deciding (`peeks`)
 
 
 class DraftDecision(StrEnum):
@@ -109,31 +110,56 @@ class DraftCostModel:
             accepted += reach
         return accepted
 
-    def tokens_per_second(self, draft_tokens: int) -> float | None:
-        """The expected rate of a step that drafts `draft_tokens` (0: a plain step); None until one is timed."""
+    def tokens_per_second(self, draft_tokens: int, *, offered: bool = False) -> float | None:
+        """The expected rate of a step that drafts `draft_tokens` (0: a plain step); None until one is timed.
+        `offered`: of a step whose proposal is in hand and offered that many tokens (no empty proposal to allow
+        for)."""
         forward = _estimate(self._forward_s, draft_tokens + 1)
         if forward is None:
             return None
-        draft = 0.0
+        draft, tokens = 0.0, 1.0
         if draft_tokens > 0:
             measured = _estimate(self._draft_s, draft_tokens)
             if measured is None:
                 return None
+            share = 1.0 if offered else self._offered
             plain = self._forward_s.get(1, forward)  # what a step whose proposal was empty verifies
-            draft, forward = measured, self._offered * forward + (1 - self._offered) * plain
-        return self.expected_tokens(draft_tokens) / max(draft + forward, 1e-12)
+            draft, forward = measured, share * forward + (1 - share) * plain
+            tokens += share * self.expected_accepted(draft_tokens)
+        return tokens / max(draft + forward, 1e-12)
 
-    def decide(self, limit: int, *, decoding: bool = True) -> tuple[int, DraftDecision]:
+    def peeks(self, limit: int) -> bool:
+        """Whether the decoder should propose before deciding, and decide with the proposal in hand
+        (`decide(offered=...)`): once measured, a proposal of `limit` tokens costs at most `PEEK_SHARE` of a plain
+        step (a lookup, not a model). An empty proposal then costs a plain step nothing (it may still run in a
+        burst), and a draft is judged by what a proposal that offered it earns."""
+        plain = self._forward_s.get(1)
+        draft = _estimate(self._draft_s, min(limit, self.max_draft_tokens))
+        return (
+            self._drafts_seen >= MIN_DRAFTS_SEEN
+            and plain is not None
+            and draft is not None
+            and draft <= PEEK_SHARE * plain
+        )
+
+    def decide(self, limit: int, *, decoding: bool = True, offered: int | None = None) -> tuple[int, DraftDecision]:
         """The draft length of the next step, at most `limit` (0: a plain step), and why; counts the decision
         towards the next probe. `decoding=False`: a step that also verifies appended tokens, which is not counted
-        and takes no probe: the estimates alone decide it (before they are measured, it drafts the limit)."""
-        limit = min(limit, self.max_draft_tokens)
+        and takes no probe: the estimates alone decide it (before they are measured, it drafts the limit).
+        `offered`: the proposal is in hand (`peeks`) and offered that many tokens; an empty one is a plain step
+        (a probe that falls due waits for a proposal that offers something)."""
+        limit = min(limit, self.max_draft_tokens, limit if offered is None else offered)
         if limit < 1:
-            return 0, DraftDecision.DECLINE
+            return (
+                self._count(0, DraftDecision.DECLINE)
+                if decoding and offered is not None
+                else (0, DraftDecision.DECLINE)
+            )
+        given = offered is not None
         if not decoding:
             if not self._draft_s or 1 not in self._forward_s or self._drafts_seen < MIN_DRAFTS_SEEN:
                 return limit, DraftDecision.PROBE  # not yet measured: the whole limit, as a decode step drafts
-            best_draft, pays = self._fastest(limit)
+            best_draft, pays = self._fastest(limit, offered=given)
             return (best_draft, DraftDecision.DRAFT) if pays else (0, DraftDecision.DECLINE)
         if not self._draft_s:
             return self._count(limit, DraftDecision.PROBE)
@@ -142,20 +168,22 @@ class DraftCostModel:
         if self._drafts_seen < MIN_DRAFTS_SEEN:  # one unlucky draft is no evidence against drafting
             return self._count(limit, DraftDecision.PROBE)
         follow_up, self._follow_up = self._follow_up, False
-        best_draft, pays = self._fastest(limit)
+        best_draft, pays = self._fastest(limit, offered=given)
         if pays:
             self._backoff = 0
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
             return self._count(best_draft, DraftDecision.DRAFT)
-        if follow_up or self._plain_streak >= self.probe_interval(best_draft):
+        # A probe drafts the whole limit: it measures the acceptance of every position, and the forward of the
+        # longest block, where a probe of the length now thought best would leave the others at their priors.
+        if follow_up or self._plain_streak >= self.probe_interval(limit):
             self._probing = True
-            return self._count(best_draft, DraftDecision.PROBE)
+            return self._count(limit, DraftDecision.PROBE)
         return self._count(0, DraftDecision.DECLINE)
 
-    def _fastest(self, limit: int) -> tuple[int, bool]:
+    def _fastest(self, limit: int, *, offered: bool = False) -> tuple[int, bool]:
         """The draft length of at most `limit` expected fastest, and whether it beats a plain step."""
-        rates = [self.tokens_per_second(k) or 0.0 for k in range(limit + 1)]
+        rates = [self.tokens_per_second(k, offered=offered) or 0.0 for k in range(limit + 1)]
         best_draft = max(range(1, limit + 1), key=lambda k: (rates[k], -k))
         return best_draft, rates[best_draft] > rates[0]
 
@@ -194,15 +222,27 @@ class DraftCostModel:
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._drafts_seen + 1))
             self._offered += weight * ((1.0 if drafted else 0.0) - self._offered)
             # A probe taken while declining that beat the estimate (of a proposal that offered as many tokens as it
-            # did): the text may have turned predictable. One that did not makes the next wait longer.
+            # did) and paid for itself: the text may have turned predictable. One that did not makes the next wait
+            # longer (a drafter whose estimate is near nothing beats it with one token, and still loses time).
             probing, self._probing = self._probing, False
-            self._follow_up = probing and accepted > expected
+            self._follow_up = probing and accepted > expected and self._paid(requested, drafted, accepted)
             if probing:
                 self._backoff = 0 if self._follow_up else min(self._backoff + 1, MAX_BACKOFF)
                 if self._pool is not None:  # the wait a session that joins next starts from
                     self._pool._backoff = self._backoff
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
+
+    def _paid(self, requested: int, drafted: int, accepted: int) -> bool:
+        """Whether a step that asked for `requested` tokens and verified `drafted`, of which `accepted` were
+        accepted, emitted tokens faster than plain steps would have, by the estimated times (True until
+        they are measured)."""
+        plain = self._forward_s.get(1)
+        verify = _estimate(self._forward_s, drafted + 1)
+        draft = _estimate(self._draft_s, requested)
+        if plain is None or verify is None or draft is None:
+            return True
+        return (1 + accepted) * plain > draft + verify
 
     def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
         """`steps` verifier forwards of `block_tokens` tokens each took `seconds` in all. A burst of plain steps
@@ -237,7 +277,8 @@ def _estimate(table: dict[int, float], length: int) -> float | None:
     """The measured seconds at `length`, else at the nearest longer measured length, else (past the longest
     measured) the line through the shortest and the longest measured lengths, never falling, carried on to
     `length`: a forward costs a fixed part and a part per token, and a block of a few more tokens costs a CPU
-    little more. With one length measured, its seconds scaled up to `length`. None when nothing was measured.
+    little more. With one length measured, its seconds (the least a longer block costs). None when nothing was
+    measured.
 
     A length never measured is so estimated at no more than it is likely to cost: a session that drafts it learns
     its real cost, while one that priced it too high would never draft it to find out."""
@@ -250,6 +291,6 @@ def _estimate(table: dict[int, float], length: int) -> float | None:
         return None
     longest, shortest = max(table), min(table)
     if shortest == longest:
-        return table[longest] * length / longest
+        return table[longest]
     slope = max(0.0, (table[longest] - table[shortest]) / (longest - shortest))
     return table[longest] + slope * (length - longest)

@@ -168,8 +168,8 @@ def test_the_step_that_verifies_an_append_counts_no_empty_proposal(verifiers, pr
     draft = proposer.open(FullStrategy())
     seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
     limit = draft.max_draft_tokens
-    for _ in range(MIN_DRAFTS_SEEN):  # measured: drafts cost nothing and are accepted whole
-        seq.draft_costs.observe_draft(limit, limit, 1e-6)
+    for _ in range(MIN_DRAFTS_SEEN):  # measured: a draft costs half a plain step and is accepted whole
+        seq.draft_costs.observe_draft(limit, limit, 0.0005)
         seq.draft_costs.observe_forward(limit + 1, 0.001)
     seq.draft_costs.observe_forward(1, 0.001)
     decoder = Decoder(verifier, draft_policy=DraftPolicy.COST)
@@ -180,3 +180,25 @@ def test_the_step_that_verifies_an_append_counts_no_empty_proposal(verifiers, pr
     # The next step decodes, and the drafter has every feature: it drafts.
     step = decoder.step(seq, SamplingParams(), GenerationBudget(TOKENS), 1)
     assert step.decision is DraftDecision.DRAFT and step.drafted > 0
+
+
+def test_a_lookup_is_made_before_the_decision_and_a_step_it_offers_nothing_runs_plain(verifiers, proposer_options):
+    """Prompt lookup costs next to nothing: the decoder looks first and decides with the proposal in hand. A step
+    whose lookup found nothing is a plain step (in a burst), never a step that decided to draft and verified no
+    draft; a step whose lookup offered a draft that pays verifies it."""
+    verifier = verifiers["qwen3"]
+    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt()))
+    proposer = load_proposer(proposer_options["ngram"], verifier, backend="torch")
+    seq = SequenceState(
+        cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=proposer.open(FullStrategy())
+    )
+    limit = seq.draft_session.max_draft_tokens
+    for _ in range(MIN_DRAFTS_SEEN):  # measured: lookups cost nothing and their drafts are accepted whole
+        seq.draft_costs.observe_draft(limit, limit, 1e-7)
+        seq.draft_costs.observe_forward(limit + 1, 0.001)
+    seq.draft_costs.observe_forward(1, 0.001)
+    tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4), seq)
+    assert tokens == reference
+    assert all(step.drafted > 0 for step in steps if step.decision is DraftDecision.DRAFT)
+    assert any(step.decision is DraftDecision.DRAFT for step in steps)
+    assert any(step.decision is DraftDecision.DECLINE and step.forwards > 1 for step in steps)

@@ -160,6 +160,20 @@ def test_a_probe_is_judged_against_what_a_draft_it_offered_is_expected_to_earn()
     assert model.decide(4)[0] == 4
 
 
+def test_a_probe_that_beats_a_near_zero_estimate_but_does_not_pay_for_itself_loses():
+    """Drafts that were never accepted: one accepted token beats the estimate, but the probe's step (a 8 ms draft and
+    a 12 ms verify) emitted two tokens in the time of two plain steps, no faster: it loses, and the wait doubles.
+    Three accepted tokens pay for it: it wins."""
+    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    assert model.expected_accepted(4) < 0.1
+    base = model.probe_interval(4)
+    _probe(model, 4, accepted=1)
+    assert model.probe_interval(4) == 2 * base
+    assert model.decide(4)[1] is DraftDecision.DECLINE
+    _probe(model, 4, accepted=3)
+    assert model.probe_interval(4) == base
+
+
 def test_a_step_that_verifies_appended_tokens_takes_no_probe_and_does_not_count_towards_one():
     unmeasured = DraftCostModel(4)
     assert unmeasured.decide(4, decoding=False) == (4, DraftDecision.PROBE)  # drafts the limit, as at decode steps
@@ -310,8 +324,20 @@ def test_an_unmeasured_length_costs_what_the_nearest_longer_one_costs_or_what_th
     model.observe_forward(1, 0.010)
     expected = model.expected_tokens(2)
     assert model.tokens_per_second(2) == pytest.approx(expected / (0.004 + 0.014))
-    # a block of 9: the line through the 1- and 5-token forwards (1 ms a token), one draft length: in proportion
-    assert model.tokens_per_second(8) == pytest.approx(model.expected_tokens(8) / (0.008 + 0.018))
+    # a block of 9: the line through the 1- and 5-token forwards (1 ms a token); one draft length measured: a
+    # longer draft is priced at it, the least it can cost
+    assert model.tokens_per_second(8) == pytest.approx(model.expected_tokens(8) / (0.004 + 0.018))
+
+
+def test_with_one_block_length_measured_a_longer_block_is_priced_at_it_not_in_proportion():
+    """Bursts time plain steps only: a session that has verified no draft yet prices a block at what a plain step
+    costs (on a CPU an 8-token block costs about 1.5 plain steps, not 8), so a good draft is tried and then judged
+    on its own time."""
+    model = DraftCostModel(7)
+    model.observe_forward(1, 0.004, steps=4)
+    model.observe_draft(7, 7, 0.0001)
+    model.observe_draft(7, 7, 0.0001)
+    assert model.tokens_per_second(7) == pytest.approx(model.expected_tokens(7) / (0.0001 + 0.001))
 
 
 def test_a_longer_draft_priced_by_the_measured_line_is_tried_and_then_judged_on_its_own_time():
@@ -346,3 +372,40 @@ def test_invalid_settings_are_rejected():
         DraftCostModel(4, probe_after_declines=0)
     with pytest.raises(ValueError):
         DraftCostModel(4, probe_share=0)
+
+
+def test_a_proposal_that_costs_next_to_nothing_is_made_before_the_decision():
+    """A lookup (a tenth of a millisecond next to a 10 ms plain step) is looked at first; a model is not."""
+    assert _measured(draft_s=0.0001, verify_s=0.012, accepted=2).peeks(4)
+    assert not _measured(draft_s=0.002, verify_s=0.012, accepted=2).peeks(4)
+    assert not DraftCostModel(4).peeks(4)  # nothing measured yet
+
+
+def test_a_proposal_in_hand_bounds_the_draft_and_an_empty_one_is_a_plain_step():
+    """With the proposal in hand the decision drafts no more than it offered, and an empty proposal is a plain step
+    (which may run in a burst) where a blind decision would have drafted."""
+    model = _measured(draft_s=0.0001, verify_s=0.011, accepted=4)
+    assert model.decide(4) == (4, DraftDecision.DRAFT)
+    assert model.decide(4, offered=2) == (2, DraftDecision.DRAFT)
+    assert model.decide(4, offered=0) == (0, DraftDecision.DECLINE)
+
+
+def test_a_probe_that_falls_due_waits_for_a_proposal_that_offers_something():
+    model = _measured(draft_s=0.0001, verify_s=0.012, accepted=0)
+    interval = model.probe_interval(4)
+    assert [model.decide(4, offered=0) for _ in range(interval + 3)] == [(0, DraftDecision.DECLINE)] * (interval + 3)
+    assert model.decide(4, offered=3) == (3, DraftDecision.PROBE)
+
+
+def test_a_probe_drafts_the_whole_limit_whatever_length_is_thought_best():
+    """Only the first drafted position was ever verified (its acceptance is poor, the others still at their prior):
+    a probe drafts every position, so that each is measured."""
+    model = DraftCostModel(6)
+    for _ in range(20):
+        model.observe_draft(1, 0, 0.001)
+        model.observe_forward(2, 0.012)
+    model.observe_forward(1, PLAIN_S)
+    assert model.acceptance[1:] == [PRIOR_ACCEPTANCE] * 5
+    decisions = [model.decide(6) for _ in range(model.probe_interval(6) + 1)]
+    assert decisions[-1] == (6, DraftDecision.PROBE)
+    assert set(decisions[:-1]) == {(0, DraftDecision.DECLINE)}
