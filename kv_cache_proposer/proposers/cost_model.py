@@ -89,7 +89,8 @@ class DraftCostModel:
 
     @property
     def acceptance(self) -> list[float]:
-        """The estimated acceptance of each drafted position, given that every earlier one was accepted."""
+        """The estimated acceptance of each drafted position, given that every earlier one was accepted (for a
+        position never observed, that of the position before it)."""
         return list(self._acceptance)
 
     @property
@@ -217,6 +218,12 @@ class DraftCostModel:
             self._seen[position] += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
             self._acceptance[position] += weight * (outcome - self._acceptance[position])
+        # A position never observed is expected to do as the one before it does: past the positions a session
+        # drafts, a lookup whose first drafts are accepted tends to be accepted on (a fixed prior there would keep a
+        # session from ever drafting far enough to find out), and a drafter whose first drafts fail fails on.
+        for position in range(1, self.max_draft_tokens):
+            if not self._seen[position]:
+                self._acceptance[position] = self._acceptance[position - 1]
         if requested > 0:
             self._drafts_seen += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._drafts_seen + 1))
