@@ -12,7 +12,7 @@ from kv_cache_proposer.cache import LayerStoreFactory
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepRequest, StepResult
 from kv_cache_proposer.errors import InvariantViolation
-from kv_cache_proposer.proposers.base import NoDraftSession
+from kv_cache_proposer.proposers.base import DraftPolicy, NoDraftSession
 from kv_cache_proposer.proposers.ngram import NgramProposer
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import DlmRestoreStrategy, FullStrategy, KVStrategy, SinkWindowStrategy
@@ -100,6 +100,29 @@ def test_batched_steps_give_every_session_its_tokens_alone(verifiers, proposer):
     decoder = Decoder(verifier, prefill_chunk_tokens=16)
     expected = [_alone(decoder, seq, SPECS[i][2]) for i, seq in enumerate(_sequences(verifier, proposer))]
     together, sizes = _together(decoder, _sequences(verifier, proposer))
+    assert together == expected
+    assert max(sizes) == len(SPECS)
+
+
+def test_batched_steps_that_look_at_a_lookup_before_deciding_give_every_session_its_tokens_alone(verifiers):
+    """Under `cost`, a lookup measured to cost next to nothing is proposed before the decision, also when the
+    step runs in a batch: the batch drafts it once, and each session gets its tokens alone."""
+    verifier = verifiers["qwen3"]
+
+    def measured() -> list[SequenceState]:
+        seqs = _sequences(verifier, "ngram")
+        for seq in seqs:  # lookups cost nothing and are accepted whole: every step looks first
+            limit = seq.draft_session.max_draft_tokens
+            for _ in range(4):
+                seq.draft_costs.observe_draft(limit, limit, 1e-7)
+                seq.draft_costs.observe_forward(limit + 1, 0.001)
+            seq.draft_costs.observe_forward(1, 0.001)
+            assert seq.draft_costs.peeks(limit)
+        return seqs
+
+    decoder = Decoder(verifier, prefill_chunk_tokens=16, draft_policy=DraftPolicy.COST)
+    expected = [_alone(decoder, seq, SPECS[i][2]) for i, seq in enumerate(measured())]
+    together, sizes = _together(decoder, measured())
     assert together == expected
     assert max(sizes) == len(SPECS)
 
