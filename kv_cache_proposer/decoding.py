@@ -227,9 +227,8 @@ class Decoder:
                 started = time.perf_counter()
                 peeked = seq.draft_session.propose(seq.tokens, wanted)
                 peek_s = time.perf_counter() - started
-                wanted, decision = costs.decide(wanted, decoding=pending == 1, offered=len(peeked))
-            else:
-                wanted, decision = costs.decide(wanted, decoding=pending == 1)
+            offered = None if peeked is None else len(peeked)
+            wanted, decision = costs.decide(wanted, decoding=pending == 1, offered=offered)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
             request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
@@ -327,7 +326,9 @@ class Decoder:
         if not burst:
             seq.draft_length.update(len(draft), accepted)
         if self.draft_policy is DraftPolicy.COST:
-            self._observe_costs(plan, accepted)
+            seq.draft_costs.observe_step(
+                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=plan.forward_s
+            )
         emitted = sampled[: accepted + 1]
         stop = None
         if dead_end_row is not None and dead_end_row < len(emitted):
@@ -356,20 +357,6 @@ class Decoder:
             stop_sequence_index=stop_index,
             decision=plan.decision,
         )
-
-    @staticmethod
-    def _observe_costs(plan: _Plan, accepted: int) -> None:
-        """Hand the step's acceptance and times to the session's cost model. Times are kept only for steps whose
-        block holds one pending token: a longer one also prefills, which says nothing of a decode step's cost."""
-        costs, timed = plan.seq.draft_costs, plan.pending == 1
-        if plan.burst > 1:
-            if timed and plan.forward_s is not None:
-                costs.observe_forward(1, plan.forward_s, steps=plan.burst)
-            return
-        if plan.wanted > 0 and (timed or plan.draft):  # an empty proposal after an append says nothing of drafting
-            costs.observe_draft(plan.wanted, accepted, plan.draft_s if timed else None, drafted=len(plan.draft))
-        if timed and plan.forward_s is not None:
-            costs.observe_forward(len(plan.draft) + 1, plan.forward_s)
 
     def _commit(self, plan: _Plan, count: int, features: Any | None, new_tokens: Sequence[int] = ()) -> None:
         """Commit `count` block positions in the verifier cache; the draft session learns it after (`draft_commit`,

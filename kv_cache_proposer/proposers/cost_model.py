@@ -240,6 +240,32 @@ class DraftCostModel:
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
 
+    def observe_step(
+        self,
+        pending: int,
+        burst: int,
+        requested: int,
+        drafted: int,
+        accepted: int,
+        *,
+        draft_s: float | None,
+        forward_s: float | None,
+    ) -> None:
+        """What a decode step measured: its block held `pending` tokens before the draft; it ran `burst` plain steps
+        in one call (then nothing was drafted), or asked for a draft of `requested` tokens, got `drafted` and had
+        `accepted` of them accepted; `draft_s` and `forward_s` are the seconds of its proposal and forward. Times
+        are kept only for a step whose block held one pending token: a longer one also verifies appended tokens,
+        which says nothing of a decode step's cost."""
+        timed = pending == 1
+        if burst > 1:
+            if timed and forward_s is not None:
+                self.observe_forward(1, forward_s, steps=burst)
+            return
+        if requested > 0 and (timed or drafted):  # an empty proposal after an append says nothing of drafting
+            self.observe_draft(requested, accepted, draft_s if timed else None, drafted=drafted)
+        if timed and forward_s is not None:
+            self.observe_forward(drafted + 1, forward_s)
+
     def _paid(self, requested: int, drafted: int, accepted: int) -> bool:
         """Whether a step that asked for `requested` tokens and verified `drafted`, of which `accepted` were
         accepted, emitted tokens faster than plain steps would have, by the estimated times (True until

@@ -427,3 +427,19 @@ def test_a_probe_drafts_the_whole_limit_whatever_length_is_thought_best():
     decisions = [model.decide(6) for _ in range(model.probe_interval(6) + 1)]
     assert decisions[-1] == (6, DraftDecision.PROBE)
     assert set(decisions[:-1]) == {(0, DraftDecision.DECLINE)}
+
+
+def test_a_step_is_timed_only_when_its_block_held_one_pending_token():
+    model = DraftCostModel(4)
+    model.observe_step(1, 4, 0, 0, 0, draft_s=None, forward_s=0.008)  # a burst of four plain steps
+    assert model.tokens_per_second(0) == pytest.approx(1 / 0.002)
+    # A step that also verified three appended tokens: its acceptance counts, its times do not.
+    model.observe_step(4, 1, 4, 4, 4, draft_s=0.5, forward_s=0.5)
+    assert model.acceptance[0] > PRIOR_ACCEPTANCE
+    assert model.tokens_per_second(4) is None  # no proposal timed yet
+    model.observe_step(1, 1, 4, 4, 2, draft_s=0.001, forward_s=0.004)
+    assert model.tokens_per_second(4) == pytest.approx(model.expected_tokens(4) / 0.005)
+    # An empty proposal after an append is not counted as a proposal that offered nothing.
+    offered = model.offered
+    model.observe_step(3, 1, 4, 0, 0, draft_s=0.001, forward_s=0.004)
+    assert model.offered == offered
