@@ -10,6 +10,7 @@ from kv_cache_proposer.proposers.cost_model import (
     MAX_PROBE_INTERVAL,
     MIN_DRAFTS_SEEN,
     PRIOR_ACCEPTANCE,
+    REFRESH_LONG_AFTER,
     DraftCostModel,
     DraftDecision,
 )
@@ -443,3 +444,20 @@ def test_a_step_is_timed_only_when_its_block_held_one_pending_token():
     offered = model.offered
     model.observe_step(3, 1, 4, 0, 0, draft_s=0.001, forward_s=0.004)
     assert model.offered == offered
+
+
+def test_a_longer_block_timed_slow_once_is_drafted_again_and_repriced():
+    """The first 8-token block took 30 ms (a cold forward), so three-token drafts look best; after 16 of them the
+    session drafts the limit once, finds the block costs what a short one does, and drafts the limit from then."""
+    model = DraftCostModel(7)
+    for _ in range(MIN_DRAFTS_SEEN):
+        model.observe_draft(7, 7, 0.0001)
+    model.observe_forward(1, PLAIN_S)
+    model.observe_forward(4, 0.011)
+    model.observe_forward(8, 0.030)
+    decisions = [model.decide(7) for _ in range(REFRESH_LONG_AFTER + 1)]
+    assert decisions[:-1] == [(3, DraftDecision.DRAFT)] * REFRESH_LONG_AFTER
+    assert decisions[-1] == (7, DraftDecision.PROBE)
+    for _ in range(4):  # the limit, timed at what it costs when warm
+        model.observe_forward(8, 0.012)
+    assert model.decide(7) == (7, DraftDecision.DRAFT)
