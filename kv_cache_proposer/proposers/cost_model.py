@@ -21,7 +21,7 @@ MIN_DRAFTS_SEEN = 4  # proposals a session observes before it may decline drafti
 PROBE_SHARE = 0.05  # most that probes add, in expectation, to the time of the plain steps between them
 MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
 MAX_BACKOFF = 6  # a probe that loses doubles the wait for the next, at most this many times in a row
-REFRESH_LONG_AFTER = 16  # drafting steps in a row shorter than the limit, before one drafts the limit again
+REFRESH_LONG_AFTER = 16  # steps drafting less of a proposal in hand than it offered, before one drafts it all
 PEEK_SHARE = 0.05  # a proposal that costs at most this share of a plain step is made before deciding (`peeks`)
 
 
@@ -176,12 +176,13 @@ class DraftCostModel:
             self._backoff = 0
             if self._draft_streak >= self.refresh_plain_after:
                 return self._count(0, DraftDecision.PROBE)
-            if best_draft < limit and self._short_streak >= REFRESH_LONG_AFTER:
-                # Re-time the longest block and the deeper positions: a length drafted once and timed slow (its
-                # first forward) would otherwise keep its price for good.
+            if given and best_draft < limit and self._short_streak >= REFRESH_LONG_AFTER:
+                # Re-time the longest block and the deeper positions of a lookup's proposal in hand (a model's
+                # longer draft costs more than this is worth): a length drafted once and timed slow (its first
+                # forward) would otherwise keep its price for good.
                 self._short_streak = 0
                 return self._count(limit, DraftDecision.PROBE)
-            self._short_streak = self._short_streak + 1 if best_draft < limit else 0
+            self._short_streak = self._short_streak + 1 if given and best_draft < limit else 0
             return self._count(best_draft, DraftDecision.DRAFT)
         # A probe drafts the whole limit: it measures the acceptance of every position, and the forward of the
         # longest block, where a probe of the length now thought best would leave the others at their priors.
