@@ -1,32 +1,18 @@
 """The cost model of speculative decoding as a pure function of its observations: it drafts when drafts are cheap
-and accepted, declines when they are costly and rejected, probes both arms, and starts from its priors."""
+and accepted, declines when they are costly and rejected, prices what it has not measured, and starts from its
+priors. Its probes and refreshes: test_cost_model_probes.py."""
 
 from __future__ import annotations
 
 import pytest
 
 from kv_cache_proposer.proposers.cost_model import (
-    MAX_BACKOFF,
-    MAX_PROBE_INTERVAL,
     MIN_DRAFTS_SEEN,
     PRIOR_ACCEPTANCE,
-    REFRESH_LONG_AFTER,
     DraftCostModel,
     DraftDecision,
 )
-
-PLAIN_S = 0.010
-
-
-def _measured(draft_s: float, verify_s: float, accepted: int, *, limit: int = 4, drafts: int = 20) -> DraftCostModel:
-    """A model that saw `drafts` proposals of `limit` tokens, each taking `draft_s` and accepted up to `accepted`,
-    verified in `verify_s`, and plain steps of `PLAIN_S`."""
-    model = DraftCostModel(limit)
-    for _ in range(drafts):
-        model.observe_draft(limit, accepted, draft_s)
-        model.observe_forward(limit + 1, verify_s)
-    model.observe_forward(1, PLAIN_S)
-    return model
+from tests.support.cost_models import PLAIN_S, measured_model
 
 
 def test_before_any_measurement_it_drafts_the_whole_limit_then_takes_a_plain_step():
@@ -47,13 +33,13 @@ def test_before_any_measurement_it_drafts_the_whole_limit_then_takes_a_plain_ste
 
 
 def test_it_declines_when_drafts_are_costly_and_rarely_accepted():
-    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    model = measured_model(draft_s=0.008, verify_s=0.012, accepted=0)
     assert model.decide(4) == (0, DraftDecision.DECLINE)
     assert model.tokens_per_second(0) == pytest.approx(1 / PLAIN_S)
 
 
 def test_it_drafts_when_drafts_are_cheap_and_accepted():
-    model = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    model = measured_model(draft_s=0.0005, verify_s=0.011, accepted=4)
     draft_tokens, decision = model.decide(4)
     assert decision is DraftDecision.DRAFT and draft_tokens == 4
     assert model.expected_tokens(4) > 4
@@ -71,125 +57,13 @@ def test_it_drafts_the_length_whose_expected_tokens_pay_for_its_cost():
 
 
 def test_the_limit_caps_the_draft_and_a_zero_limit_is_a_plain_step():
-    model = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    model = measured_model(draft_s=0.0005, verify_s=0.011, accepted=4)
     assert model.decide(2) == (2, DraftDecision.DRAFT)
     assert model.decide(0) == (0, DraftDecision.DECLINE)
     assert DraftCostModel(0).decide(8) == (0, DraftDecision.DECLINE)
 
 
-def test_after_a_run_of_declines_it_drafts_once_and_follows_acceptance_back_up():
-    model = DraftCostModel(4, probe_after_declines=3)
-    for _ in range(20):  # a probe costs 5 % more than a plain step: the configured interval holds
-        model.observe_draft(4, 0, 0.0001)
-        model.observe_forward(5, 0.0104)
-    model.observe_forward(1, PLAIN_S)
-    assert model.probe_interval(4) == 3
-    decisions = [model.decide(4) for _ in range(4)]
-    assert [d for _, d in decisions] == [DraftDecision.DECLINE] * 3 + [DraftDecision.PROBE]
-    assert decisions[-1][0] > 0
-    # The text turned predictable: every probe is accepted whole, and the model drafts again.
-    for _ in range(10):
-        draft_tokens, _ = model.decide(4)
-        if draft_tokens:
-            model.observe_draft(draft_tokens, draft_tokens, 0.0001)
-            model.observe_forward(draft_tokens + 1, 0.0104)
-    assert model.decide(4)[1] is DraftDecision.DRAFT
-
-
-def test_a_costly_probe_comes_after_enough_plain_steps_to_cost_them_at_most_five_percent():
-    # A drafting step costs ten plain steps and is never accepted: probing it every 8 declines would cost about
-    # (10 - 1) / 8 = 110 % more than plain decoding; the model waits (10 - 1) / 0.05 = 180 plain steps instead.
-    model = _measured(draft_s=0.050, verify_s=0.050, accepted=0)
-    assert model.probe_interval(4) == 180
-    decisions = [model.decide(4)[1] for _ in range(181)]
-    assert decisions[:180] == [DraftDecision.DECLINE] * 180 and decisions[180] is DraftDecision.PROBE
-    # A burst of plain steps is one decision but counts every step: 44 bursts of 4 steps make 176, then 4 more.
-    bursting = _measured(draft_s=0.050, verify_s=0.050, accepted=0)
-    for _ in range(45):
-        assert bursting.decide(4)[1] is DraftDecision.DECLINE
-        bursting.observe_forward(1, 4 * PLAIN_S, steps=4)
-    assert bursting.decide(4)[1] is DraftDecision.PROBE
-    # However slow drafting gets, it is still probed now and then.
-    slow = _measured(draft_s=5.0, verify_s=0.050, accepted=0)
-    assert slow.probe_interval(4) == 512
-
-
-def _probe(model: DraftCostModel, limit: int, accepted: int) -> int:
-    """Decline until the model probes; the probe's proposal is accepted up to `accepted`. The declines it took."""
-    declines = 0
-    while (decision := model.decide(limit))[1] is DraftDecision.DECLINE:
-        declines += 1
-    assert decision == (limit, DraftDecision.PROBE)
-    model.observe_draft(limit, accepted, 0.008)
-    model.observe_forward(limit + 1, 0.012)
-    return declines
-
-
-def test_each_losing_probe_doubles_the_wait_for_the_next_and_a_winning_one_ends_the_wait():
-    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
-    base = model.probe_interval(4)
-    assert base == 20  # a probe costs two plain steps: (2 - 1) / 0.05
-    assert [_probe(model, 4, accepted=0) for _ in range(3)] == [base, 2 * base, 4 * base]
-    # A probe whose drafts were accepted beyond the estimate: the model drafts again at once, to see whether the
-    # text turned predictable; when that one wins too, the next wait is the shortest again.
-    _probe(model, 4, accepted=4)
-    assert model.probe_interval(4) == base
-    assert model.decide(4) == (4, DraftDecision.PROBE)
-    model.observe_draft(4, 4, 0.008)
-    assert model.probe_interval(4) == base
-    for _ in range(MAX_BACKOFF + 4):  # however long drafting keeps losing, it is probed now and then
-        model.observe_draft(4, 0, 0.008)
-        _probe(model, 4, accepted=0)
-    assert model.probe_interval(4) == MAX_PROBE_INTERVAL
-
-
-def test_a_probe_is_judged_against_what_a_draft_it_offered_is_expected_to_earn():
-    """A lookup that offers a draft one step in four: a probe's accepted tokens are compared with what an offered
-    draft is expected to earn, not with that figure shrunk by the steps that offer nothing."""
-    model = DraftCostModel(4)
-    for index in range(20):
-        drafted = 4 if index % 4 == 0 else 0  # offered drafts: two accepted, the third rejected
-        model.observe_draft(4, min(drafted, 2), 0.008, drafted=drafted)
-        model.observe_forward(drafted + 1, 0.012 if drafted else PLAIN_S)
-    assert model.offered < 0.25
-    assert model.expected_tokens(4) - 1 < 1 < model.expected_accepted(4)
-    base = model.probe_interval(4)
-    _probe(model, 4, accepted=1)  # above the shrunk figure, below an offered draft's
-    assert model.probe_interval(4) == 2 * base  # it lost: no follow-up, and a longer wait
-    assert model.decide(4)[1] is DraftDecision.DECLINE
-    _probe(model, 4, accepted=4)  # it won: the model drafts again at once
-    assert model.decide(4)[0] == 4
-
-
-def test_a_probe_that_beats_a_near_zero_estimate_but_does_not_pay_for_itself_loses():
-    """Drafts that were never accepted: one accepted token beats the estimate, but the probe's step (a 8 ms draft and
-    a 12 ms verify) emitted two tokens in the time of two plain steps, no faster: it loses, and the wait doubles.
-    Three accepted tokens pay for it: it wins."""
-    model = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
-    assert model.expected_accepted(4) < 0.1
-    base = model.probe_interval(4)
-    _probe(model, 4, accepted=1)
-    assert model.probe_interval(4) == 2 * base
-    assert model.decide(4)[1] is DraftDecision.DECLINE
-    _probe(model, 4, accepted=3)
-    assert model.probe_interval(4) == base
-
-
-def test_a_step_that_verifies_appended_tokens_takes_no_probe_and_does_not_count_towards_one():
-    unmeasured = DraftCostModel(4)
-    assert unmeasured.decide(4, decoding=False) == (4, DraftDecision.PROBE)  # drafts the limit, as at decode steps
-    model = DraftCostModel(4, probe_after_declines=3)
-    for _ in range(20):  # a probe costs 5 % more than a plain step: every 3 declines
-        model.observe_draft(4, 0, 0.0001)
-        model.observe_forward(5, 0.0104)
-    model.observe_forward(1, PLAIN_S)
-    assert [model.decide(4, decoding=False) for _ in range(10)] == [(0, DraftDecision.DECLINE)] * 10
-    assert [model.decide(4)[1] for _ in range(4)] == [DraftDecision.DECLINE] * 3 + [DraftDecision.PROBE]
-    cheap = _measured(draft_s=0.0001, verify_s=0.011, accepted=4)
-    assert cheap.decide(4, decoding=False) == (4, DraftDecision.DRAFT)
-
-
-def test_a_new_session_starts_from_what_the_other_sessions_measured():
+def test_a_new_session_starts_from_what_the_other_sessionsmeasured_model():
     pool = DraftCostModel(4)
     first = DraftCostModel(4)
     first.join(pool)
@@ -211,7 +85,7 @@ def test_a_new_session_starts_from_what_the_other_sessions_measured():
     assert second.decide(4)[1] is DraftDecision.DRAFT
     assert pool.acceptance == second.acceptance
     # The pool's forward times came from other histories: a session scales them by its own first plain step.
-    shorter = _measured(draft_s=0.008, verify_s=0.012, accepted=0)
+    shorter = measured_model(draft_s=0.008, verify_s=0.012, accepted=0)
     longer = DraftCostModel(4)
     longer.join(shorter)
     longer.observe_forward(1, 2 * PLAIN_S)
@@ -219,47 +93,11 @@ def test_a_new_session_starts_from_what_the_other_sessions_measured():
     assert longer.tokens_per_second(0) == pytest.approx(1 / (2 * PLAIN_S))
     assert longer.tokens_per_second(4) == pytest.approx(longer.expected_tokens(4) / (0.008 + 2 * 0.012))
     # A session that already measured something keeps its own estimates when it joins.
-    measured = _measured(draft_s=0.0005, verify_s=0.011, accepted=4)
+    measured = measured_model(draft_s=0.0005, verify_s=0.011, accepted=4)
     measured.join(pool)
     assert measured.decide(4)[1] is DraftDecision.DRAFT
     with pytest.raises(ValueError):
         DraftCostModel(3).join(pool)
-
-
-def test_a_new_session_starts_from_the_probe_wait_of_the_session_that_probed_last():
-    """Probes that lost in other sessions are evidence for a new one too: it waits as long as they would before
-    its first probe, and a probe that wins anywhere shortens the wait again for the sessions after it."""
-    pool = DraftCostModel(4)
-    first = DraftCostModel(4)
-    first.join(pool)
-    for _ in range(20):
-        first.observe_draft(4, 0, 0.008)
-        first.observe_forward(5, 0.012)
-    first.observe_forward(1, PLAIN_S)
-    base = first.probe_interval(4)
-    _probe(first, 4, accepted=0)
-    _probe(first, 4, accepted=0)
-    second = DraftCostModel(4)
-    second.join(pool)
-    second.observe_forward(1, PLAIN_S)
-    assert second.probe_interval(4) == 4 * base
-    assert _probe(second, 4, accepted=4) == 4 * base  # this one wins
-    third = DraftCostModel(4)
-    third.join(pool)
-    third.observe_forward(1, PLAIN_S)
-    assert third.probe_interval(4) == base
-
-
-def test_after_a_run_of_drafts_it_refreshes_the_time_of_a_plain_step():
-    model = DraftCostModel(4, refresh_plain_after=5)
-    for _ in range(10):
-        model.observe_draft(4, 4, 0.0005)
-        model.observe_forward(5, 0.011)
-    model.observe_forward(1, PLAIN_S)
-    decisions = [model.decide(4) for _ in range(6)]
-    assert decisions[:5] == [(4, DraftDecision.DRAFT)] * 5
-    assert decisions[5] == (0, DraftDecision.PROBE)
-    assert model.decide(4) == (4, DraftDecision.DRAFT)
 
 
 def test_a_position_after_the_accepted_prefix_is_observed_rejected_and_later_ones_take_its_estimate():
@@ -395,39 +233,18 @@ def test_invalid_settings_are_rejected():
 
 def test_a_proposal_that_costs_next_to_nothing_is_made_before_the_decision():
     """A lookup (a tenth of a millisecond next to a 10 ms plain step) is looked at first; a model is not."""
-    assert _measured(draft_s=0.0001, verify_s=0.012, accepted=2).peeks(4)
-    assert not _measured(draft_s=0.002, verify_s=0.012, accepted=2).peeks(4)
+    assert measured_model(draft_s=0.0001, verify_s=0.012, accepted=2).peeks(4)
+    assert not measured_model(draft_s=0.002, verify_s=0.012, accepted=2).peeks(4)
     assert not DraftCostModel(4).peeks(4)  # nothing measured yet
 
 
 def test_a_proposal_in_hand_bounds_the_draft_and_an_empty_one_is_a_plain_step():
     """With the proposal in hand the decision drafts no more than it offered, and an empty proposal is a plain step
     (which may run in a burst) where a blind decision would have drafted."""
-    model = _measured(draft_s=0.0001, verify_s=0.011, accepted=4)
+    model = measured_model(draft_s=0.0001, verify_s=0.011, accepted=4)
     assert model.decide(4) == (4, DraftDecision.DRAFT)
     assert model.decide(4, offered=2) == (2, DraftDecision.DRAFT)
     assert model.decide(4, offered=0) == (0, DraftDecision.DECLINE)
-
-
-def test_a_probe_that_falls_due_waits_for_a_proposal_that_offers_something():
-    model = _measured(draft_s=0.0001, verify_s=0.012, accepted=0)
-    interval = model.probe_interval(4)
-    assert [model.decide(4, offered=0) for _ in range(interval + 3)] == [(0, DraftDecision.DECLINE)] * (interval + 3)
-    assert model.decide(4, offered=3) == (3, DraftDecision.PROBE)
-
-
-def test_a_probe_drafts_the_whole_limit_whatever_length_is_thought_best():
-    """Only the first drafted position was ever verified (its acceptance is poor, the others still at their prior):
-    a probe drafts every position, so that each is measured."""
-    model = DraftCostModel(6)
-    for _ in range(20):
-        model.observe_draft(1, 0, 0.001)
-        model.observe_forward(2, 0.012)
-    model.observe_forward(1, PLAIN_S)
-    assert model.acceptance[0] < 0.1  # the only position ever observed
-    decisions = [model.decide(6) for _ in range(model.probe_interval(6) + 1)]
-    assert decisions[-1] == (6, DraftDecision.PROBE)
-    assert set(decisions[:-1]) == {(0, DraftDecision.DECLINE)}
 
 
 def test_a_step_is_timed_only_when_its_block_held_one_pending_token():
@@ -444,30 +261,3 @@ def test_a_step_is_timed_only_when_its_block_held_one_pending_token():
     offered = model.offered
     model.observe_step(3, 1, 4, 0, 0, draft_s=0.001, forward_s=0.004)
     assert model.offered == offered
-
-
-def test_a_longer_block_timed_slow_once_is_drafted_again_and_repriced():
-    """A lookup's first 8-token block took 30 ms (a cold forward), so three-token drafts look best; after 16 of them
-    the session verifies all a proposal offers once, finds the block costs what a short one does, and drafts the
-    limit from then. A model's proposal, decided on before it is made, is not so re-timed."""
-
-    def measured() -> DraftCostModel:
-        model = DraftCostModel(7)
-        for _ in range(MIN_DRAFTS_SEEN):
-            model.observe_draft(7, 7, 0.0001)
-        model.observe_forward(1, PLAIN_S)
-        model.observe_forward(4, 0.011)
-        model.observe_forward(8, 0.030)
-        return model
-
-    lookup = measured()
-    decisions = [lookup.decide(7, offered=7) for _ in range(REFRESH_LONG_AFTER + 1)]
-    assert decisions[:-1] == [(3, DraftDecision.DRAFT)] * REFRESH_LONG_AFTER
-    assert decisions[-1] == (7, DraftDecision.PROBE)
-    for _ in range(4):  # the limit, timed at what it costs when warm
-        lookup.observe_forward(8, 0.012)
-    assert lookup.decide(7, offered=7) == (7, DraftDecision.DRAFT)
-    model = measured()
-    assert [model.decide(7) for _ in range(2 * REFRESH_LONG_AFTER)] == [(3, DraftDecision.DRAFT)] * (
-        2 * REFRESH_LONG_AFTER
-    )
