@@ -219,31 +219,32 @@ class Decoder:
             raise ValueError("no room left for another token")
         limit = seq.draft_length.current if self.draft_policy is DraftPolicy.ADAPTIVE else seq.draft_length.limit
         wanted = max(0, min(limit, room - 1))
-        decision, peeked, peek_s = None, None, None
+        decision, proposal = None, None  # proposal: the draft and the seconds it took, once asked for
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
             costs = seq.draft_costs
             costs.join(self._cost_pool(costs.max_draft_tokens))
             if costs.peeks(wanted):  # a cheap proposal: decide with it in hand
-                started = time.perf_counter()
-                peeked = seq.draft_session.propose(seq.tokens, wanted)
-                peek_s = time.perf_counter() - started
-            offered = None if peeked is None else len(peeked)
+                proposal = self._timed_proposal(seq, wanted)
+            offered = None if proposal is None else len(proposal[0])
             wanted, decision = costs.decide(wanted, decoding=pending == 1, offered=offered)
         burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
             request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
         )
-        if peeked is not None:
-            plan.proposed, plan.draft_s = True, peek_s
+        if proposal is None and propose and wanted > 0 and burst == 1:
+            proposal = self._timed_proposal(seq, wanted)
+        if proposal is not None:
+            plan.proposed, plan.draft_s = True, proposal[1]
             if wanted > 0:
-                self._attach_draft(plan, peeked)
-        elif propose and wanted > 0 and burst == 1:
-            plan.proposed = True
-            started = time.perf_counter()
-            proposed = seq.draft_session.propose(seq.tokens, wanted)
-            plan.draft_s = time.perf_counter() - started
-            self._attach_draft(plan, proposed)
+                self._attach_draft(plan, proposal[0])
         return plan
+
+    @staticmethod
+    def _timed_proposal(seq: SequenceState, wanted: int) -> tuple[list[int], float]:
+        """The draft session's proposal of up to `wanted` tokens, and the seconds it took."""
+        started = time.perf_counter()
+        draft = seq.draft_session.propose(seq.tokens, wanted)
+        return draft, time.perf_counter() - started
 
     def _cost_pool(self, limit: int) -> DraftCostModel:
         """What the sessions of draft limit `limit` measured (`cost`), built the first time one asks."""

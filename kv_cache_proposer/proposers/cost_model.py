@@ -100,10 +100,10 @@ class DraftCostModel:
         """The estimated share of proposals that offer a draft at all."""
         return self._offered
 
-    def expected_tokens(self, draft_tokens: int) -> float:
+    def expected_tokens(self, draft_tokens: int, *, offered: bool = False) -> float:
         """Tokens a step that drafts `draft_tokens` is expected to emit (its accepted drafts plus one), an empty
-        proposal's plain step included."""
-        return 1.0 + self._offered * self.expected_accepted(draft_tokens)
+        proposal's plain step included (`offered`: a proposal in hand that offered them, so none is empty)."""
+        return 1.0 + (1.0 if offered else self._offered) * self.expected_accepted(draft_tokens)
 
     def expected_accepted(self, drafted: int) -> float:
         """Drafted tokens the verifier is expected to accept of a proposal that offered `drafted` of them."""
@@ -120,7 +120,7 @@ class DraftCostModel:
         forward = _estimate(self._forward_s, draft_tokens + 1)
         if forward is None:
             return None
-        draft, tokens = 0.0, 1.0
+        draft = 0.0
         if draft_tokens > 0:
             measured = _estimate(self._draft_s, draft_tokens)
             if measured is None:
@@ -128,8 +128,7 @@ class DraftCostModel:
             share = 1.0 if offered else self._offered
             plain = self._forward_s.get(1, forward)  # what a step whose proposal was empty verifies
             draft, forward = measured, share * forward + (1 - share) * plain
-            tokens += share * self.expected_accepted(draft_tokens)
-        return tokens / max(draft + forward, 1e-12)
+        return self.expected_tokens(draft_tokens, offered=offered) / max(draft + forward, 1e-12)
 
     def peeks(self, limit: int) -> bool:
         """Whether the decoder should propose before deciding, and decide with the proposal in hand
@@ -151,14 +150,10 @@ class DraftCostModel:
         and takes no probe: the estimates alone decide it (before they are measured, it drafts the limit).
         `offered`: the proposal is in hand (`peeks`) and offered that many tokens; an empty one is a plain step
         (a probe that falls due waits for a proposal that offers something)."""
-        limit = min(limit, self.max_draft_tokens, limit if offered is None else offered)
-        if limit < 1:
-            return (
-                self._count(0, DraftDecision.DECLINE)
-                if decoding and offered is not None
-                else (0, DraftDecision.DECLINE)
-            )
         given = offered is not None
+        limit = min(limit, self.max_draft_tokens, limit if offered is None else offered)
+        if limit < 1:  # an empty proposal in hand is a plain decode step, and counts as one
+            return self._count(0, DraftDecision.DECLINE) if decoding and given else (0, DraftDecision.DECLINE)
         if not decoding:
             if not self._draft_s or 1 not in self._forward_s or self._drafts_seen < MIN_DRAFTS_SEEN:
                 return limit, DraftDecision.PROBE  # not yet measured: the whole limit, as a decode step drafts
