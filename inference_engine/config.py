@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from inference_engine.model_dir_info import model_drafter
 from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
 from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, KV_DTYPES, TORCH_FORWARDS, WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
@@ -386,12 +387,6 @@ class ServerConfig:
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
         return out
-
-
-def model_drafter(model_dir: Path) -> Path | None:
-    """The DFlash drafter a model directory ships in its `dflash/` subdirectory (the bundled model does)."""
-    drafter = model_dir / "dflash"
-    return drafter if (drafter / "config.json").is_file() else None
 
 
 def is_loopback(host: str) -> bool:

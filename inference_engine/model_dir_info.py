@@ -1,6 +1,6 @@
 """What the served model says about itself, read from its directory: end-of-sequence ids, the context length it was
-trained for and its chat template. `GetModelInfo` reports these, and sessions created without `eos_token_ids` stop
-on the model's end-of-sequence ids."""
+trained for and its chat template (`GetModelInfo` reports these, and sessions created without `eos_token_ids` stop
+on the model's end-of-sequence ids), and the DFlash drafter it ships."""
 
 from __future__ import annotations
 
@@ -96,3 +96,9 @@ def _chat_template(model_dir: Path) -> str | None:
             if isinstance(entry, dict) and entry.get("name") == "default" and isinstance(entry.get("template"), str):
                 return str(entry["template"])
     return None
+
+
+def model_drafter(model_dir: Path) -> Path | None:
+    """The DFlash drafter a model directory ships in its `dflash/` subdirectory (the bundled model does)."""
+    drafter = model_dir / "dflash"
+    return drafter if (drafter / "config.json").is_file() else None

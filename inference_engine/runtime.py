@@ -234,14 +234,7 @@ class Runtime:
             if not 0 <= length <= history:
                 raise InvalidArgument(f"prefix_tokens {length} is outside the parent's history of {history} tokens")
             seq = await self.engine.call(fork_sequence, parent.seq, length)
-            fork = Session(
-                session_id=self.store.new_id(),
-                label=parent.label if label is None else label,
-                eos_token_ids=parent.eos_token_ids,
-                seq=seq,
-                last_access=self.store.now(),
-                compressor=parent.compressor,
-            )
+            fork = parent.fork(self.store.new_id(), seq, self.store.now(), label)
             try:
                 self.store.add(fork)
             except ResourceExhausted:

@@ -57,6 +57,18 @@ class Session:
         self.seq.cache.release()
         self.seq.draft_session.release()
 
+    def fork(self, session_id: str, seq: SequenceState, last_access: float, label: str | None = None) -> Session:
+        """A session over `seq` (forked from this one's) that keeps this one's end-of-sequence ids, compressor and,
+        unless `label` is given, label."""
+        return Session(
+            session_id=session_id,
+            label=self.label if label is None else label,
+            eos_token_ids=self.eos_token_ids,
+            seq=seq,
+            last_access=last_access,
+            compressor=self.compressor,
+        )
+
 
 class SessionStore:
     """All live sessions, keyed by server-issued ids. Runs on the event loop thread only."""

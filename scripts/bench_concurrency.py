@@ -49,7 +49,8 @@ from lib.decode_arms import history_tokens
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import ServerConfig, model_drafter
+from inference_engine.config import ServerConfig
+from inference_engine.model_dir_info import model_drafter
 
 MODES = ("batched", "unbatched", "alone")
 DAEMONS = ("batched", "unbatched")  # the alone mode runs on the batched daemon

@@ -81,7 +81,7 @@ from lib.decode_summary import BARE, named, summarize, unnamed
 from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 
-from inference_engine.config import model_drafter
+from inference_engine.model_dir_info import model_drafter
 from kv_cache_proposer.backends import WEIGHTS
 from kv_cache_proposer.backends.mlx_blas import use_mlx_blas
 

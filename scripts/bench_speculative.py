@@ -51,7 +51,7 @@ from lib.model_option import add_model_option
 from lib.results import RESULTS_DIR, write_results
 from lib.tokens import read_tokens, spread_windows
 
-from inference_engine.config import model_drafter
+from inference_engine.model_dir_info import model_drafter
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
