@@ -55,6 +55,7 @@ class _Plan:
     burst: int = 1  # plain greedy steps run back to back in one call (see `Decoder.burst_tokens`)
     wanted: int = 0  # draft tokens to ask the proposer for
     proposed: bool = False  # the proposer was asked already (the draft, cut to `wanted`, is attached)
+    unverified: Sequence[int] = ()  # what the proposal offered past the draft
     draft_commit: DraftCommit | None = None  # what the draft session learns once the verifier committed
     decision: DraftDecision | None = None  # the `cost` policy's choice of `wanted`
     draft_s: float | None = None  # seconds of the proposal
@@ -223,6 +224,7 @@ class Decoder:
         if self.draft_policy is DraftPolicy.COST and wanted > 0:
             costs = seq.draft_costs
             costs.join(self._cost_pool(costs.max_draft_tokens))
+            costs.settle(seq.tokens, len(seq.tokens) - pending + 1, final=pending > 1)
             if costs.peeks(wanted):  # a cheap proposal: decide with it in hand
                 proposal = self._timed_proposal(seq, wanted)
             offered = None if proposal is None else len(proposal[0])
@@ -262,7 +264,7 @@ class Decoder:
         if grammar is not None:
             # Tokens the grammar forbids are never verified (the proposer's acceptance is judged on the rest).
             draft = draft[: grammar.valid_prefix(draft)]
-        plan.draft = draft
+        plan.draft, plan.unverified = draft, proposed[len(draft) :]
         plan.block = plan.block + draft
         plan.logits_rows = len(draft) + 1
 
@@ -328,8 +330,9 @@ class Decoder:
             seq.draft_length.update(len(draft), accepted)
         if self.draft_policy is DraftPolicy.COST:
             seq.draft_costs.observe_step(
-                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=plan.forward_s
-            )
+                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=plan.forward_s,
+                unverified=plan.unverified, position=len(seq.tokens) + len(draft),
+            )  # fmt: skip
         emitted = sampled[: accepted + 1]
         stop = None
         if dead_end_row is not None and dead_end_row < len(emitted):

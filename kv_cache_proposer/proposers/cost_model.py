@@ -11,6 +11,7 @@ are in docs/speculative-decoding.md ("Draft length").
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import StrEnum
 
 PRIOR_ACCEPTANCE = 0.5  # counts as one observation: the first real one moves an estimate halfway
@@ -23,6 +24,7 @@ MAX_PROBE_INTERVAL = 512  # plain steps between probes, at most
 MAX_BACKOFF = 6  # a probe that loses doubles the wait for the next, at most this many times in a row
 REFRESH_LONG_AFTER = 16  # steps drafting less of a proposal in hand than it offered, before one drafts it all
 PEEK_SHARE = 0.05  # a proposal that costs at most this share of a plain step is made before deciding (`peeks`)
+MAX_HELD = 8  # unverified tails of proposals in hand awaiting the tokens that judge them (`settle`)
 
 
 class DraftDecision(StrEnum):
@@ -67,6 +69,7 @@ class DraftCostModel:
         self._backoff = 0  # probes in a row that lost: each doubles the wait for the next
         self._pool: DraftCostModel | None = None
         self._borrowed: set[int] = set()  # block lengths whose forward time is the pool's, not yet measured here
+        self._held: list[tuple[int, int, list[int]]] = []  # (position, verified, tail) of proposals cut short
 
     def join(self, pool: DraftCostModel) -> None:
         """Share observations with `pool`, the model of every session of one decoder: a model that has observed
@@ -217,17 +220,7 @@ class DraftCostModel:
             self._pool.observe_draft(requested, accepted, seconds, drafted=drafted)
         drafted = requested if drafted is None else min(drafted, requested)
         expected = self.expected_accepted(drafted)
-        for position in range(min(drafted, accepted + 1, self.max_draft_tokens)):
-            outcome = 1.0 if position < accepted else 0.0
-            self._seen[position] += 1
-            weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
-            self._acceptance[position] += weight * (outcome - self._acceptance[position])
-        # A position never observed is expected to do as the one before it does: past the positions a session
-        # drafts, a lookup whose first drafts are accepted tends to be accepted on (a fixed prior there would keep a
-        # session from ever drafting far enough to find out), and a drafter whose first drafts fail fails on.
-        for position in range(1, self.max_draft_tokens):
-            if not self._seen[position]:
-                self._acceptance[position] = self._acceptance[position - 1]
+        self._observe_positions(0, drafted, accepted)
         if requested > 0:
             self._drafts_seen += 1
             weight = max(ACCEPTANCE_WEIGHT, 1 / (self._drafts_seen + 1))
@@ -244,6 +237,43 @@ class DraftCostModel:
         if seconds is not None and requested > 0:
             _average(self._draft_s, requested, seconds)
 
+    def _observe_positions(self, first: int, drafted: int, accepted: int) -> None:
+        """Positions `first` to `drafted` - 1 of a draft whose first `accepted` tokens were accepted: each one reached
+        (all before it accepted) is an observation of its acceptance."""
+        for position in range(first, min(drafted, accepted + 1, self.max_draft_tokens)):
+            outcome = 1.0 if position < accepted else 0.0
+            self._seen[position] += 1
+            weight = max(ACCEPTANCE_WEIGHT, 1 / (self._seen[position] + 1))
+            self._acceptance[position] += weight * (outcome - self._acceptance[position])
+        # A position never observed is expected to do as the one before it does: past the positions a session
+        # drafts, a lookup whose first drafts are accepted tends to be accepted on (a fixed prior there would keep a
+        # session from ever drafting far enough to find out), and a drafter whose first drafts fail fails on.
+        for position in range(1, self.max_draft_tokens):
+            if not self._seen[position]:
+                self._acceptance[position] = self._acceptance[position - 1]
+
+    def observe_unverified(self, verified: int, accepted: int, offered: int) -> None:
+        """A proposal in hand offered `offered` tokens, a step verified the first `verified` (all accepted), and the
+        tokens the session generated after them show that its first `accepted` would have been accepted: the
+        positions past `verified` are observed as if they had been drafted (acceptance only: no time, no decision)."""
+        if self._pool is not None:
+            self._pool.observe_unverified(verified, accepted, offered)
+        self._observe_positions(verified, offered, accepted)
+
+    def settle(self, tokens: Sequence[int], known: int, *, final: bool = False) -> None:
+        """Judge the held tails of proposals in hand (`observe_step(unverified=...)`) by what the session generated:
+        `tokens[:known]` are the verifier's own picks. A tail is observed once a token differs from it or it is
+        covered; `final`: tokens not yet generated never will be (other tokens were appended), so the rest is
+        dropped."""
+        held, self._held = self._held, []
+        for position, verified, tail in held:
+            seen = list(tokens[position : max(position, min(known, position + len(tail)))])
+            matched = next((i for i, (a, b) in enumerate(zip(seen, tail, strict=False)) if a != b), len(seen))
+            if matched < len(seen) or len(seen) == len(tail):
+                self.observe_unverified(verified, verified + matched, verified + len(tail))
+            elif not final:
+                self._held.append((position, verified, tail))
+
     def observe_step(
         self,
         pending: int,
@@ -254,13 +284,20 @@ class DraftCostModel:
         *,
         draft_s: float | None,
         forward_s: float | None,
+        unverified: Sequence[int] = (),
+        position: int = 0,
     ) -> None:
         """What a decode step measured: its block held `pending` tokens before the draft; it ran `burst` plain steps
         in one call (then nothing was drafted), or asked for a draft of `requested` tokens, got `drafted` and had
         `accepted` of them accepted; `draft_s` and `forward_s` are the seconds of its proposal and forward. Times
         are kept only for a step whose block held one pending token: a longer one also verifies appended tokens,
-        which says nothing of a decode step's cost."""
+        which says nothing of a decode step's cost. `unverified`: the rest of a proposal in hand that the step cut
+        short, for the history's `position` on; once every drafted token was accepted, it is held until the tokens
+        the session generates judge it (`settle`), so a session that drafts short still learns how far a lookup's
+        proposals would have been accepted."""
         timed = pending == 1
+        if unverified and accepted == drafted and burst <= 1:
+            self._held = [*self._held[1 - MAX_HELD :], (position, drafted, list(unverified))]
         if burst > 1:
             if timed and forward_s is not None:
                 self.observe_forward(1, forward_s, steps=burst)

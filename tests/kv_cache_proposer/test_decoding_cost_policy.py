@@ -13,7 +13,13 @@ import pytest
 from kv_cache_proposer.decoding import Decoder, GenerationBudget, SequenceState, StepResult
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
 from kv_cache_proposer.proposers.base import DraftPolicy, DraftSession
-from kv_cache_proposer.proposers.cost_model import MIN_DRAFTS_SEEN, PRIOR_ACCEPTANCE, DraftCostModel, DraftDecision
+from kv_cache_proposer.proposers.cost_model import (
+    MIN_DRAFTS_SEEN,
+    PRIOR_ACCEPTANCE,
+    REFRESH_LONG_AFTER,
+    DraftCostModel,
+    DraftDecision,
+)
 from kv_cache_proposer.sampling import SamplingParams
 from kv_cache_proposer.strategies import FullStrategy, SinkWindowStrategy
 from tests.support.checkpoints import VOCAB_SIZE, save_dflash_drafter, save_draft_model
@@ -86,6 +92,17 @@ class ContinuationDraft:
 
     def clone(self, length: int) -> ContinuationDraft:
         return self
+
+
+class GivenTimes(DraftCostModel):
+    """The cost model with the forward times a test gives it: the real forwards' seconds on the test machine (of a
+    tiny verifier, about the same for every block length) would decide otherwise."""
+
+    def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
+        return None
+
+    def give_forward(self, block_tokens: int, seconds: float) -> None:
+        super().observe_forward(block_tokens, seconds)
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +219,27 @@ def test_a_lookup_is_made_before_the_decision_and_a_step_it_offers_nothing_runs_
     assert all(step.drafted > 0 for step in steps if step.decision is DraftDecision.DRAFT)
     assert any(step.decision is DraftDecision.DRAFT for step in steps)
     assert any(step.decision is DraftDecision.DECLINE and step.forwards > 1 for step in steps)
+
+
+def test_a_session_that_verifies_a_lookup_short_learns_the_rest_from_the_tokens_it_generates(verifiers):
+    """Longer blocks cost more here, and the session has seen only the first drafted token accepted, so it verifies
+    one token of each proposal in hand. The rest of every proposal is judged by the tokens the session goes on to
+    generate (each is the verifier's own), so it learns that longer drafts pay and verifies whole proposals long
+    before a refresh would have made it try one."""
+    verifier = verifiers["qwen3"]
+    prompt = _prompt()
+    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
+    draft = ContinuationDraft(reference, len(prompt))
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
+    limit = draft.max_draft_tokens
+    seq.draft_costs = costs = GivenTimes(limit)
+    for _ in range(MIN_DRAFTS_SEEN):  # measured: lookups cost nothing, and only their first token was accepted
+        costs.observe_draft(limit, 1, 1e-7)
+    for block, seconds in ((1, 0.001), (2, 0.0012), (limit + 1, 0.002)):
+        costs.give_forward(block, seconds)
+    tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST), seq)
+    assert tokens == reference
+    assert steps[1].decision is DraftDecision.DRAFT and steps[1].drafted == 1
+    longer = next(index for index, step in enumerate(steps) if step.drafted > 1)
+    assert steps[longer].decision is DraftDecision.DRAFT and steps[longer].drafted == limit
+    assert longer < REFRESH_LONG_AFTER

@@ -261,3 +261,44 @@ def test_a_step_is_timed_only_when_its_block_held_one_pending_token():
     offered = model.offered
     model.observe_step(3, 1, 4, 0, 0, draft_s=0.001, forward_s=0.004)
     assert model.offered == offered
+
+
+def test_the_rest_of_a_proposal_cut_short_is_judged_by_the_tokens_generated_after_it():
+    pool = DraftCostModel(6)
+    model = DraftCostModel(6)
+    model.join(pool)
+    # A step verified 2 tokens of a 6-token proposal in hand, both accepted; the other 4 stand for positions 100 on.
+    model.observe_step(1, 1, 2, 2, 2, draft_s=None, forward_s=None, unverified=[7, 8, 9, 10], position=100)
+    before, pooled = model.acceptance, pool.acceptance
+    history = [*range(100), 7, 8]
+    model.settle(history, len(history))  # two generated, both as offered: the tail is not judged yet
+    assert model.acceptance == before
+    history.append(5)  # the third differs: positions 3 and 4 would have been accepted, position 5 rejected
+    model.settle(history, len(history))
+    after = model.acceptance
+    assert after[:2] == before[:2]
+    assert after[2] > before[2] and after[3] > before[3] and after[4] < before[4]
+    assert after[5] == after[4]  # never observed: as the position before it
+    assert pool.acceptance != pooled  # the decoder's pool learns it too
+    model.settle([*history, 1, 2], len(history) + 2)  # a tail is judged once
+    assert model.acceptance == after
+
+
+def test_a_tail_is_held_only_when_every_verified_draft_was_accepted_and_dropped_once_tokens_are_appended():
+    model = DraftCostModel(4)
+    # A draft was rejected: the proposal's later positions were never reached, so they say nothing.
+    model.observe_step(1, 1, 2, 2, 1, draft_s=None, forward_s=None, unverified=[7, 8], position=10)
+    before = model.acceptance
+    model.settle([0] * 10 + [7, 8], 12)
+    assert model.acceptance == before
+    model.observe_step(1, 1, 2, 2, 2, draft_s=None, forward_s=None, unverified=[7, 8], position=10)
+    before = model.acceptance
+    # Tokens were appended after one generated token: the rest of the tail is never generated, so it is dropped.
+    model.settle([0] * 10 + [7], 11, final=True)
+    model.settle([0] * 10 + [7, 8], 12)
+    assert model.acceptance == before
+    # A first generated token that differs judges the tail at once.
+    model.observe_step(1, 1, 2, 2, 2, draft_s=None, forward_s=None, unverified=[7, 8], position=10)
+    before = model.acceptance
+    model.settle([0] * 10 + [3], 11, final=True)
+    assert model.acceptance[2] < before[2] and model.acceptance[3] == model.acceptance[2]
