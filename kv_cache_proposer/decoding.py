@@ -97,10 +97,8 @@ class Decoder:
         generated: int,
         controls: DecodeControls | None = None,
     ) -> StepResult:
-        """Generate at least one token (or prefill one chunk of a long pending suffix).
-
-        `generated` counts the tokens this generation produced so far (the last `generated` history tokens).
-        """
+        """Generate at least one token (or prefill one chunk of a long pending suffix); `generated` counts the
+        tokens this generation produced so far (the last `generated` history tokens)."""
         return self._step_alone(self._plan(StepRequest(seq, params, budget, generated, controls)))
 
     def _step_alone(self, plan: _Plan) -> StepResult:
@@ -142,9 +140,7 @@ class Decoder:
             planned = []
         drafting = [plan for _, plan in planned if plan.wanted > 0 and not plan.proposed]
         started = time.perf_counter()
-        proposed = propose_all(
-            [DraftRequest(plan.seq.draft_session, plan.seq.tokens, plan.wanted) for plan in drafting]
-        )
+        proposed = propose_all([DraftRequest(p.seq.draft_session, p.seq.tokens, p.wanted) for p in drafting])
         for plan in drafting:  # drafters that share a batch drafter propose in one forward, as one wait
             plan.draft_s = time.perf_counter() - started
         drafts = {id(plan): draft for plan, draft in zip(drafting, proposed, strict=True)}
@@ -190,9 +186,8 @@ class Decoder:
 
     def _verify_alone(self, plan: _Plan) -> VerifyOutput[Any] | Exception:
         try:
-            return self.verifier.verify(
-                plan.seq.cache, plan.block, plan.logits_rows, feature_layers=plan.feature_layers
-            )
+            seq_cache, layers = plan.seq.cache, plan.feature_layers
+            return self.verifier.verify(seq_cache, plan.block, plan.logits_rows, feature_layers=layers)
         except Exception as exc:  # handed to that session's caller
             return exc
 
@@ -239,6 +234,8 @@ class Decoder:
             plan.proposed, plan.draft_s = True, proposal[1]
             if wanted > 0:
                 self._attach_draft(plan, proposal[0])
+            else:  # declined with a lookup in hand: the tokens generated next judge all of it
+                plan.unverified = proposal[0]
         return plan
 
     @staticmethod
@@ -331,7 +328,7 @@ class Decoder:
         if self.draft_policy is DraftPolicy.COST:
             seq.draft_costs.observe_step(
                 pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=plan.forward_s,
-                unverified=plan.unverified, position=len(seq.tokens) + len(draft),
+                unverified=plan.unverified, position=len(seq.tokens) + (0 if burst else len(draft)),
             )  # fmt: skip
         emitted = sampled[: accepted + 1]
         stop = None

@@ -292,12 +292,12 @@ class DraftCostModel:
         `accepted` of them accepted; `draft_s` and `forward_s` are the seconds of its proposal and forward. Times
         are kept only for a step whose block held one pending token: a longer one also verifies appended tokens,
         which says nothing of a decode step's cost. `unverified`: the rest of a proposal in hand that the step cut
-        short, for the history's `position` on; once every drafted token was accepted, it is held until the tokens
-        the session generates judge it (`settle`), so a session that drafts short still learns how far a lookup's
-        proposals would have been accepted."""
+        short (all of it, for a step that declined), for the history's `position` on; once every drafted token was
+        accepted, it is held until the tokens the session generates judge it (`settle`), so a session that drafts
+        short, or not at all, still learns how far a lookup's proposals would have been accepted."""
         timed = pending == 1
-        if unverified and accepted == drafted and burst <= 1:
-            self._held = [*self._held[1 - MAX_HELD :], (position, drafted, list(unverified))]
+        if unverified and accepted == drafted:  # a burst verified no draft: its tokens are plain steps' picks
+            self._held = [*self._held[1 - MAX_HELD :], (position, 0 if burst > 1 else drafted, list(unverified))]
         if burst > 1:
             if timed and forward_s is not None:
                 self.observe_forward(1, forward_s, steps=burst)

@@ -243,3 +243,26 @@ def test_a_session_that_verifies_a_lookup_short_learns_the_rest_from_the_tokens_
     longer = next(index for index, step in enumerate(steps) if step.drafted > 1)
     assert steps[longer].decision is DraftDecision.DRAFT and steps[longer].drafted == limit
     assert longer < REFRESH_LONG_AFTER
+
+
+def test_a_session_that_declines_a_lookup_learns_from_what_it_generates_and_drafts_again_without_a_probe(verifiers):
+    """A session whose lookups were all rejected declines them, with each proposal in hand. The tokens it generates
+    in plain steps (bursts included) judge those proposals, so once the text turns predictable it drafts again on
+    its estimates, where before only a probe, many plain steps later, could have told it."""
+    verifier = verifiers["qwen3"]
+    prompt = _prompt()
+    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
+    draft = ContinuationDraft(reference, len(prompt))
+    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
+    limit = draft.max_draft_tokens
+    seq.draft_costs = costs = GivenTimes(limit)
+    for _ in range(MIN_DRAFTS_SEEN):  # measured: lookups cost nothing, and every one was rejected
+        costs.observe_draft(limit, 0, 1e-7)
+    for block, seconds in ((1, 0.001), (2, 0.0012), (limit + 1, 0.002)):
+        costs.give_forward(block, seconds)
+    assert costs.decide(limit, offered=limit) == (0, DraftDecision.DECLINE)
+    tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4), seq)
+    assert tokens == reference
+    first = next(index for index, step in enumerate(steps) if step.drafted)
+    assert all(step.decision is DraftDecision.DECLINE for step in steps[:first])
+    assert steps[first].decision is DraftDecision.DRAFT  # not a probe
