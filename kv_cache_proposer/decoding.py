@@ -186,8 +186,8 @@ class Decoder:
 
     def _verify_alone(self, plan: _Plan) -> VerifyOutput[Any] | Exception:
         try:
-            seq_cache, layers = plan.seq.cache, plan.feature_layers
-            return self.verifier.verify(seq_cache, plan.block, plan.logits_rows, feature_layers=layers)
+            cache, layers = plan.seq.cache, plan.feature_layers
+            return self.verifier.verify(cache, plan.block, plan.logits_rows, feature_layers=layers)
         except Exception as exc:  # handed to that session's caller
             return exc
 
