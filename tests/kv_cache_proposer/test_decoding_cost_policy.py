@@ -221,27 +221,35 @@ def test_a_lookup_is_made_before_the_decision_and_a_step_it_offers_nothing_runs_
     assert any(step.decision is DraftDecision.DECLINE and step.forwards > 1 for step in steps)
 
 
-def test_a_session_that_verifies_a_lookup_short_learns_the_rest_from_the_tokens_it_generates(verifiers):
-    """Longer blocks cost more here, and the session has seen only the first drafted token accepted, so it verifies
-    one token of each proposal in hand. The rest of every proposal is judged by the tokens the session goes on to
-    generate (each is the verifier's own), so it learns that longer drafts pay and verifies whole proposals long
-    before a refresh would have made it try one."""
-    verifier = verifiers["qwen3"]
+def _lookup_session(verifier: Any, accepted: int) -> tuple[list[int], SequenceState, GivenTimes]:
+    """The reference greedy tokens, and a session whose lookup drafts exactly them (`ContinuationDraft`) but whose
+    cost model measured lookups that cost nothing with only their first `accepted` tokens accepted, and blocks of
+    2 and of the whole limit costing 1.2 and 2 plain steps."""
     prompt = _prompt()
     reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
     draft = ContinuationDraft(reference, len(prompt))
     seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
     limit = draft.max_draft_tokens
     seq.draft_costs = costs = GivenTimes(limit)
-    for _ in range(MIN_DRAFTS_SEEN):  # measured: lookups cost nothing, and only their first token was accepted
-        costs.observe_draft(limit, 1, 1e-7)
+    for _ in range(MIN_DRAFTS_SEEN):
+        costs.observe_draft(limit, accepted, 1e-7)
     for block, seconds in ((1, 0.001), (2, 0.0012), (limit + 1, 0.002)):
         costs.give_forward(block, seconds)
+    return reference, seq, costs
+
+
+def test_a_session_that_verifies_a_lookup_short_learns_the_rest_from_the_tokens_it_generates(verifiers):
+    """Longer blocks cost more here, and the session has seen only the first drafted token accepted, so it verifies
+    one token of each proposal in hand. The rest of every proposal is judged by the tokens the session goes on to
+    generate (each is the verifier's own), so it learns that longer drafts pay and verifies whole proposals long
+    before a refresh would have made it try one."""
+    verifier = verifiers["qwen3"]
+    reference, seq, costs = _lookup_session(verifier, accepted=1)
     tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST), seq)
     assert tokens == reference
     assert steps[1].decision is DraftDecision.DRAFT and steps[1].drafted == 1
     longer = next(index for index, step in enumerate(steps) if step.drafted > 1)
-    assert steps[longer].decision is DraftDecision.DRAFT and steps[longer].drafted == limit
+    assert steps[longer].decision is DraftDecision.DRAFT and steps[longer].drafted == costs.max_draft_tokens
     assert longer < REFRESH_LONG_AFTER
 
 
@@ -250,19 +258,12 @@ def test_a_session_that_declines_a_lookup_learns_from_what_it_generates_and_draf
     in plain steps (bursts included) judge those proposals, so once the text turns predictable it drafts again on
     its estimates, where before only a probe, many plain steps later, could have told it."""
     verifier = verifiers["qwen3"]
-    prompt = _prompt()
-    reference, _ = _run(Decoder(verifier), SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=prompt))
-    draft = ContinuationDraft(reference, len(prompt))
-    seq = SequenceState(cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=draft)
-    limit = draft.max_draft_tokens
-    seq.draft_costs = costs = GivenTimes(limit)
-    for _ in range(MIN_DRAFTS_SEEN):  # measured: lookups cost nothing, and every one was rejected
-        costs.observe_draft(limit, 0, 1e-7)
-    for block, seconds in ((1, 0.001), (2, 0.0012), (limit + 1, 0.002)):
-        costs.give_forward(block, seconds)
-    assert costs.decide(limit, offered=limit) == (0, DraftDecision.DECLINE)
+    reference, seq, costs = _lookup_session(verifier, accepted=0)
+    limit = costs.max_draft_tokens
+    assert costs.tokens_per_second(1, offered=True) < costs.tokens_per_second(0)  # so it declines
     tokens, steps = _run(Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4), seq)
     assert tokens == reference
     first = next(index for index, step in enumerate(steps) if step.drafted)
     assert all(step.decision is DraftDecision.DECLINE for step in steps[:first])
     assert steps[first].decision is DraftDecision.DRAFT  # not a probe
+    assert 0 < steps[first].drafted <= limit
