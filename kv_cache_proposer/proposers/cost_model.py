@@ -252,12 +252,12 @@ class DraftCostModel:
             if not self._seen[position]:
                 self._acceptance[position] = self._acceptance[position - 1]
 
-    def observe_unverified(self, verified: int, accepted: int, offered: int) -> None:
+    def _observe_unverified(self, verified: int, accepted: int, offered: int) -> None:
         """A proposal in hand offered `offered` tokens, a step verified the first `verified` (all accepted), and the
         tokens the session generated after them show that its first `accepted` would have been accepted: the
         positions past `verified` are observed as if they had been drafted (acceptance only: no time, no decision)."""
         if self._pool is not None:
-            self._pool.observe_unverified(verified, accepted, offered)
+            self._pool._observe_unverified(verified, accepted, offered)
         self._observe_positions(verified, offered, accepted)
 
     def settle(self, tokens: Sequence[int], known: int, *, final: bool = False) -> None:
@@ -267,10 +267,10 @@ class DraftCostModel:
         dropped."""
         held, self._held = self._held, []
         for position, verified, tail in held:
-            seen = list(tokens[position : max(position, min(known, position + len(tail)))])
+            seen = tokens[position : min(known, position + len(tail))]
             matched = next((i for i, (a, b) in enumerate(zip(seen, tail, strict=False)) if a != b), len(seen))
             if matched < len(seen) or len(seen) == len(tail):
-                self.observe_unverified(verified, verified + matched, verified + len(tail))
+                self._observe_unverified(verified, verified + matched, verified + len(tail))
             elif not final:
                 self._held.append((position, verified, tail))
 
