@@ -167,7 +167,7 @@ class ServerConfig:
         "draft length per step: full (every proposal may hold the whole --num-draft-tokens), adaptive (shrinks "
         "after a rejection, grows after a full acceptance), cost (each session times its drafts, verify forwards "
         "and plain steps and drafts the length expected fastest, or nothing when a plain step is) or auto: the one "
-        "measured to suit the proposer (full for ngram, cost for dflash, adaptive for draft_model; "
+        "measured to suit the proposer (cost for ngram and dflash, adaptive for draft_model; "
         "docs/speculative-decoding.md)",
         choices=DRAFT_POLICIES,
     )

@@ -95,7 +95,7 @@ class NgramProposer:
     min_n: int = MIN_N
     lookahead: int = LOOKAHEAD
 
-    draft_policy = DraftPolicy.FULL
+    draft_policy = DraftPolicy.COST
 
     @property
     def name(self) -> str:

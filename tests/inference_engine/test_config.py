@@ -102,7 +102,7 @@ def test_a_shared_journal_is_a_postgresql_url_given_instead_of_a_state_dir_and_m
 
 @pytest.mark.parametrize(
     ("proposer", "setting", "expected"),
-    [("ngram", "auto", "full"), ("draft_model", "auto", "adaptive"), ("ngram", "adaptive", "adaptive")],
+    [("ngram", "auto", "cost"), ("draft_model", "auto", "adaptive"), ("ngram", "adaptive", "adaptive")],
 )
 def test_the_draft_policy_defaults_to_the_one_measured_faster_for_the_proposer(
     verifier_pool, tmp_path, proposer, setting, expected

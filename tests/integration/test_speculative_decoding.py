@@ -48,7 +48,8 @@ def proposer_settings(checkpoints, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("proposers")
     return {
-        "ngram": {"proposer": "ngram", "num_draft_tokens": 5, "ngram_max_n": 3},
+        "ngram": {"proposer": "ngram", "num_draft_tokens": 5, "ngram_max_n": 3},  # under the default policy, cost
+        "ngram_full": {"proposer": "ngram", "num_draft_tokens": 5, "ngram_max_n": 3, "draft_policy": "full"},
         "draft_model": {"proposer": "draft_model", "draft_model": str(save_draft_model(root / "draft"))},
         "draft_model_self": {"proposer": "draft_model", "draft_model": str(checkpoints["qwen3"])},
         "dflash": {"proposer": "dflash", "draft_model": str(save_dflash_drafter(root / "dflash"))},
@@ -56,9 +57,13 @@ def proposer_settings(checkpoints, tmp_path_factory):
 
 
 CASES = [
-    *[("torch", p, s, {}) for p in ("ngram", "draft_model", "draft_model_self", "dflash") for s in STRATEGIES],
+    *[
+        ("torch", p, s, {})
+        for p in ("ngram", "ngram_full", "draft_model", "draft_model_self", "dflash")
+        for s in STRATEGIES
+    ],
     *[("torch", p, "full", {"temperature": 0.8, "seed": 21}) for p in ("ngram", "draft_model_self", "dflash")],
-    *[("mlx", p, s, {}) for p in ("ngram", "draft_model", "dflash") for s in STRATEGIES],
+    *[("mlx", p, s, {}) for p in ("ngram", "ngram_full", "draft_model", "dflash") for s in STRATEGIES],
 ]
 
 
@@ -78,7 +83,7 @@ def test_each_proposer_streams_exactly_the_tokens_of_plain_decoding(
         drafted += sum(d.draft_token_count for d in dones)
         accepted += sum(d.accepted_draft_token_count for d in dones)
     assert drafted > 0
-    if proposer in ("draft_model_self", "ngram") and not sampling:
+    if proposer in ("draft_model_self", "ngram_full") and not sampling:
         assert accepted > 0, "a proposer that can predict the verifier must get drafts accepted"
 
 
