@@ -111,6 +111,7 @@ class SessionInfo:
     kv_peak_restored_bytes: int = 0
     history_token_bytes: int = 0  # dlm_restore: token ids kept to rebuild evicted K/V by a forward
     kv_peak_bytes: int = 0  # the most bytes the session has held at once (after each step, and now)
+    draft_state_bytes: int = 0  # the proposer's state: a drafter's K/V, the n-gram index (in kv_live_bytes)
 
 
 @dataclass(frozen=True, slots=True)

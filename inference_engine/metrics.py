@@ -209,6 +209,11 @@ class Metrics:
             "Bytes of history token ids dlm_restore sessions keep to rebuild evicted K/V by a forward",
             registry=r,
         )
+        self.draft_state_bytes = Gauge(
+            "kakeya_draft_state_bytes",
+            "Bytes proposers hold for the sessions: drafters' and draft models' K/V, n-gram indexes",
+            registry=r,
+        )
         for kind in ("inv1", "inv2"):
             self.cache_invariant_violations.labels(kind=kind)
         for reason in ("ttl", "lru", "budget"):

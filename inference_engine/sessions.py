@@ -230,6 +230,7 @@ class SessionStore:
         self._gauges_at = self._clock()
         self._metrics.session_active.set(len(self._sessions))
         self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
+        self._metrics.draft_state_bytes.set(sum(int(s.seq.draft_session.nbytes) for s in self._sessions.values()))
         held = [session.seq.cache.footprint() for session in self._sessions.values()]
         compressed = sum(f.compressed_bytes for f in held)
         dense = sum(f.dense_equivalent_bytes for f in held if f.compressed_bytes)

@@ -28,7 +28,7 @@ Usage:
         [--max-tokens 128] [--repeats 2] [--draft-policies full adaptive] [--results-dir DIR]
     python scripts/bench_speculative.py --histories 128,1024,4096,8192 [--model NAME|DIR|GGUF]
         [--dflash DRAFTER_DIR] [--arms none,ngram/full,ngram/cost,dflash/full,dflash/cost] [--prompt-form chat|source]
-        [--prompts 4] [--max-tokens 128] [--repeats 1] [--daemon-flags "--weights float32"]
+        [--prompts 4] [--max-tokens 128] [--repeats 1] [--rounds 1] [--daemon-flags "--weights float32"]
 """
 
 from __future__ import annotations
@@ -107,10 +107,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     daemon.add_argument("--daemon-flags", default="", help="more flags for every daemon (the defaults otherwise)")
     daemon.add_argument("--seed", type=int, default=0, help="seeds the chat prompts")
+    daemon.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the bench this many times, each in fresh daemons, to show the spread from one daemon process to "
+        "another (each row gives every round's ratio to none)",
+    )
     args = p.parse_args(argv)
     args.histories = [int(h) for h in args.histories.split(",") if h]
     if any(h < 1 for h in args.histories):
         p.error("--histories must hold lengths >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     return args
 
 

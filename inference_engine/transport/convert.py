@@ -169,6 +169,7 @@ def session_info(info: SessionInfo) -> pb.GetSessionInfoResponse:
         kv_peak_restored_bytes=info.kv_peak_restored_bytes,
         history_token_bytes=info.history_token_bytes,
         kv_peak_bytes=info.kv_peak_bytes,
+        draft_state_bytes=info.draft_state_bytes,
     )
 
 

@@ -6,6 +6,7 @@ their context (tool output, file contents, identifiers).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,10 @@ from kv_cache_proposer.strategies import KVStrategy
 # A one-token suffix matches somewhere in almost any long history and rarely predicts what comes next; a block of
 # 8 (7 drafts) verified faster than one of 9 on a CPU (docs/speculative-decoding.md).
 MAX_N, MIN_N, LOOKAHEAD = 4, 2, 7
+# What an index entry holds besides its dict slot: its n-gram's tuple (whose items are the history's own int
+# objects, held anyway) and the position it maps to, an int object shared by the n-grams ending there.
+_TUPLE_BYTES, _INT_BYTES = sys.getsizeof(()), sys.getsizeof(1 << 20)
+_ITEM_BYTES = sys.getsizeof((0,)) - _TUPLE_BYTES
 
 
 @dataclass(slots=True)
@@ -26,8 +31,8 @@ class NgramDraftSession:
     An index from every n-gram of `min_n` to `max_n` tokens to the position after its latest occurrence is kept up
     to date as positions are committed (prefill chunks included), so a proposal costs O(max_n) whatever the
     history length, and a session that starts drafting late pays no indexing of its history in its first proposal
-    (where a cost model would take it for the price of every proposal). The index holds about 300 bytes per
-    position of history, which `nbytes` does not report (docs/speculative-decoding.md, "Proposers").
+    (where a cost model would take it for the price of every proposal). Its bytes grow with the history's distinct
+    n-grams and count as the session's drafting state (`nbytes`), as a drafter's K/V do.
     """
 
     max_n: int
@@ -51,7 +56,13 @@ class NgramDraftSession:
 
     @property
     def nbytes(self) -> int:
-        return 0
+        """The index's bytes: each dict's table and each entry's tuple, and the positions its entries map to (one
+        int object per position, shared by its n-grams: about as many as the largest dict has entries)."""
+        tables = sum(
+            sys.getsizeof(grams) + len(grams) * (_TUPLE_BYTES + n * _ITEM_BYTES)
+            for n, grams in enumerate(self._index, self.min_n)
+        )
+        return tables + max(map(len, self._index)) * _INT_BYTES
 
     def propose(self, history: Sequence[int], max_tokens: int) -> list[int]:
         end = len(history)

@@ -3,11 +3,13 @@ lengths, as a user meets it.
 
 One `kakeya-runtime serve` per arm (`none`, `ngram`, `dflash`, each optionally `/POLICY` for `--draft-policy`) runs
 on a loopback port with the daemon's default flags plus the arm's, `--model` and any `--daemon-flags`. Every daemon
-runs for the whole bench. For each history rung, prompt and repeat the arms take their turns in alternating order:
-a session is created with the prompt, its first token generated (the prefill), and then a fork of it generates up
-to `--max-tokens` greedy tokens through the Python SDK, stopping at the model's end-of-sequence ids as a chat
-does; its tokens after the first are timed. Rungs run shortest first, so a daemon's sessions learn what drafting
-costs there as a user's sessions would.
+runs for a whole round, and `--rounds N` runs the bench N times over, each round in fresh daemons, so that what
+one daemon process does differently from another is not read as the arms' difference: each row gives every
+round's ratio apart (`speed_vs_none_by_round`) beside the pooled one. For each history rung,
+prompt and repeat the arms take their turns in alternating order: a session is created with the prompt, its first
+token generated (the prefill), and then a fork of it generates up to `--max-tokens` greedy tokens through the
+Python SDK, stopping at the model's end-of-sequence ids as a chat does; its tokens after the first are timed. Rungs
+run shortest first, so a daemon's sessions learn what drafting costs there as a user's sessions would.
 
 Prompts (`--prompt-form`): `chat`, held-out prompts in the model's own chat template (lib/chat_prompts.py; files
 no drafter was trained on): a rung of at most `SHORT_HISTORY` tokens holds questions, multi-turn chats, code
@@ -120,13 +122,13 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
     """Per arm and rung: decode tokens/s (generated tokens after the first over their seconds), tokens per
     verifier forward, drafted tokens accepted, the ratio to `none` (pooled and median of pairs), and whether every
     stream equals `none`'s."""
-    by = {(s["arm"], s["history"], s["prompt"], s["repeat"]): s for s in samples}
+    by = {(s["arm"], s["history"], s["prompt"], s["repeat"], s["round"]): s for s in samples}
     table: dict[str, dict[str, dict[str, Any]]] = {}
     for arm in arms:
         table[arm] = {}
         for history in histories:
             runs = [s for s in samples if s["arm"] == arm and s["history"] == history]
-            base = [by["none", history, s["prompt"], s["repeat"]] for s in runs]
+            base = [by["none", history, s["prompt"], s["repeat"], s["round"]] for s in runs]
             decoded = sum(len(s["tokens"]) - 1 for s in runs)
             seconds = sum(s["decode_s"] for s in runs)
             row: dict[str, Any] = {
@@ -142,6 +144,10 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
             row["speed_vs_none"] = round(row["decode_tokens_per_s"] / none_rate, 3)
             pairs = [s["decode_s"] and b["decode_s"] / s["decode_s"] for s, b in zip(runs, base, strict=True)]
             row["paired_speed_vs_none"] = round(statistics.median(pairs), 3) if pairs else None
+            row["speed_vs_none_by_round"] = [
+                _speed_ratio([s for s in runs if s["round"] == r], [b for b in base if b["round"] == r])
+                for r in sorted({s["round"] for s in runs})
+            ]
             table[arm][str(history)] = row
     statement = "; ".join(
         f"{arm} at {h}: {row['speed_vs_none']:.2f}x none, {row['tokens_per_forward']:.2f} tokens/forward"
@@ -150,6 +156,15 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
         for h, row in table[arm].items()
     )
     return {"arms": table, "statement": statement}
+
+
+def _speed_ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
+    """Decode tokens/s of `runs` over that of `base`, each pooled over its samples."""
+
+    def rate(group: list[dict[str, Any]]) -> float:
+        return sum(len(s["tokens"]) - 1 for s in group) / max(1e-9, sum(s["decode_s"] for s in group))
+
+    return round(rate(runs) / max(1e-9, rate(base)), 3)
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -182,9 +197,27 @@ def plot(summary: dict[str, Any], png: Path) -> None:
 
 def run(args: argparse.Namespace) -> Path:
     """The bench; returns the results file."""
+    prompts = rung_prompts(args.model, args.histories, args.prompts, args.prompt_form, args.seed)
+    samples: list[dict[str, Any]] = []
+    for round_ in range(args.rounds):
+        samples += run_round(args, prompts, round_)
+    summary = summarise(samples, args.arms, args.histories)
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    config["daemon_flags_by_arm"] = {arm: arm_flags(arm, args) for arm in args.arms}
+    return write_results(
+        "bench_speculative",
+        config=config,
+        samples=samples,
+        summary=summary,
+        plot=lambda png: plot(summary, png),
+        out_dir=args.results_dir,
+    )
+
+
+def run_round(args: argparse.Namespace, prompts: dict[int, list[list[int]]], round_: int) -> list[dict[str, Any]]:
+    """Every rung, prompt and repeat through a fresh daemon per arm; the samples."""
     import kakeya
 
-    prompts = rung_prompts(args.model, args.histories, args.prompts, args.prompt_form, args.seed)
     daemons = {arm: Daemon(arm_flags(arm, args)) for arm in args.arms}
     samples: list[dict[str, Any]] = []
     try:
@@ -201,10 +234,10 @@ def run(args: argparse.Namespace) -> Path:
                         result = generate(clients[arm], prompt, args.max_tokens)
                         samples.append(
                             {"arm": arm, "history": history, "prompt": index, "repeat": repeat,
-                             "prompt_tokens": len(prompt), **result}
+                             "round": round_, "prompt_tokens": len(prompt), **result}
                         )  # fmt: skip
                         print(
-                            f"{arm:12s} {history:6d} #{index}.{repeat}  {len(result['tokens']):4d} tokens  "
+                            f"{arm:12s} {history:6d} #{index}.{repeat}.{round_}  {len(result['tokens']):4d} tokens  "
                             f"{result['decode_tokens_per_s']:7.1f} tok/s",
                             flush=True,
                         )
@@ -213,14 +246,4 @@ def run(args: argparse.Namespace) -> Path:
     finally:
         for daemon in daemons.values():
             daemon.stop()
-    summary = summarise(samples, args.arms, args.histories)
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    config["daemon_flags_by_arm"] = {arm: arm_flags(arm, args) for arm in args.arms}
-    return write_results(
-        "bench_speculative",
-        config=config,
-        samples=samples,
-        summary=summary,
-        plot=lambda png: plot(summary, png),
-        out_dir=args.results_dir,
-    )
+    return samples

@@ -84,7 +84,7 @@ def test_metrics_move_with_sessions_and_generations(serve):
     generate(server.stub, sid, max_tokens=4)
     text = server.metrics_text()
     assert _value(text, "kakeya_session_active") == 1
-    assert _value(text, "kakeya_session_kv_live_bytes") > 0
+    assert _value(text, "kakeya_session_kv_live_bytes") > _value(text, "kakeya_draft_state_bytes") > 0  # ngram's index
     assert _value(text, "kakeya_generate_tokens_total") == len(result.tokens) + 4 == 9
     assert _value(text, "kakeya_generate_prefill_tokens_count") == 2
     assert _value(text, "kakeya_generate_prefill_tokens_sum") == 20 + (1 + 3)
@@ -98,4 +98,5 @@ def test_metrics_move_with_sessions_and_generations(serve):
     server.stub.CloseSession(pb.CloseSessionRequest(session_id=sid))
     after = server.metrics_text()
     assert _value(after, "kakeya_session_active") == 0 and _value(after, "kakeya_session_kv_live_bytes") == 0
+    assert _value(after, "kakeya_draft_state_bytes") == 0
     assert _value(after, 'kakeya_session_total{outcome="closed"}') == 1

@@ -65,7 +65,11 @@ def test_dlm_restore_streams_the_tokens_of_full_and_never_reports_truncation(ser
     assert described.restored_token_count == 0 and described.kv_restored_bytes == 0
     assert described.kv_restoration_state_bytes == 0
     assert described.history_token_bytes == 4 * (described.history_length - 1)
-    assert described.kv_live_bytes == described.kv_resident_bytes + described.history_token_bytes
+    # The default proposer's n-gram index counts too, as the session's drafting state.
+    assert described.kv_live_bytes == (
+        described.kv_resident_bytes + described.history_token_bytes + described.draft_state_bytes
+    )
+    assert described.draft_state_bytes > 0
     assert described.kv_peak_restored_bytes > 0
     bounded_sid = create(bounded.stub, initial=prompt)
     assert generate(bounded.stub, bounded_sid, max_tokens=2).truncated  # the same eviction is reported there

@@ -10,7 +10,7 @@ import pytest
 
 from inference_engine.generated import runtime_pb2 as pb
 from tests.support.checkpoints import VOCAB_SIZE
-from tests.support.server import create, generate
+from tests.support.server import create, generate, info
 
 pytestmark = pytest.mark.slow  # left out of the fast subset (`pytest -m "not slow"`)
 
@@ -125,3 +125,22 @@ def test_the_cost_policy_counts_its_decisions_in_metrics(serve, proposer_setting
     }
     assert decisions["probe"] >= 1  # a session's first steps measure drafting and plain steps
     assert 0 < value("kakeya_speculative_drafts_total") <= decisions["draft"] + decisions["probe"]
+
+
+@pytest.mark.parametrize("proposer", ["none", "ngram", "draft_model", "dflash"])
+def test_session_info_reports_the_proposer_s_state_as_part_of_the_session_s_bytes(serve, proposer_settings, proposer):
+    server = serve("qwen3", **proposer_settings.get(proposer, {"proposer": "none"}))
+    sid = create(server.stub, initial=_prompts()[3])
+    generate(server.stub, sid, max_tokens=8)
+    before = info(server.stub, sid)
+    # A full session holds its resident K/V and its proposer's state, nothing else.
+    assert before.kv_live_bytes == before.kv_resident_bytes + before.draft_state_bytes
+    if proposer == "none":
+        assert before.draft_state_bytes == 0
+        return
+    assert before.draft_state_bytes > 0
+    server.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, token_ids=_prompts()[2]))
+    generate(server.stub, sid, max_tokens=8)
+    after = info(server.stub, sid)
+    assert after.draft_state_bytes > before.draft_state_bytes  # it grows with the history it drafts from
+    assert f"kakeya_draft_state_bytes {float(after.draft_state_bytes)}" in server.metrics_text().splitlines()

@@ -86,7 +86,8 @@ def test_histories_run_every_arm_through_its_own_daemon_on_held_out_chat_prompts
     to its length, each arm's daemon started with its proposer and policy, every stream equal to none's."""
     results = tmp_path / "results"
     command = [sys.executable, "scripts/bench_speculative.py", "--histories", "64,300", "--prompts", "2"]
-    command += ["--max-tokens", "12", "--repeats", "1", "--arms", "dflash,ngram/cost", "--results-dir", str(results)]
+    command += ["--max-tokens", "12", "--repeats", "1", "--arms", "dflash,ngram/cost", "--rounds", "2"]
+    command += ["--results-dir", str(results)]
     result = run_child(command, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     (path,) = results.glob("bench_speculative_*.json")
@@ -104,10 +105,14 @@ def test_histories_run_every_arm_through_its_own_daemon_on_held_out_chat_prompts
         assert all(row["identical_to_none"] and row["decode_tokens_per_s"] > 0 for row in rows.values()), arm
     assert arms["dflash"]["64"]["tokens_per_forward"] > 1.0 and arms["dflash"]["64"]["acceptance_rate"] > 0
     assert arms["none"]["300"]["drafted_per_token"] == 0
+    # Two rounds, each in its own daemons: every row gives both rounds' ratios, none's own exactly 1.
+    assert arms["none"]["64"]["speed_vs_none_by_round"] == [1.0, 1.0]
+    assert all(len(row["speed_vs_none_by_round"]) == 2 for rows in arms.values() for row in rows.values())
     samples = payload["samples"]
+    assert sorted({s["round"] for s in samples}) == [0, 1]
     short = [s["prompt_tokens"] for s in samples if s["history"] == 64]
     documents = [s["prompt_tokens"] for s in samples if s["history"] == 300]
-    assert len(short) == len(documents) == 3 * 2
+    assert len(short) == len(documents) == 2 * 3 * 2
     assert max(short) <= 128 and all(250 <= n <= 330 for n in documents)
     assert path.with_suffix(".png").is_file()
 

@@ -282,5 +282,6 @@ export function sessionInfo(response: GetSessionInfoResponse): SessionInfo {
     kvPeakRestoredBytes: count(response.kvPeakRestoredBytes),
     historyTokenBytes: count(response.historyTokenBytes),
     kvPeakBytes: count(response.kvPeakBytes),
+    draftStateBytes: count(response.draftStateBytes),
   };
 }

@@ -211,4 +211,7 @@ export interface SessionInfo {
   /** The most bytes of KV cache memory the session has held at once (`kvLiveBytes` after each step of its
    * generations, and now): what it needs while it generates. */
   kvPeakBytes: number;
+  /** Bytes the session's proposer holds: a drafter's or draft model's K/V, the `ngram` index (part of
+   * `kvLiveBytes`; 0 without a proposer). */
+  draftStateBytes: number;
 }

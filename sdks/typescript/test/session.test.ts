@@ -151,7 +151,11 @@ describe("Session", () => {
     expect(info.kvPeakRestoredBytes).toBeGreaterThan(0);
     // The bundled plan rebuilds layer 0 from the token ids: 4 bytes per committed position, reported apart.
     expect(info.historyTokenBytes).toBe(4 * (info.historyLength - 1));
-    expect(info.kvLiveBytes).toBe(info.kvResidentBytes + info.kvRestorationStateBytes + info.historyTokenBytes);
+    // The default proposer's n-gram index is the session's drafting state, reported apart.
+    expect(info.draftStateBytes).toBeGreaterThan(0);
+    expect(info.kvLiveBytes).toBe(
+      info.kvResidentBytes + info.kvRestorationStateBytes + info.historyTokenBytes + info.draftStateBytes,
+    );
     const stream = session.generate({ maxTokens: 1 });
     await stream.toArray();
     expect(stream.stats?.droppedTokenCount).toBe(0);

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import random
+import tracemalloc
+
 from kv_cache_proposer.proposers import ProposerOptions, load_proposer
 from kv_cache_proposer.proposers.ngram import NgramProposer
 from kv_cache_proposer.strategies import FullStrategy
@@ -55,3 +58,23 @@ def test_commits_index_the_history_and_forks_propose_from_their_own() -> None:
     early = committed.clone(4)  # its history: 1 2 10 11 12, then its own tokens
     fork_history = [*history[:5], 40, 41, 1, 2]
     assert early.propose(fork_history, 4) == [10, 11, 12, 40]  # not what followed the parent's later 1 2
+
+
+def test_the_index_counts_its_bytes_as_the_session_s_drafting_state() -> None:
+    rng = random.Random(3)
+    history = [300 + rng.randrange(1000) for _ in range(20_000)]
+    session = NgramProposer().open(FullStrategy())
+    assert session.nbytes < 1_000  # empty dicts only
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        session.on_commit(history, len(history), None)
+        allocated = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    # Within a tenth of what Python allocated for it (tuples it reuses from its free lists are not allocated anew).
+    assert 0.9 * allocated <= session.nbytes <= 1.1 * allocated
+    fork = session.clone(len(history))  # a fork at the end holds a copy
+    assert fork.nbytes == session.nbytes
+    session.release()
+    assert session.nbytes < 1_000

@@ -312,4 +312,5 @@ def session_info(reply: pb.GetSessionInfoResponse) -> SessionInfo:
         kv_peak_restored_bytes=reply.kv_peak_restored_bytes,
         history_token_bytes=reply.history_token_bytes,
         kv_peak_bytes=reply.kv_peak_bytes,
+        draft_state_bytes=reply.draft_state_bytes,
     )

@@ -140,6 +140,9 @@ class SessionInfo:
     kv_peak_bytes: int = 0
     """The most bytes of KV cache memory the session has held at once (`kv_live_bytes` after each step of its
     generations, and now): what it needs while it generates."""
+    draft_state_bytes: int = 0
+    """Bytes the session's proposer holds: a drafter's or draft model's K/V, the `ngram` index (part of
+    `kv_live_bytes`; 0 without a proposer)."""
 
     def __repr__(self) -> str:
         parts = []

@@ -230,7 +230,7 @@ class GetSessionInfoRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., history_tail_tokens: _Optional[int] = ...) -> None: ...
 
 class GetSessionInfoResponse(_message.Message):
-    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks", "restored_token_count", "kv_resident_bytes", "kv_restored_bytes", "kv_restoration_state_bytes", "kv_peak_restored_bytes", "history_token_bytes", "kv_peak_bytes")
+    __slots__ = ("history_length", "kv_live_bytes", "cache_invariant_inv1_violations", "cache_invariant_inv2_violations", "idle_seconds", "kv_strategy", "resident_token_count", "kv_compressed_bytes", "pending_token_count", "evicted_token_count", "client_label", "generating", "sink_tokens", "window_tokens", "history_tail_token_ids", "kv_compressor", "kv_q_range", "kv_dense_equivalent_bytes", "kv_escaped_blocks", "restored_token_count", "kv_resident_bytes", "kv_restored_bytes", "kv_restoration_state_bytes", "kv_peak_restored_bytes", "history_token_bytes", "kv_peak_bytes", "draft_state_bytes")
     HISTORY_LENGTH_FIELD_NUMBER: _ClassVar[int]
     KV_LIVE_BYTES_FIELD_NUMBER: _ClassVar[int]
     CACHE_INVARIANT_INV1_VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +257,7 @@ class GetSessionInfoResponse(_message.Message):
     KV_PEAK_RESTORED_BYTES_FIELD_NUMBER: _ClassVar[int]
     HISTORY_TOKEN_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     history_length: int
     kv_live_bytes: int
     cache_invariant_inv1_violations: int
@@ -283,7 +284,8 @@ class GetSessionInfoResponse(_message.Message):
     kv_peak_restored_bytes: int
     history_token_bytes: int
     kv_peak_bytes: int
-    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ..., restored_token_count: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ..., kv_restored_bytes: _Optional[int] = ..., kv_restoration_state_bytes: _Optional[int] = ..., kv_peak_restored_bytes: _Optional[int] = ..., history_token_bytes: _Optional[int] = ..., kv_peak_bytes: _Optional[int] = ...) -> None: ...
+    draft_state_bytes: int
+    def __init__(self, history_length: _Optional[int] = ..., kv_live_bytes: _Optional[int] = ..., cache_invariant_inv1_violations: _Optional[int] = ..., cache_invariant_inv2_violations: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., kv_strategy: _Optional[_Union[KvStrategy, str]] = ..., resident_token_count: _Optional[int] = ..., kv_compressed_bytes: _Optional[int] = ..., pending_token_count: _Optional[int] = ..., evicted_token_count: _Optional[int] = ..., client_label: _Optional[str] = ..., generating: _Optional[bool] = ..., sink_tokens: _Optional[int] = ..., window_tokens: _Optional[int] = ..., history_tail_token_ids: _Optional[_Iterable[int]] = ..., kv_compressor: _Optional[_Union[KvCompressor, str]] = ..., kv_q_range: _Optional[int] = ..., kv_dense_equivalent_bytes: _Optional[int] = ..., kv_escaped_blocks: _Optional[int] = ..., restored_token_count: _Optional[int] = ..., kv_resident_bytes: _Optional[int] = ..., kv_restored_bytes: _Optional[int] = ..., kv_restoration_state_bytes: _Optional[int] = ..., kv_peak_restored_bytes: _Optional[int] = ..., history_token_bytes: _Optional[int] = ..., kv_peak_bytes: _Optional[int] = ..., draft_state_bytes: _Optional[int] = ...) -> None: ...
 
 class ConverseRequest(_message.Message):
     __slots__ = ("command_id", "bind", "append", "generate", "cancel")
