@@ -348,6 +348,11 @@ export interface GetSessionInfoResponse {
    * for every strategy and compressor.
    */
   kvPeakBytes: bigint;
+  /**
+   * Bytes the session's proposer holds: a DFlash drafter's context K/V, a draft model's K/V, the `ngram` proposer's
+   * n-gram index (included in kv_live_bytes; 0 without a proposer).
+   */
+  draftStateBytes: bigint;
 }
 
 /** ConverseRequest is one command on a Converse stream. The first command must be `bind`. */
@@ -2096,6 +2101,7 @@ function createBaseGetSessionInfoResponse(): GetSessionInfoResponse {
     kvPeakRestoredBytes: 0n,
     historyTokenBytes: 0n,
     kvPeakBytes: 0n,
+    draftStateBytes: 0n,
   };
 }
 
@@ -2237,6 +2243,12 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
         throw new globalThis.Error("value provided for field message.kvPeakBytes of type uint64 too large");
       }
       writer.uint32(224).uint64(message.kvPeakBytes);
+    }
+    if (message.draftStateBytes !== 0n) {
+      if (BigInt.asUintN(64, message.draftStateBytes) !== message.draftStateBytes) {
+        throw new globalThis.Error("value provided for field message.draftStateBytes of type uint64 too large");
+      }
+      writer.uint32(232).uint64(message.draftStateBytes);
     }
     return writer;
   },
@@ -2472,6 +2484,14 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
             message.kvPeakBytes = reader.uint64() as bigint;
             continue;
           }
+          case 29: {
+            if (tag !== 232) {
+              break;
+            }
+
+            message.draftStateBytes = reader.uint64() as bigint;
+            continue;
+          }
         }
         if ((tag & 7) === 4 || tag === 0) {
           break;
@@ -2552,6 +2572,9 @@ export const GetSessionInfoResponse: MessageFns<GetSessionInfoResponse> = {
       : 0n;
     message.kvPeakBytes = (object.kvPeakBytes !== undefined && object.kvPeakBytes !== null)
       ? BigInt(object.kvPeakBytes)
+      : 0n;
+    message.draftStateBytes = (object.draftStateBytes !== undefined && object.draftStateBytes !== null)
+      ? BigInt(object.draftStateBytes)
       : 0n;
     return message;
   },
