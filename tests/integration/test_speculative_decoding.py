@@ -139,7 +139,8 @@ def test_session_info_reports_the_proposer_s_state_as_part_of_the_session_s_byte
         assert before.draft_state_bytes == 0
         return
     assert before.draft_state_bytes > 0
-    server.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, token_ids=_prompts()[2]))
+    # Enough positions to outgrow any block a cache reserves ahead.
+    server.stub.AppendTokens(pb.AppendTokensRequest(session_id=sid, token_ids=_prompts()[2] * 10))
     generate(server.stub, sid, max_tokens=8)
     after = info(server.stub, sid)
     assert after.draft_state_bytes > before.draft_state_bytes  # it grows with the history it drafts from
