@@ -57,7 +57,11 @@ class NgramDraftSession:
     @property
     def nbytes(self) -> int:
         """The index's bytes: each dict's table and each entry's tuple, and the positions its entries map to (one
-        int object per position, shared by its n-grams: about as many as the largest dict has entries)."""
+        int object per position, shared by its n-grams: about as many as the largest dict has entries). An empty
+        index reports none, as an empty cache does: a session that has committed nothing holds nothing the KV
+        budget should evict it for."""
+        if not any(self._index):
+            return 0
         tables = sum(
             sys.getsizeof(grams) + len(grams) * (_TUPLE_BYTES + n * _ITEM_BYTES)
             for n, grams in enumerate(self._index, self.min_n)
