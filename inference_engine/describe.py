@@ -24,7 +24,7 @@ def describe_session(session: Session, history_tail_tokens: int, *, idle_seconds
         history_length=len(tokens),
         kv_live_bytes=session.kv_bytes,
         kv_peak_bytes=max(session.kv_peak_bytes, session.kv_bytes),
-        draft_state_bytes=int(session.seq.draft_session.nbytes),
+        draft_state_bytes=session.draft_bytes,
         idle_seconds=max(0.0, idle_seconds),
         kv_strategy=strategy.name,
         resident_token_count=held.resident_count,

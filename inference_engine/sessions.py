@@ -50,7 +50,12 @@ class Session:
     @property
     def kv_bytes(self) -> int:
         """Bytes of K/V the session holds: the verifier cache and any drafter state."""
-        return self.seq.cache.footprint().nbytes + int(self.seq.draft_session.nbytes)
+        return self.seq.cache.footprint().nbytes + self.draft_bytes
+
+    @property
+    def draft_bytes(self) -> int:
+        """Bytes the session's proposer holds (a drafter's K/V, an n-gram index)."""
+        return int(self.seq.draft_session.nbytes)
 
     def release(self) -> None:
         """Free the session's cache and drafting state."""
@@ -212,8 +217,7 @@ class SessionStore:
         a compressed session's prefill chunk, dense until the commit codes it), which its next forward holds
         about as much of."""
         footprint = session.seq.cache.footprint()
-        drafting = int(session.seq.draft_session.nbytes)
-        held = max(footprint.nbytes, footprint.forward_bytes) + drafting
+        held = max(footprint.nbytes, footprint.forward_bytes) + session.draft_bytes
         session.kv_peak_bytes = max(session.kv_peak_bytes, held)
         return held
 
@@ -230,7 +234,7 @@ class SessionStore:
         self._gauges_at = self._clock()
         self._metrics.session_active.set(len(self._sessions))
         self._metrics.session_kv_live_bytes.set(self.kv_live_bytes())
-        self._metrics.draft_state_bytes.set(sum(int(s.seq.draft_session.nbytes) for s in self._sessions.values()))
+        self._metrics.draft_state_bytes.set(sum(s.draft_bytes for s in self._sessions.values()))
         held = [session.seq.cache.footprint() for session in self._sessions.values()]
         compressed = sum(f.compressed_bytes for f in held)
         dense = sum(f.dense_equivalent_bytes for f in held if f.compressed_bytes)

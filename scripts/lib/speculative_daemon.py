@@ -129,19 +129,17 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
         for history in histories:
             runs = [s for s in samples if s["arm"] == arm and s["history"] == history]
             base = [by["none", history, s["prompt"], s["repeat"], s["round"]] for s in runs]
-            decoded = sum(len(s["tokens"]) - 1 for s in runs)
             seconds = sum(s["decode_s"] for s in runs)
             row: dict[str, Any] = {
                 "prompt_tokens": round(statistics.mean(s["prompt_tokens"] for s in runs), 1),
                 "generated_tokens": round(statistics.mean(len(s["tokens"]) for s in runs), 1),
-                "decode_tokens_per_s": round(decoded / seconds, 2) if seconds else float("nan"),
+                "decode_tokens_per_s": round(_decode_rate(runs), 2) if seconds else float("nan"),
                 "tokens_per_forward": _ratio(sum(len(s["tokens"]) for s in runs), sum(s["forwards"] for s in runs)),
                 "drafted_per_token": _ratio(sum(s["drafted"] for s in runs), sum(len(s["tokens"]) for s in runs)),
                 "acceptance_rate": _ratio(sum(s["accepted"] for s in runs), sum(s["drafted"] for s in runs)),
                 "identical_to_none": all(s["tokens"] == b["tokens"] for s, b in zip(runs, base, strict=True)),
             }
-            none_rate = sum(len(b["tokens"]) - 1 for b in base) / max(1e-9, sum(b["decode_s"] for b in base))
-            row["speed_vs_none"] = round(row["decode_tokens_per_s"] / none_rate, 3)
+            row["speed_vs_none"] = round(row["decode_tokens_per_s"] / _decode_rate(base), 3)
             pairs = [s["decode_s"] and b["decode_s"] / s["decode_s"] for s, b in zip(runs, base, strict=True)]
             row["paired_speed_vs_none"] = round(statistics.median(pairs), 3) if pairs else None
             row["speed_vs_none_by_round"] = [
@@ -158,13 +156,14 @@ def summarise(samples: list[dict[str, Any]], arms: list[str], histories: list[in
     return {"arms": table, "statement": statement}
 
 
+def _decode_rate(samples: list[dict[str, Any]]) -> float:
+    """Decode tokens/s pooled over `samples`: their tokens after the first over their seconds."""
+    return sum(len(s["tokens"]) - 1 for s in samples) / max(1e-9, sum(s["decode_s"] for s in samples))
+
+
 def _speed_ratio(runs: list[dict[str, Any]], base: list[dict[str, Any]]) -> float:
-    """Decode tokens/s of `runs` over that of `base`, each pooled over its samples."""
-
-    def rate(group: list[dict[str, Any]]) -> float:
-        return sum(len(s["tokens"]) - 1 for s in group) / max(1e-9, sum(s["decode_s"] for s in group))
-
-    return round(rate(runs) / max(1e-9, rate(base)), 3)
+    """Pooled decode tokens/s of `runs` over that of `base`."""
+    return round(_decode_rate(runs) / max(1e-9, _decode_rate(base)), 3)
 
 
 def _ratio(part: int, whole: int) -> float:
