@@ -9,8 +9,8 @@ stores and attention prefixes are described in docs/architecture.md ("Session ca
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import partial
-from typing import Any
+from functools import cache, partial
+from typing import Any, cast
 
 import numpy as np
 
@@ -31,6 +31,13 @@ from kv_cache_proposer.errors import InvariantViolation
 from kv_cache_proposer.strategies import KVStrategy, make_strategy
 
 _GROWTH_TOKENS = 256
+
+
+@cache
+def _reads_once(store: type) -> bool:
+    """Whether a layer store of this type is a `ReadOnceStage` (checked once per type: a protocol's instance check
+    looks up its members at every call, and a forward asks once per layer)."""
+    return issubclass(store, ReadOnceStage)
 
 
 class KVSessionCache(ResidentCache[A]):
@@ -220,8 +227,8 @@ class KVSessionCache(ResidentCache[A]):
         if self.stage_read_once and layer_idx and self._query_start == 0 and self._query_end == self._staged:
             # The layer before has attended (its output is this layer's input), and no other call reads the stage.
             before = self._layers[layer_idx - 1]
-            if isinstance(before, ReadOnceStage):
-                before.stage_read()
+            if _reads_once(type(before)):
+                cast(ReadOnceStage, before).stage_read()
         layer = self._layers[layer_idx]
         offset = self.stage_offset
         layer.stage(offset + self._query_start, keys, values)

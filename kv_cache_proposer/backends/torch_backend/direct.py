@@ -23,7 +23,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from kv_cache_proposer.backends.batching import RowKeys
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
-from kv_cache_proposer.backends.torch_backend.exact_attention import Memo, attend_exact, joined
+from kv_cache_proposer.backends.torch_backend.exact_attention import Memo, attend_exact, attend_exact_rows, joined
 from kv_cache_proposer.backends.torch_backend.layer_steps import (
     CompiledSteps,
     Inputs,
@@ -227,12 +227,34 @@ def _attend_staged(q: torch.Tensor, staged: Staged, masks: Masks, layer: _Layer,
     if not isinstance(staged, list) or len(staged) != len(masks):
         raise ValueError("per-row masks need the staging of a packed batched forward, one row each")
     batch, heads, _, dim = q.shape
+    together = _attend_rows_together(q, staged, masks, layer, memo)
+    if together is not None:
+        return together
     outputs = []
     for row, row_masks in zip(staged, masks, strict=True):
         row_q = q[:, :, row.query_start : row.query_end]
         attended = _attend_parts(row_q, row.parts, _layer_mask(row_masks, layer), layer, memo)
         outputs.append(attended.reshape(batch, heads, row.query_end - row.query_start, dim))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def _attend_rows_together(
+    q: torch.Tensor, rows: list[RowKeys[torch.Tensor]], masks: list[Masks], layer: _Layer, memo: Memo | None
+) -> torch.Tensor | None:
+    """The rows of a packed batched forward, each over its own dense keys, in one call of the compiled kernel
+    (`attend_exact_rows`: each row's values those of its block alone); None where that kernel would not attend
+    every row alone (the rows are then attended one by one)."""
+    dense = all(len(row.parts) == 1 and isinstance(row.parts[0], tuple) for row in rows)
+    if memo is None or q.shape[0] != 1 or not dense:
+        return None
+    inputs = []
+    for row, row_masks in zip(rows, masks, strict=True):
+        part = row.parts[0]
+        assert isinstance(part, tuple)
+        keys, values = part
+        inputs.append((q[:, :, row.query_start : row.query_end], keys, values, _layer_mask(row_masks, layer)))
+    outputs = attend_exact_rows(inputs, layer.groups, layer.scaling, memo)
+    return None if outputs is None else torch.cat(outputs, dim=2)
 
 
 def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, memo: Memo | None) -> torch.Tensor:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from functools import cache
 from typing import Any, Final
 
@@ -124,12 +125,7 @@ def _attend_compiled(
     boundaries, every query row's arithmetic its own, so a query's values depend on the keys it reads alone. A block
     of more rows than the kernel takes at once is attended in parts of whole queries (which changes nothing)."""
     batch, heads, n, dim = (int(s) for s in q.shape)
-    count = int(keys.shape[2])
-    key = ("compiled", mask if isinstance(mask, str) or mask is None else id(mask), n, count)
-    limits = memo.get(key)
-    if limits is None:
-        limits = memo[key] = _key_limits(mask, n, count)
-    hi, allowed = limits
+    hi, allowed = _memo_limits(memo, mask, n, int(keys.shape[2]))
     per = max(1, DENSE_ROWS // groups)
     threads = torch.get_num_threads()
     if n <= per and not torch.compiler.is_compiling():  # a decode step, a speculative block: one call
@@ -146,6 +142,47 @@ def _attend_compiled(
         outputs.append(out.view(batch, heads, end - start, dim))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.to(q.dtype)
+
+
+def attend_exact_rows(
+    rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | str | None]],
+    groups: int,
+    scale: float,
+    memo: Memo,
+) -> list[torch.Tensor] | None:
+    """`attend_exact` of each row `(q, keys, values, mask)` of a packed batched forward over its own keys, in one
+    call of the compiled kernel (`HeldKernel.attend_dense_many`), where that kernel is what `attend_exact` would
+    run for every row alone in one call: each output is that row's alone, bit for bit, and the rows' work shares
+    the threads (rows of different history lengths keep every thread busy, which one call per row does not).
+    None where it is not (the caller attends row by row)."""
+    kernel = dense_kernel()
+    if kernel is None or len(rows) < 2 or torch.compiler.is_compiling():
+        return None
+    compiled = dense_setting() == "compiled"
+    per = max(1, DENSE_ROWS // groups)
+    calls = []
+    for q, keys, values, mask in rows:
+        read = q.to(keys.dtype) if keys.dtype != q.dtype else q  # as `_attend` hands them to `attend_exact`
+        n = int(q.shape[2])
+        if q.device.type != "cpu" or int(q.shape[3]) > held_kernel.MAX_DIM or n > per:
+            return None
+        if not (compiled or _auto_compiled(kernel, read, keys)):
+            return None
+        calls.append((read, keys, values, *_memo_limits(memo, mask, n, int(keys.shape[2]))))
+    outputs = kernel.attend_dense_many(calls, scale, torch.get_num_threads())
+    shaped = zip(outputs, rows, calls, strict=True)
+    return [out.view(q.shape).to(read.dtype).to(q.dtype) for out, (q, *_), (read, *_) in shaped]
+
+
+def _memo_limits(
+    memo: Memo, mask: torch.Tensor | str | None, n: int, count: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_key_limits` of a mask, built once per forward (`memo`)."""
+    key = ("compiled", mask if isinstance(mask, str) or mask is None else id(mask), n, count)
+    limits = memo.get(key)
+    if limits is None:
+        limits = memo[key] = _key_limits(mask, n, count)
+    return limits
 
 
 @torch.library.custom_op("kakeya::dense_attention", mutates_args=())

@@ -1085,23 +1085,36 @@ typedef struct {
     float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
 } DenseCall;
 
-/* Attention over dense K/V with the guarantees above. Returns 0, or -1 when the shapes are beyond what the kernel
-   serves. */
-int dense_attend(const DenseCall *call) {
-    const int B = call->B, H = call->H, n = call->n, D = call->D, G = call->g * call->n;
-    const int64_t count = call->count, seg = call->seg;
-    if (D > MAX_DIM || D < 1 || G < 1 || n < 1 || seg < 1 || seg % TILE != 0 || count < 1) return -1;
+/* Whether the kernel serves a call's shapes. */
+static int dense_serves(const DenseCall *call) {
+    if (call->D > MAX_DIM || call->D < 1 || call->g * call->n < 1 || call->n < 1 || call->seg < 1 ||
+        call->seg % TILE != 0 || call->count < 1)
+        return 0;
 #if TILES
-    if (call->tiles && seg % STEP != 0) return -1;
+    if (call->tiles && call->seg % STEP != 0) return 0;
 #endif
-    const int64_t segments = (count + seg - 1) / seg, stride = (int64_t)G * (D + 2);
-    float *scaled = call->scratch, *parts = call->scratch + (int64_t)B * H * G * D;
-    /* bfloat16 queries and keys: scored by the CPU's bfloat16 dot product, the queries as they are (each row's
-       first D/2 floats hold its pairs), the scale applied to the sums */
-    const int pairs = PAIRS && call->q_bf16 && call->kv_bf16 && D % 32 == 0;
-    const int tiles = TILES && pairs && call->tiles;
-    (void)tiles;
-    for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
+    return 1;
+}
+
+/* bfloat16 queries and keys are scored by the CPU's bfloat16 dot product, the queries as they are (each row's first
+   D/2 floats hold its pairs), the scale applied to the sums. */
+static inline int dense_pairs(const DenseCall *call) {
+    return PAIRS && call->q_bf16 && call->kv_bf16 && call->D % 32 == 0;
+}
+
+/* Work items of a call: a segment of a (batch, K/V head) for a block of up to ROW_BLOCK rows (the threads stay busy
+   when a block of many queries reads few segments; a row's values do not depend on its block). */
+static inline int64_t dense_items(const DenseCall *call) {
+    const int G = call->g * call->n;
+    const int64_t segments = (call->count + call->seg - 1) / call->seg, row_blocks = (G + ROW_BLOCK - 1) / ROW_BLOCK;
+    return (int64_t)call->B * call->H * segments * row_blocks;
+}
+
+/* The queries of a call as its segments read them, in the front of its scratch. */
+static void dense_prepare(const DenseCall *call) {
+    const int H = call->H, n = call->n, D = call->D, G = call->g * call->n, pairs = dense_pairs(call);
+    float *scaled = call->scratch;
+    for (int64_t bh = 0; bh < (int64_t)call->B * H; bh++) {
         int64_t b = bh / H, h = bh % H;
         for (int r = 0; r < G; r++) {
             int64_t base = b * call->q_strides[0] + (h * call->g + r / n) * call->q_strides[1] +
@@ -1113,39 +1126,50 @@ int dense_attend(const DenseCall *call) {
                 for (int d = 0; d < D; d++) into[d] = value_at(call->q, call->q_bf16, base + d) * call->scale;
         }
     }
+}
+
+/* Work item i of a call: its segment's partial result, in the call's scratch. */
+static void dense_item(const DenseCall *call, int64_t i) {
+    const int H = call->H, n = call->n, D = call->D, G = call->g * call->n, pairs = dense_pairs(call);
+    const int64_t count = call->count, seg = call->seg;
+    const int64_t segments = (count + seg - 1) / seg, stride = (int64_t)G * (D + 2);
+    const int64_t row_blocks = (G + ROW_BLOCK - 1) / ROW_BLOCK;
+    const float *scaled = call->scratch;
+    float *parts = call->scratch + (int64_t)call->B * H * G * D;
     const int64_t *ks = call->k_strides, *vs = call->v_strides;
     const int64_t elem = call->kv_bf16 ? 2 : 4;
-    /* Work items: a segment of a (batch, K/V head) for a block of up to ROW_BLOCK rows (the threads stay busy when
-       a block of many queries reads few segments; a row's values do not depend on its block). */
-    const int64_t row_blocks = (G + ROW_BLOCK - 1) / ROW_BLOCK, items = (int64_t)B * H * segments * row_blocks;
-#pragma omp parallel for num_threads(call->threads) schedule(static) if (call->threads > 1 && items > 1)
-    for (int64_t i = 0; i < items; i++) {
-        int64_t rb = i % row_blocks, bh = i / row_blocks / segments, part = i / row_blocks % segments;
-        int64_t b = bh / H, h = bh % H;
-        int64_t start = part * seg, end = start + seg < count ? start + seg : count;
-        int row0 = (int)(rb * ROW_BLOCK), rows = G - row0 < ROW_BLOCK ? G - row0 : ROW_BLOCK;
-        const char *k = (const char *)call->keys + (b * ks[0] + h * ks[1]) * elem;
-        const char *v = (const char *)call->values + (b * vs[0] + h * vs[1]) * elem;
-        float *p = parts + (bh * segments + part) * stride;
-        float *acc = p + (int64_t)row0 * D, *top = p + (int64_t)G * D + row0, *sums = p + (int64_t)G * D + G + row0;
-        const float *qs = scaled + (bh * G + row0) * D;
+    int64_t rb = i % row_blocks, bh = i / row_blocks / segments, part = i / row_blocks % segments;
+    int64_t b = bh / H, h = bh % H;
+    int64_t start = part * seg, end = start + seg < count ? start + seg : count;
+    int row0 = (int)(rb * ROW_BLOCK), rows = G - row0 < ROW_BLOCK ? G - row0 : ROW_BLOCK;
+    const char *k = (const char *)call->keys + (b * ks[0] + h * ks[1]) * elem;
+    const char *v = (const char *)call->values + (b * vs[0] + h * vs[1]) * elem;
+    float *p = parts + (bh * segments + part) * stride;
+    float *acc = p + (int64_t)row0 * D, *top = p + (int64_t)G * D + row0, *sums = p + (int64_t)G * D + G + row0;
+    const float *qs = scaled + (bh * G + row0) * D;
 #if TILES
-        if (tiles)
-            dense_segment_tiles(qs, k, v, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n, row0, rows,
-                                D, call->scale, start, end, acc, top, sums);
-        else
+    if (pairs && call->tiles)
+        dense_segment_tiles(qs, k, v, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n, row0, rows, D,
+                            call->scale, start, end, acc, top, sums);
+    else
 #endif
-        if (D == 64)
-            dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
-                             row0, rows, pairs, call->scale, start, end, acc, top, sums);
-        else if (D == 128)
-            dense_segment_128(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed,
-                              n, row0, rows, pairs, call->scale, start, end, acc, top, sums);
-        else
-            dense_segment_of(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed,
-                             n, row0, rows, D, pairs, call->scale, start, end, acc, top, sums);
-    }
-    for (int64_t bh = 0; bh < (int64_t)B * H; bh++) {
+    if (D == 64)
+        dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n, row0,
+                         rows, pairs, call->scale, start, end, acc, top, sums);
+    else if (D == 128)
+        dense_segment_128(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
+                          row0, rows, pairs, call->scale, start, end, acc, top, sums);
+    else
+        dense_segment_of(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
+                         row0, rows, D, pairs, call->scale, start, end, acc, top, sums);
+}
+
+/* A call's segments merged in order into its output (and log-sum-exp). */
+static void dense_finish(const DenseCall *call) {
+    const int H = call->H, D = call->D, G = call->g * call->n;
+    const int64_t segments = (call->count + call->seg - 1) / call->seg, stride = (int64_t)G * (D + 2);
+    const float *parts = call->scratch + (int64_t)call->B * H * G * D;
+    for (int64_t bh = 0; bh < (int64_t)call->B * H; bh++) {
         for (int r = 0; r < G; r++) {
             float m, total, acc[MAX_DIM];
             merge_segments(parts + bh * segments * stride, stride, segments, G, D, r, &m, &total, acc);
@@ -1155,5 +1179,45 @@ int dense_attend(const DenseCall *call) {
             if (call->lse) call->lse[bh * G + r] = m == -INFINITY ? -INFINITY : m + logf(total);
         }
     }
+}
+
+/* Attention over dense K/V with the guarantees above. Returns 0, or -1 when the shapes are beyond what the kernel
+   serves. */
+int dense_attend(const DenseCall *call) {
+    if (!dense_serves(call)) return -1;
+    dense_prepare(call);
+    const int64_t items = dense_items(call);
+#pragma omp parallel for num_threads(call->threads) schedule(static) if (call->threads > 1 && items > 1)
+    for (int64_t i = 0; i < items; i++) dense_item(call, i);
+    dense_finish(call);
+    return 0;
+}
+
+#define MAX_CALLS 256 /* calls of one dense_attend_many */
+
+/* Several independent calls (the rows of a batched forward, each its own queries, K/V and scratch) in one parallel
+   region: their work items share the threads, so rows of different lengths keep both busy and the threads are
+   woken once, not once per row. Each call's values are those dense_attend gives it: the same items, merged in the
+   same order. Returns 0, or -1 when a call's shapes are beyond what the kernel serves (nothing is written then). */
+int dense_attend_many(const DenseCall *calls, int count, int threads) {
+    if (count < 1 || count > MAX_CALLS) return -1;
+    int64_t first[MAX_CALLS + 1];
+    first[0] = 0;
+    for (int c = 0; c < count; c++) {
+        if (!dense_serves(&calls[c])) return -1;
+        first[c + 1] = first[c] + dense_items(&calls[c]);
+    }
+    for (int c = 0; c < count; c++) dense_prepare(&calls[c]);
+    const int64_t items = first[count];
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && items > 1)
+    for (int64_t i = 0; i < items; i++) {
+        int lo = 0, hi = count - 1; /* the call whose items hold i: first[lo] <= i < first[lo + 1] */
+        while (lo < hi) {
+            int mid = (lo + hi + 1) / 2;
+            if (first[mid] <= i) lo = mid; else hi = mid - 1;
+        }
+        dense_item(&calls[lo], i - first[lo]);
+    }
+    for (int c = 0; c < count; c++) dense_finish(&calls[c]);
     return 0;
 }

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -135,6 +136,7 @@ class HeldKernel:
     function: Any
     scratch_size: Any
     dense: Any
+    dense_many: Any
     library: Path
     tiles: bool = False
     """Whether dense attention over bfloat16 queries and K/V runs on the CPU's tile unit (AMX): the kernel was built
@@ -227,16 +229,64 @@ class HeldKernel:
         allows, on `threads` threads: output `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]` (None unless
         `with_lse`), float32. A query's values do not depend on the queries beside it, the batch or the thread
         count. Where `self.tiles`, bfloat16 runs on the tile unit."""
-        batch, heads, n, dim = (int(s) for s in q.shape)
-        kv_heads, count = int(keys.shape[1]), int(keys.shape[2])
-        rows = heads // kv_heads * n
-        q, keys, values = (_readable(x) for x in (q, keys, values))
-        if keys.dtype != values.dtype:
-            values = values.to(keys.dtype)
-        out = torch.empty(batch, kv_heads, rows, dim)
-        scratch = _scratch(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
-        lse = torch.empty(batch, kv_heads, rows, 1) if with_lse else None
-        call = _DenseCall(
+        dense = _DenseRow(q, keys, values, hi, allowed, with_lse)
+        scratch = _scratch(dense.scratch_floats(self))
+        call = dense.call(self, scratch.data_ptr(), scale, threads)
+        if self.dense(ctypes.byref(call)) != 0:
+            rows, dim = dense.rows, dense.dim
+            raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
+        return dense.out, dense.lse
+
+    def attend_dense_many(
+        self,
+        rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        scale: float,
+        threads: int,
+    ) -> list[torch.Tensor]:
+        """`attend_dense` of several independent rows `(q, keys, values, hi, allowed)` (a batched forward's rows,
+        each over its own keys) in one parallel region, their work shared by the threads: each output is the one
+        `attend_dense` gives that row alone (no log-sum-exp), bit for bit."""
+        dense = [_DenseRow(*row, False) for row in rows]
+        sizes = [row.scratch_floats(self) for row in dense]
+        scratch = _scratch(sum(sizes))
+        base, offset = scratch.data_ptr(), 0
+        calls = (_DenseCall * len(dense))()
+        for index, (row, size) in enumerate(zip(dense, sizes, strict=True)):
+            calls[index] = row.call(self, base + 4 * offset, scale, threads)
+            offset += size
+        if self.dense_many(calls, len(dense), threads) != 0:
+            raise ValueError(f"the dense-attention kernel does not serve these {len(dense)} rows")
+        return [row.out for row in dense]
+
+
+class _DenseRow:
+    """One call of dense attention: its inputs as the kernel reads them and its output tensors."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        hi: torch.Tensor,
+        allowed: torch.Tensor | None,
+        with_lse: bool,
+    ) -> None:
+        batch, heads, n, self.dim = (int(s) for s in q.shape)
+        self.kv_heads, self.count = int(keys.shape[1]), int(keys.shape[2])
+        self.rows = heads // self.kv_heads * n
+        self.q, self.keys, self.values = (_readable(x) for x in (q, keys, values))
+        if self.keys.dtype != self.values.dtype:
+            self.values = self.values.to(self.keys.dtype)
+        self.hi, self.allowed = hi, allowed
+        self.out = torch.empty(batch, self.kv_heads, self.rows, self.dim)
+        self.lse = torch.empty(batch, self.kv_heads, self.rows, 1) if with_lse else None
+
+    def scratch_floats(self, kernel: HeldKernel) -> int:
+        return int(kernel.scratch_size(int(self.q.shape[0]), self.kv_heads, self.rows, self.dim, self.count, SEGMENT))
+
+    def call(self, kernel: HeldKernel, scratch: int, scale: float, threads: int) -> _DenseCall:
+        q, keys, values, allowed = self.q, self.keys, self.values, self.allowed
+        return _DenseCall(
             q=q.data_ptr(),
             q_strides=(_I64 * 3)(*q.stride()[:3]),
             q_bf16=int(q.dtype == torch.bfloat16),
@@ -245,26 +295,23 @@ class HeldKernel:
             k_strides=(_I64 * 3)(*keys.stride()[:3]),
             v_strides=(_I64 * 3)(*values.stride()[:3]),
             kv_bf16=int(keys.dtype == torch.bfloat16),
-            count=count,
-            hi=hi.data_ptr(),
+            count=self.count,
+            hi=self.hi.data_ptr(),
             allowed=None if allowed is None else allowed.data_ptr(),
             s_allowed=0 if allowed is None else int(allowed.stride(0)),
             scale=scale,
-            B=batch,
-            H=kv_heads,
-            g=heads // kv_heads,
-            n=n,
-            D=dim,
+            B=int(q.shape[0]),
+            H=self.kv_heads,
+            g=int(q.shape[1]) // self.kv_heads,
+            n=int(q.shape[2]),
+            D=self.dim,
             seg=SEGMENT,
             threads=threads,
-            tiles=int(self.tiles),
-            scratch=scratch.data_ptr(),
-            out=out.data_ptr(),
-            lse=None if lse is None else lse.data_ptr(),
+            tiles=int(kernel.tiles),
+            scratch=scratch,
+            out=self.out.data_ptr(),
+            lse=None if self.lse is None else self.lse.data_ptr(),
         )
-        if self.dense(ctypes.byref(call)) != 0:
-            raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
-        return out, lse
 
 
 _scratches = threading.local()
@@ -314,6 +361,7 @@ def held_kernel() -> HeldKernel | None:
         library = _built()
         loaded = ctypes.CDLL(str(library))
         function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
+        dense_many = loaded.dense_attend_many
         tiles_enable = loaded.dense_tiles_enable
         bf16_products = loaded.dense_bf16_products
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
@@ -322,11 +370,12 @@ def held_kernel() -> HeldKernel | None:
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
     dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
+    dense_many.argtypes, dense_many.restype = [ctypes.POINTER(_DenseCall), _I, _I], _I
     tiles_enable.argtypes, tiles_enable.restype = [], _I
     bf16_products.argtypes, bf16_products.restype = [], _I
     tiles = bool(tiles_enable())
     log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
-    return HeldKernel(function, scratch_size, dense, library, tiles, bool(bf16_products()))
+    return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()))
 
 
 def kernel_dir() -> Path:

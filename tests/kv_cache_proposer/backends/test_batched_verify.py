@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 
+from kv_cache_proposer.backends.torch_backend import direct, exact_attention
 from kv_cache_proposer.strategies import FullStrategy, KVStrategy, SinkWindowStrategy
 from kv_cache_proposer.verifier import BatchBlock
 from tests.support.backends import BACKENDS, to_numpy
@@ -80,6 +81,46 @@ def test_a_batched_forward_gives_every_row_what_it_gets_alone(verifiers, arch):
             np.testing.assert_array_equal(b_positions, positions)
             np.testing.assert_allclose(b_keys, keys, atol=ATOL, rtol=RTOL)
             np.testing.assert_allclose(b_values, values, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_direct_forward_s_rows_get_the_bits_they_get_alone(verifiers, backend, arch, attention_path, monkeypatch):
+    """The direct forward's rows of different history lengths (within one segment of the attention kernel's keys
+    and across several), decode steps beside a speculative block: each row's logits and staged K/V are those of
+    its block alone, bit for bit, on either attention path (the compiled kernel attends the rows in one call)."""
+    if backend != "torch":
+        pytest.skip("the direct forward and its attention paths are the torch backend's (MLX: test_mlx_exact.py)")
+    verifier = verifiers[arch]
+    together = []
+    attend_rows = exact_attention.attend_exact_rows
+
+    def counted(*args, **kwargs):
+        outputs = attend_rows(*args, **kwargs)
+        together.append(outputs is not None)
+        return outputs
+
+    monkeypatch.setattr(direct, "attend_exact_rows", counted)
+    shapes = [(9, 1), (600, 1), (1100, 4), (300, 1)]
+    alone, blocks, twins = [], [], []
+    for seed, (history_len, block_len) in enumerate(shapes):
+        history, block = _tokens(seed, history_len), _tokens(200 + seed, block_len)
+        cache = _prefilled(verifier, FullStrategy(), history)
+        out = verifier.verify(cache, block, block_len)
+        verifier.commit(cache, block_len)
+        alone.append((to_numpy(out.logits), _resident(verifier, cache)))
+        twin = _prefilled(verifier, FullStrategy(), history)
+        blocks.append(BatchBlock(twin, block, block_len))
+        twins.append((twin, block_len))
+
+    outs = verifier.verify_batch(blocks)
+
+    assert together and all(together) == (attention_path == "compiled")
+    for (logits, resident), out, (twin, block_len) in zip(alone, outs, twins, strict=True):
+        np.testing.assert_array_equal(to_numpy(out.logits), logits)
+        verifier.commit(twin, block_len)
+        for (keys, values, _), (b_keys, b_values, _) in zip(resident, _resident(verifier, twin), strict=True):
+            np.testing.assert_array_equal(b_keys, keys)
+            np.testing.assert_array_equal(b_values, values)
 
 
 def test_a_batch_takes_one_block_per_cache(verifiers):
