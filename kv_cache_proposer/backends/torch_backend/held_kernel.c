@@ -148,6 +148,36 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
 }
 #endif
 
+#if VECTORS
+/* tile_values over bfloat16 values read where they are held (rows s_pos apart from key t0), each converted to
+   float32 in a register (exactly) as dense_rows would: the same sums in the same order, for the tile's first nt keys
+   (past them the converted rows are zeros, which change no sum). */
+static inline __attribute__((always_inline)) void tile_values_bf16(float *acc, const float *w, int rows, int D, int nt,
+                                                                   const uint16_t *base, int64_t s_pos, int64_t t0) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
+        int parts = width / 16;
+        __m512 a[4][4];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
+        for (int t = 0; t < nt; t++) {
+            const uint16_t *cv = base + (t0 + t) * s_pos + d0;
+            __m512 c[4];
+            for (int j = 0; j < parts; j++)
+                c[j] = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(cv + 16 * j))), 16));
+            for (int i = 0; i < 4; i++) {
+                if (i >= rows) break;
+                __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
+                for (int j = 0; j < parts; j++) a[i][j] = _mm512_fmadd_ps(wi, c[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
+    }
+}
+#endif
+
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
    keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
@@ -839,8 +869,18 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
     int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += TILE) {
         if (pairs) { /* a pair of dimensions is one 32-bit value: transposed as such */
-            pair_rows(keys, s_key, t0, count, D, (uint32_t *)by_key);
-            by_dimension(by_key, D / 2, by_dim);
+#if VECTORS
+            if (t0 + TILE <= count && s_key % 2 == 0 && (D / 2) % 16 == 0) { /* a whole tile: from where it is held */
+                const float *held = (const float *)((const uint16_t *)keys + t0 * s_key);
+                for (int k0 = 0; k0 < TILE; k0 += 16)
+                    for (int d0 = 0; d0 < D / 2; d0 += 16)
+                        transpose16(held + k0 * (s_key / 2) + d0, s_key / 2, by_dim + (int64_t)d0 * TILE + k0, TILE);
+            } else
+#endif
+            {
+                pair_rows(keys, s_key, t0, count, D, (uint32_t *)by_key);
+                by_dimension(by_key, D / 2, by_dim);
+            }
         } else {
             dense_rows(keys, bf16, s_key, t0, count, D, by_key);
             by_dimension(by_key, D, by_dim);
@@ -888,8 +928,25 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
         for (int r = 0; r < G; r++)
             row_weights(scores + r * TILE, TILE, 1.0f, 0, t0, hi, allowed, s_allowed, n, row0 + r, D,
                         acc + (int64_t)r * D, top + r, sums + r);
-        dense_rows(values, bf16, s_value, t0, count, D, by_key);
         int r = 0;
+#if VECTORS
+        if (bf16 && D % 16 == 0) { /* the values read where they are held */
+            int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
+            for (; r < G; r += 4) {
+                int rows = G - r < 4 ? G - r : 4, reads = 0;
+                for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
+                if (!reads) continue;
+                if (rows == 4)
+                    tile_values_bf16(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, (const uint16_t *)values,
+                                     s_value, t0);
+                else
+                    tile_values_bf16(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, (const uint16_t *)values,
+                                     s_value, t0);
+            }
+            continue;
+        }
+#endif
+        dense_rows(values, bf16, s_value, t0, count, D, by_key);
 #if VECTORS
         if (D % 16 == 0)
             for (; r < G; r += 4) {
