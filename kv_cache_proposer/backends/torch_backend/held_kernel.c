@@ -178,6 +178,34 @@ static inline __attribute__((always_inline)) void tile_values_bf16(float *acc, c
 }
 #endif
 
+#if VECTORS
+/* tile_values over int8 coordinates read where they are held (rows s_pos apart from key t0), each converted to
+   float32 in a register (exactly) as the converted rows would hold it: the same sums in the same order. */
+static inline __attribute__((always_inline)) void tile_values_int8(float *acc, const float *w, int rows, int D, int nt,
+                                                                   const int8_t *base, int64_t s_pos, int64_t t0) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
+        int parts = width / 16;
+        __m512 a[4][4];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
+        for (int t = 0; t < nt; t++) {
+            const int8_t *cv = base + (t0 + t) * s_pos + d0;
+            __m512 c[4];
+            for (int j = 0; j < parts; j++)
+                c[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cv + 16 * j))));
+            for (int i = 0; i < 4; i++) {
+                if (i >= rows) break;
+                __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
+                for (int j = 0; j < parts; j++) a[i][j] = _mm512_fmadd_ps(wi, c[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
+    }
+}
+#endif
+
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
    keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
@@ -270,16 +298,19 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             float *a = acc + (int64_t)r * D;
             for (int d = 0; d < D; d++) a[d] *= correction;
         }
+        int r = 0;
+#if VECTORS
+        if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
+            for (; r < G; r += 4)
+                tile_values_int8(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt, values, s_pos,
+                                 t0);
+            continue;
+        }
+#endif
         for (int t = 0; t < nt; t++) {
             const int8_t *v = values + (t0 + t) * s_pos;
             for (int d = 0; d < D; d++) converted[t * D + d] = (float)v[d];
         }
-        int r = 0;
-#if VECTORS
-        if (D % 16 == 0)
-            for (; r < G; r += 4) tile_values(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt,
-                                              converted);
-#endif
         for (; r + 4 <= G; r += 4) {
             float a0[D], a1[D], a2[D], a3[D];
             float *out = acc + (int64_t)r * D;
