@@ -5,8 +5,10 @@
    values are those of `_held_attention` (held_attention.py) within float rounding.
 
    The keys are read in segments of `seg` at fixed boundaries, one segment per work item, and the segments of a
-   (batch, K/V head) merged in order: a query's result does not depend on the thread count, on the other queries
-   beside it, or on how its history was delivered. */
+   (batch, K/V head) merged in order: a query's result does not depend on the thread count. Over dense K/V (below)
+   it does not depend on the other queries beside it or on how its history was delivered either; over held
+   coordinates a block of few query rows scores keys another way than a block of many (see segment_of), which
+   rounds differently (compressed sessions are exact to float rounding only: docs/protocol.md#determinism). */
 
 #include <math.h>
 #include <stdint.h>
@@ -122,10 +124,26 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + i * TILE + 16 * j, s[i][j]);
 }
 
-/* acc[i] += sum over the tile's nt keys of w[i][t] * converted[t] for `rows` (1 to 4) rows, 64 dimensions at a time
-   with the sums in registers; each row's sum runs over the keys in order, whatever `rows` is. */
+/* How the values of a tile are held where tile_values reads them. */
+enum { AS_FLOAT32 = 0, AS_BF16 = 1, AS_INT8 = 2 };
+
+/* Sixteen values at `at` (held as `kind`) as float32, each converted exactly. */
+static inline __attribute__((always_inline)) __m512 values16(const void *at, int kind) {
+    if (kind == AS_BF16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+    if (kind == AS_INT8) return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at)));
+    return _mm512_loadu_ps((const float *)at);
+}
+
+/* acc[i] += sum over the tile's nt keys of w[i][t] * value[t] for `rows` (1 to 4) rows, 64 dimensions at a time
+   with the sums in registers; each row's sum runs over the keys in order, whatever `rows` is. The values are read
+   where they lie, rows s_pos elements apart from key t0 (float32 rows converted before, or bfloat16 values or int8
+   coordinates as held, converted in registers, exactly: a kind gives the same sums as its float32 copy would), and
+   past nt keys none is read (a converted copy's rows there are zeros, which change no sum). */
 static inline __attribute__((always_inline)) void tile_values(float *acc, const float *w, int rows, int D, int nt,
-                                                              const float *converted) {
+                                                              const void *base, int kind, int64_t s_pos, int64_t t0) {
+    const int64_t elem = kind == AS_FLOAT32 ? 4 : kind == AS_BF16 ? 2 : 1;
     for (int d0 = 0; d0 < D; d0 += 64) {
         int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
         int parts = width / 16;
@@ -133,67 +151,9 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
         for (int i = 0; i < rows; i++)
             for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
         for (int t = 0; t < nt; t++) {
-            const float *cv = converted + t * D + d0;
+            const char *row = (const char *)base + ((t0 + t) * s_pos + d0) * elem;
             __m512 c[4];
-            for (int j = 0; j < parts; j++) c[j] = _mm512_loadu_ps(cv + 16 * j);
-            for (int i = 0; i < 4; i++) {
-                if (i >= rows) break;
-                __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
-                for (int j = 0; j < parts; j++) a[i][j] = _mm512_fmadd_ps(wi, c[j], a[i][j]);
-            }
-        }
-        for (int i = 0; i < rows; i++)
-            for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
-    }
-}
-#endif
-
-#if VECTORS
-/* tile_values over bfloat16 values read where they are held (rows s_pos apart from key t0), each converted to
-   float32 in a register (exactly) as dense_rows would: the same sums in the same order, for the tile's first nt keys
-   (past them the converted rows are zeros, which change no sum). */
-static inline __attribute__((always_inline)) void tile_values_bf16(float *acc, const float *w, int rows, int D, int nt,
-                                                                   const uint16_t *base, int64_t s_pos, int64_t t0) {
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
-        int parts = width / 16;
-        __m512 a[4][4];
-        for (int i = 0; i < rows; i++)
-            for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
-        for (int t = 0; t < nt; t++) {
-            const uint16_t *cv = base + (t0 + t) * s_pos + d0;
-            __m512 c[4];
-            for (int j = 0; j < parts; j++)
-                c[j] = _mm512_castsi512_ps(
-                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(cv + 16 * j))), 16));
-            for (int i = 0; i < 4; i++) {
-                if (i >= rows) break;
-                __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
-                for (int j = 0; j < parts; j++) a[i][j] = _mm512_fmadd_ps(wi, c[j], a[i][j]);
-            }
-        }
-        for (int i = 0; i < rows; i++)
-            for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
-    }
-}
-#endif
-
-#if VECTORS
-/* tile_values over int8 coordinates read where they are held (rows s_pos apart from key t0), each converted to
-   float32 in a register (exactly) as the converted rows would hold it: the same sums in the same order. */
-static inline __attribute__((always_inline)) void tile_values_int8(float *acc, const float *w, int rows, int D, int nt,
-                                                                   const int8_t *base, int64_t s_pos, int64_t t0) {
-    for (int d0 = 0; d0 < D; d0 += 64) {
-        int width = D - d0 < 64 ? D - d0 : 64; /* a multiple of 16 */
-        int parts = width / 16;
-        __m512 a[4][4];
-        for (int i = 0; i < rows; i++)
-            for (int j = 0; j < parts; j++) a[i][j] = _mm512_loadu_ps(acc + (int64_t)i * D + d0 + 16 * j);
-        for (int t = 0; t < nt; t++) {
-            const int8_t *cv = base + (t0 + t) * s_pos + d0;
-            __m512 c[4];
-            for (int j = 0; j < parts; j++)
-                c[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cv + 16 * j))));
+            for (int j = 0; j < parts; j++) c[j] = values16(row + 16 * j * elem, kind);
             for (int i = 0; i < 4; i++) {
                 if (i >= rows) break;
                 __m512 wi = _mm512_set1_ps(w[i * TILE + t]);
@@ -207,10 +167,12 @@ static inline __attribute__((always_inline)) void tile_values_int8(float *acc, c
 #endif
 
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
-   top [G] and sum sums [G]. A tile's key coordinates are converted once, transposed (`by_dim`: a dimension's 64
-   keys side by side), so each row's 64 scores build up as vectors over the keys, one dimension at a time; its value
-   coordinates are converted once (`converted`) and read by four rows at a time, their running sums in registers (D
-   known to the compiler: see segment_64). Every row's sums run in the same order whatever the other rows. */
+   top [G] and sum sums [G]. Fewer than TRANSPOSE_ROWS rows score each key by its own dot products; more, a tile's
+   key coordinates are converted once, transposed (`by_dim`: a dimension's 64 keys side by side), so each row's 64
+   scores build up as vectors over the keys, one dimension at a time. The two round differently, so a query's scores
+   depend, within float rounding, on whether its block has few rows or many. The value coordinates are converted in
+   registers as four rows at a time sum them, their running sums in registers (D known to the compiler: see
+   segment_64). */
 static inline __attribute__((always_inline)) void segment_of(const float *q, const Held *held,
                                                              const uint8_t *allowed, int64_t s_allowed, int n, int G,
                                                              int D, int64_t start, int64_t end, float *acc,
@@ -302,8 +264,8 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
 #if VECTORS
         if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
             for (; r < G; r += 4)
-                tile_values_int8(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt, values, s_pos,
-                                 t0);
+                tile_values(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt, values, AS_INT8,
+                            s_pos, t0);
             continue;
         }
 #endif
@@ -968,11 +930,9 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
                 if (!reads) continue;
                 if (rows == 4)
-                    tile_values_bf16(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, (const uint16_t *)values,
-                                     s_value, t0);
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, values, AS_BF16, s_value, t0);
                 else
-                    tile_values_bf16(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, (const uint16_t *)values,
-                                     s_value, t0);
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, values, AS_BF16, s_value, t0);
             }
             continue;
         }
@@ -985,9 +945,9 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
                 if (!reads) continue;
                 if (rows == 4)
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, TILE, by_key);
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, TILE, by_key, AS_FLOAT32, D, 0);
                 else
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, TILE, by_key);
+                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, TILE, by_key, AS_FLOAT32, D, 0);
             }
 #endif
         for (; r < G; r++) {
