@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 from typing import Any
 
@@ -123,21 +122,6 @@ def _compiled() -> tuple[Any, Any, Any]:
         return torch.jit.script(_code), torch.jit.script(_decoded), torch.jit.script(_code_blocks)
 
 
-@cache
-def _helper() -> ThreadPoolExecutor:
-    """The thread that codes K/V beside the model thread on a CPU. The compiled pass runs without the interpreter
-    lock, so it overlaps what is left of the forward that staged the K/V; one thread serves every cache, as one
-    model thread drives them."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kakeya-codec", initializer=_single_threaded)
-
-
-def _single_threaded() -> None:
-    """Give the helper the process's thread count: OpenMP keeps that count per thread, and a new thread would start
-    with the library's default (every core) instead, whose busy workers then take the model thread's cores (a
-    decode step of the bundled model ran at three quarters of its speed so)."""
-    torch.set_num_threads(torch.get_num_threads())
-
-
 class TorchLatticeCodec:
     """`LatticeCodec` over torch tensors; every step is the reference `roundtrip()`'s, in its order and dtypes
     (a one-scale spec's differ where the module docstring of `lattice.py` says)."""
@@ -186,16 +170,12 @@ class TorchLatticeCodec:
     def start_code_blocks(
         self, blocks: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
     ) -> Callable[[], list[CodedBlock[torch.Tensor]]]:
-        if self._device.type != "cpu":  # the device queues the ops: issuing them now already overlaps
-            coded = self.code_blocks(blocks, dtype)
-            return lambda: coded
-        return _helper().submit(self._code_aside, list(blocks), dtype).result
-
-    def _code_aside(
-        self, blocks: list[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtype
-    ) -> list[CodedBlock[torch.Tensor]]:
-        with torch.inference_mode():  # as the verifier's forwards: its buffers take these values
-            return self.code_blocks(blocks, dtype)
+        # A device queues the ops, so issuing them now overlaps the rest of the forward. On a CPU the pass runs here
+        # too: on a thread of its own its parallel ops would contend with the model thread's for the cores (a
+        # compressed session's decode step on the default model took 1.7x as long so, and its threads slowed the
+        # uncompressed sessions decoding after it).
+        coded = self.code_blocks(blocks, dtype)
+        return lambda: coded
 
     def to_host(self, coding: StagedCoding[torch.Tensor]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return (
