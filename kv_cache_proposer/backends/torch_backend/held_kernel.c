@@ -166,6 +166,8 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
 }
 #endif
 
+static inline __attribute__((always_inline)) void by_dimension(const float *by_key, int D, float *by_dim);
+
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. Fewer than TRANSPOSE_ROWS rows score each key by its own dot products; more, a tile's
    key coordinates are converted once, transposed (`by_dim`: a dimension's 64 keys side by side), so each row's 64
@@ -206,12 +208,26 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             }
         } else {
             /* Many rows: the tile transposed once, each row's scores built as vectors over the keys. */
-            for (int t = 0; t < nt; t++) {
-                const int8_t *k = keys + (t0 + t) * s_pos;
-                for (int d = 0; d < D; d++) by_dim[d * TILE + t] = (float)k[d];
+#if VECTORS
+            if (D % 16 == 0) { /* rows converted 16 coordinates at a time, then transposed in 16 x 16 blocks */
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *k = keys + (t0 + t) * s_pos;
+                    for (int d = 0; d < D; d += 16)
+                        _mm512_storeu_ps(converted + t * D + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                    _mm_loadu_si128((const __m128i *)(k + d)))));
+                }
+                if (nt < TILE) memset(converted + nt * D, 0, sizeof(float) * (size_t)(TILE - nt) * (size_t)D);
+                by_dimension(converted, D, by_dim);
+            } else
+#endif
+            {
+                for (int t = 0; t < nt; t++) {
+                    const int8_t *k = keys + (t0 + t) * s_pos;
+                    for (int d = 0; d < D; d++) by_dim[d * TILE + t] = (float)k[d];
+                }
+                for (int t = nt; t < TILE; t++)
+                    for (int d = 0; d < D; d++) by_dim[d * TILE + t] = 0.0f;
             }
-            for (int t = nt; t < TILE; t++)
-                for (int d = 0; d < D; d++) by_dim[d * TILE + t] = 0.0f;
 #if VECTORS
             if (D % 16 == 0) {
                 for (int r = 0; r < G; r += 4)
