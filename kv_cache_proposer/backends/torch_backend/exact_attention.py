@@ -156,7 +156,7 @@ def attend_exact_rows(
     the threads (rows of different history lengths keep every thread busy, which one call per row does not).
     None where it is not (the caller attends row by row)."""
     kernel = dense_kernel()
-    if kernel is None or len(rows) < 2 or torch.compiler.is_compiling():
+    if kernel is None or not 2 <= len(rows) <= held_kernel.MAX_CALLS or torch.compiler.is_compiling():
         return None
     compiled = dense_setting() == "compiled"
     per = max(1, DENSE_ROWS // groups)

@@ -1,8 +1,8 @@
 """The compiled CPU kernel for attention (`held_kernel.c`): built with the machine's C compiler on first use, for
-this CPU (`-march=native`), into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`) and loaded with
-ctypes. Over held coordinates, a decode step or a speculative block reads the int8 coordinates in one pass, never
-writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` as
-`KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU multiplies bfloat16: AVX512-BF16 or AMX).
+this CPU (`kernel_build`), and loaded with ctypes. Over held coordinates, a decode step or a speculative block
+reads the int8 coordinates in one pass, never writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it
+serves `exact_attention.attend_exact` as `KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU
+multiplies bfloat16: AVX512-BF16 or AMX).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -11,13 +11,9 @@ once, with the reason."""
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
-import platform
-import shutil
 import subprocess
-import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,29 +23,20 @@ from typing import Any
 
 import torch
 
+from kv_cache_proposer.backends.torch_backend.kernel_build import built
 from kv_cache_proposer.compression.codec import StagedCoding
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("held_kernel.c")
-FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
-    # Sums may be reassociated (vectorised reductions); infinities and NaNs keep their meaning (masked keys are -inf).
-    "-fno-math-errno",
-    "-fassociative-math",
-    "-fno-signed-zeros",
-    "-fno-trapping-math",
-    "-fPIC",
-    "-shared",
-) + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
 SEGMENT = 512
 """Held keys of one work item: a segment's partial result is merged with the others in order, so the boundaries are
 fixed (multiples of it from the first key) whatever the thread count."""
 
 MAX_ROWS = 512
 """Query rows (query heads per K/V head × queries) of one call at most: a segment's scores live on the stack."""
+
+MAX_CALLS = 256
+"""Calls of one `attend_dense_many` at most (`MAX_CALLS` of held_kernel.c)."""
 
 MAX_DIM = 256
 """The largest head size the kernel serves (`MAX_DIM` of held_kernel.c)."""
@@ -271,18 +258,19 @@ class _DenseRow:
         allowed: torch.Tensor | None,
         with_lse: bool,
     ) -> None:
-        batch, heads, n, self.dim = (int(s) for s in q.shape)
+        self.batch, heads, self.n, self.dim = (int(s) for s in q.shape)
         self.kv_heads, self.count = int(keys.shape[1]), int(keys.shape[2])
-        self.rows = heads // self.kv_heads * n
+        self.groups = heads // self.kv_heads
+        self.rows = self.groups * self.n
         self.q, self.keys, self.values = (_readable(x) for x in (q, keys, values))
         if self.keys.dtype != self.values.dtype:
             self.values = self.values.to(self.keys.dtype)
         self.hi, self.allowed = hi, allowed
-        self.out = torch.empty(batch, self.kv_heads, self.rows, self.dim)
-        self.lse = torch.empty(batch, self.kv_heads, self.rows, 1) if with_lse else None
+        self.out = torch.empty(self.batch, self.kv_heads, self.rows, self.dim)
+        self.lse = torch.empty(self.batch, self.kv_heads, self.rows, 1) if with_lse else None
 
     def scratch_floats(self, kernel: HeldKernel) -> int:
-        return int(kernel.scratch_size(int(self.q.shape[0]), self.kv_heads, self.rows, self.dim, self.count, SEGMENT))
+        return int(kernel.scratch_size(self.batch, self.kv_heads, self.rows, self.dim, self.count, SEGMENT))
 
     def call(self, kernel: HeldKernel, scratch: int, scale: float, threads: int) -> _DenseCall:
         q, keys, values, allowed = self.q, self.keys, self.values, self.allowed
@@ -300,10 +288,10 @@ class _DenseRow:
             allowed=None if allowed is None else allowed.data_ptr(),
             s_allowed=0 if allowed is None else int(allowed.stride(0)),
             scale=scale,
-            B=int(q.shape[0]),
+            B=self.batch,
             H=self.kv_heads,
-            g=int(q.shape[1]) // self.kv_heads,
-            n=int(q.shape[2]),
+            g=self.groups,
+            n=self.n,
             D=self.dim,
             seg=SEGMENT,
             threads=threads,
@@ -358,7 +346,7 @@ def held_kernel() -> HeldKernel | None:
         log.info("held attention: TorchScript ops (%s=%s)", ENV, setting)
         return None
     try:
-        library = _built()
+        library = built()
         loaded = ctypes.CDLL(str(library))
         function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
         dense_many = loaded.dense_attend_many
@@ -376,42 +364,3 @@ def held_kernel() -> HeldKernel | None:
     tiles = bool(tiles_enable())
     log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
     return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()))
-
-
-def kernel_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "kakeya" / "kernels"
-
-
-def _built() -> Path:
-    """The library for this source, compiler and CPU, compiled into the cache directory unless it is there."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
-        key.update(part)
-    library = kernel_dir() / f"held_kernel-{key.hexdigest()[:16]}.so"
-    if library.exists():
-        return library
-    library.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
-        built = Path(scratch) / library.name
-        done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(built, library)  # atomic: another process building the same library meanwhile is harmless
-    return library
-
-
-def _cpu_flags() -> str:
-    """What `-march=native` builds for: the CPU's model and feature flags (empty where /proc/cpuinfo is absent)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return ""
-    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
-    return "\n".join(wanted[:2])

@@ -1,0 +1,66 @@
+"""How the compiled attention kernel (`held_kernel.c`) is built: with the machine's C compiler, for this CPU
+(`-march=native`), once per source, flags, compiler and CPU, into `$XDG_CACHE_HOME/kakeya/kernels` (else
+`~/.cache/kakeya/kernels`); `held_kernel` loads what this builds."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = Path(__file__).with_name("held_kernel.c")
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    # Sums may be reassociated (vectorised reductions); infinities and NaNs keep their meaning (masked keys are -inf).
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+    "-fPIC",
+    "-shared",
+) + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
+
+
+def kernel_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "kakeya" / "kernels"
+
+
+def built() -> Path:
+    """The library for this source, compiler and CPU, compiled into the cache directory unless it is there."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+        key.update(part)
+    library = kernel_dir() / f"held_kernel-{key.hexdigest()[:16]}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        built = Path(scratch) / library.name
+        done = subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(built, library)  # atomic: another process building the same library meanwhile is harmless
+    return library
+
+
+def _cpu_flags() -> str:
+    """What `-march=native` builds for: the CPU's model and feature flags (empty where /proc/cpuinfo is absent)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(wanted[:2])
