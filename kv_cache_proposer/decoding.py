@@ -326,8 +326,12 @@ class Decoder:
         if not burst:
             seq.draft_length.update(len(draft), accepted)
         if self.draft_policy is DraftPolicy.COST:
+            # A generation's first forward also does what the session's first forward after a pause does (a
+            # compressed session reads its parked codes back, a fork's cache is filled): it is not timed, since a
+            # decode step priced by it would make every block look many times dearer than it is.
+            forward_s = plan.forward_s if generated else None
             seq.draft_costs.observe_step(
-                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=plan.forward_s,
+                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=forward_s,
                 unverified=plan.unverified, position=len(seq.tokens) + (0 if burst else len(draft)),
             )  # fmt: skip
         emitted = sampled[: accepted + 1]

@@ -267,3 +267,46 @@ def test_a_session_that_declines_a_lookup_learns_from_what_it_generates_and_draf
     assert all(step.decision is DraftDecision.DECLINE for step in steps[:first])
     assert steps[first].decision is DraftDecision.DRAFT  # not a probe
     assert 0 < steps[first].drafted <= limit
+
+
+class TimedForwards(DraftCostModel):
+    """The cost model, recording the forwards it is given to time."""
+
+    def __init__(self, max_draft_tokens: int) -> None:
+        super().__init__(max_draft_tokens)
+        self.timed: list[tuple[int, float]] = []
+
+    def observe_forward(self, block_tokens: int, seconds: float, steps: int = 1) -> None:
+        self.timed.append((block_tokens, seconds))
+        super().observe_forward(block_tokens, seconds, steps)
+
+
+def test_a_generations_first_forward_prices_no_step(verifiers, proposer_options, monkeypatch):
+    """The first forward of a generation also does what a session's first forward after a pause does (a compressed
+    session reads its parked codes back): priced by it, a plain step would look many times dearer than it is, and
+    so would every block borrowed from the daemon's other sessions with it. The next forwards are decode steps and
+    timed."""
+    verifier = verifiers["llama"]
+    proposer = load_proposer(proposer_options["ngram"], verifier, backend="torch")
+    seq = SequenceState(
+        cache=verifier.new_cache(FullStrategy()), tokens=_prompt(), draft_session=proposer.open(FullStrategy())
+    )
+    decoder = Decoder(verifier, draft_policy=DraftPolicy.COST, burst_tokens=4)
+    _run(decoder, seq)  # a first generation
+    assert seq.pending_count == 1
+    seq.draft_costs = costs = TimedForwards(seq.draft_session.max_draft_tokens)
+
+    def slowed(forward: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(0.2)
+            return forward(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(verifier, "verify", slowed(verifier.verify))
+    monkeypatch.setattr(verifier, "burst", slowed(verifier.burst))
+    budget = GenerationBudget(TOKENS)
+    first = decoder.step(seq, SamplingParams(), budget, 0)  # the next generation's first step
+    assert first.tokens and costs.timed == []
+    decoder.step(seq, SamplingParams(), budget, len(first.tokens))
+    assert len(costs.timed) == 1 and costs.timed[0][1] >= 0.2
