@@ -84,6 +84,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         )
         self._stage_tokens: list[int] = []
         self._restored: RestoredPrefix[A] | None = None
+        self._restored_horizon: int | None = None  # the evicted positions this generation may reach (`expect`)
         self._peak_restored_bytes = 0
 
     # -- byte accounting ---------------------------------------------------------------------------------------
@@ -133,10 +134,19 @@ class RestoringSessionCache(KVSessionCache[A]):
         held = super().arrays() + [array for store in self._state.kept.values() for array in store.arrays()]
         return held if self._restored is None else held + self._restored.arrays()
 
+    def expect(self, positions: int) -> None:
+        """As the resident cache's; the restored K/V too grow no further than the generation can evict (each
+        position it commits evicts at most one)."""
+        super().expect(positions)
+        self._restored_horizon = self.evicted_count + positions
+        if self._restored is not None:
+            self._restored.bound(self._restored_horizon)
+
     def park(self) -> None:
         """Drop the restored K/V and the spare capacity of the kept layers: a parked session holds its resident
         K/V and exactly the plan's state of its evicted positions."""
         self._drop_restored()
+        self._restored_horizon = None
         self._state.park(self.evicted_count)
         super().park()
 
@@ -159,6 +169,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         evicted = self.evicted_count
         if evicted and (self._restored is None or self._restored.count != evicted):
             self._restored = self._state.rebuild(evicted, self._layers)
+            self._restored.bound(self._restored_horizon)
             self._note_peak()
         self.attach_prefix(self._restored)
         super().begin_stage(block_len, extend=extend)
@@ -230,6 +241,7 @@ class RestoringSessionCache(KVSessionCache[A]):
             if self.evicted_count:  # the prefix of earlier evictions was dropped: rebuilt at the next forward
                 return
             self._restored = self._state.new_prefix(self._layers)
+            self._restored.bound(self._restored_horizon)
         self._state.extend(self._restored, captured, added)
         self._note_peak()
 

@@ -112,6 +112,7 @@ class RestoredPrefix(Generic[A]):
         self._first = first
         self._count = 0
         self._capacity = 0
+        self._horizon: int | None = None  # the positions it may hold before its session parks (`bound`)
         self.coded = coded
         self._layers: list[PrefixLayer[A]] = [layer(index) for index in range(num_layers)]
         self._positions = np.zeros(0, dtype=np.int64)
@@ -146,6 +147,11 @@ class RestoredPrefix(Generic[A]):
             for layer in self._layers:
                 layer.reserve(count)
 
+    def bound(self, horizon: int | None) -> None:
+        """Until its session parks it holds at most `horizon` positions (None: unknown): growing, it reserves no
+        room beyond them."""
+        self._horizon = horizon
+
     def extend(self, per_layer: Sequence[Entries[A]]) -> None:
         """Append the K/V `[B, H, m, D]` (or their coding) of the next m evicted positions, one per layer."""
         added = self._length(per_layer[0])
@@ -153,7 +159,10 @@ class RestoredPrefix(Generic[A]):
             return
         needed = self._count + added
         if needed > self._capacity:
-            self.reserve(max(needed, self._capacity + max(self._capacity // 2, _GROWTH)))
+            # Geometric growth keeps appends amortised O(1), but room past what the generation can evict would
+            # only raise the session's peak (half the restored history, at the first eviction after a rebuild).
+            grown = self._capacity + max(self._capacity // 2, _GROWTH)
+            self.reserve(max(needed, grown if self._horizon is None else min(grown, self._horizon)))
         slots = np.arange(self._count, needed, dtype=np.int64)
         for layer, entries in zip(self._layers, per_layer, strict=True):
             _load(layer, slots, entries)

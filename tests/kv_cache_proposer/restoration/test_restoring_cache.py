@@ -319,3 +319,32 @@ def test_a_compressed_session_holds_its_restored_kv_as_coordinates_of_its_own_co
             got, want = to_numpy(got), to_numpy(want)
             assert got.shape == want.shape
             assert np.linalg.norm(got - want) < 0.15 * np.linalg.norm(want)
+
+
+def test_a_generation_grows_the_restored_kv_no_further_than_it_can_evict(verifiers):
+    """After a park the next generation rebuilds the evicted positions' K/V, then each step evicts more of them.
+    Growing geometrically, the restored K/V would take room for half the history again at the first eviction; a
+    generation of n tokens evicts at most n + 1 more (its pending token too), and that is all the room it takes."""
+    verifier = verifiers["qwen3"]
+    cache = verifier.new_cache(RESTORE, restoration=RestorationSetup(_plan("recompute", "recompute", "recompute")))
+    seq = SequenceState(cache=cache, tokens=_tokens(3, 300))
+    decoder = Decoder(verifier, prefill_chunk_tokens=64)
+
+    def generate(count: int) -> list[tuple[int, int]]:
+        budget, generated, held = GenerationBudget(max_new_tokens=count), 0, []
+        while generated < count:
+            generated += len(decoder.step(seq, SamplingParams(), budget, generated).tokens)
+            footprint = cache.footprint()
+            held.append((footprint.restored_count, footprint.restored_bytes))
+        return held
+
+    generate(4)
+    cache.park()
+    evicted = cache.evicted_count
+    per_position = 0  # bytes of one position's K/V in every layer (float32, the test models' dtype)
+    for layer in range(3):
+        keys = to_numpy(cache.resident_kv(layer)[0])
+        per_position += 2 * keys.shape[1] * keys.shape[3] * 4
+    held = generate(6)
+    assert held[-1][0] > evicted  # the generation evicted more, and they were restored as they left
+    assert all(restored_bytes <= (evicted + 1 + 6) * per_position for _, restored_bytes in held)
