@@ -56,6 +56,7 @@ ARMS: dict[str, list[str]] = {
     "full_float32": ["--kv-strategy", "full", "--kv-dtype", "model"],  # float32 K/V whatever auto holds
     "sink_window": ["--kv-strategy", "sink_window"],
     "dlm_restore": ["--kv-strategy", "dlm_restore", "--restore-plan", "recompute"],
+    "dlm_restore_plan": ["--kv-strategy", "dlm_restore"],  # the model's own plan (recompute where it ships none)
     "kakeya_d4": ["--kv-compressor", "kakeya_d4"],
     "kakeya_d4_packing": ["--kv-compressor", "kakeya_d4", "--kv-resting-sessions", "0"],
 }
