@@ -1,7 +1,6 @@
 """The speculative decode step: draft a block, verify it in one forward, commit the accepted prefix; with a
 generation's controls (grammar, penalties, stop sequences, log-probabilities) and, under the `cost` draft policy, a
-per-session choice of the draft length (`DraftCostModel`). docs/architecture.md ("The decode step") describes a
-step.
+per-session choice of the draft length (`DraftCostModel`). docs/architecture.md ("The decode step") describes one.
 """
 
 from __future__ import annotations
@@ -201,8 +200,7 @@ class Decoder:
         pending = seq.pending_count
         if pending < 1:
             raise ValueError("the session has no pending token to continue from")
-        layers = seq.draft_session.feature_layers
-        start = seq.committed
+        layers, start = seq.draft_session.feature_layers, seq.committed
         room = budget.max_new_tokens - generated
         if budget.max_history_tokens is not None:
             room = min(room, budget.max_history_tokens - len(seq.tokens))
@@ -326,12 +324,10 @@ class Decoder:
         if not burst:
             seq.draft_length.update(len(draft), accepted)
         if self.draft_policy is DraftPolicy.COST:
-            # A generation's first forward also does what the session's first forward after a pause does (a
-            # compressed session reads its parked codes back, a fork's cache is filled): it is not timed, since a
-            # decode step priced by it would make every block look many times dearer than it is.
-            forward_s = plan.forward_s if generated else None
+            # Untimed: a generation's first forward also reads back what a pause left (a compressed fork's codes).
             seq.draft_costs.observe_step(
-                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s, forward_s=forward_s,
+                pending, plan.burst, plan.wanted, len(draft), accepted, draft_s=plan.draft_s,
+                forward_s=plan.forward_s if generated else None,
                 unverified=plan.unverified, position=len(seq.tokens) + (0 if burst else len(draft)),
             )  # fmt: skip
         emitted = sampled[: accepted + 1]
