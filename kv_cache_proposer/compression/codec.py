@@ -66,7 +66,8 @@ class LatticeCodec(Protocol[A]):
 
     def start_code_blocks(self, blocks: Sequence[tuple[A, A]], dtype: Any) -> Callable[[], list[CodedBlock[A]]]:
         """`code_blocks` begun now and finished by calling the result (which returns the same list every time).
-        A backend whose ops run synchronously on the host may run the pass on a helper thread meanwhile."""
+        A device that queues its ops (or builds a lazy graph) overlaps the pass with the rest of the forward; on a
+        CPU the pass runs here, since a helper thread's parallel ops would take the model thread's cores."""
         ...
 
     def to_host(self, coding: StagedCoding[A]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

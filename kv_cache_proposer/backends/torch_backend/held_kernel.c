@@ -862,6 +862,26 @@ static inline int64_t dense_start(const int64_t *hi, int n, int row0, int G, int
     return reach;
 }
 
+#if VECTORS
+/* tile_values for G query rows from row0, four at a time (the count known to the compiler for a whole group), over a
+   tile of keys from t0 whose values lie as tile_values reads them; a group of rows none of which reads the tile
+   skips it (for such a row the tile changes nothing). */
+static inline __attribute__((always_inline)) void dense_values(float *acc, const float *scores, const int64_t *hi,
+                                                               int n, int row0, int G, int D, int64_t t0, int nt,
+                                                               const void *base, int kind, int64_t s_pos,
+                                                               int64_t origin) {
+    for (int r = 0; r < G; r += 4) {
+        int rows = G - r < 4 ? G - r : 4, reads = 0;
+        for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
+        if (!reads) continue;
+        if (rows == 4)
+            tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, base, kind, s_pos, origin);
+        else
+            tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, base, kind, s_pos, origin);
+    }
+}
+#endif
+
 /* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for G of its query rows from
    row0 (row r: query r % n, which reads keys below hi[r % n] that `allowed` allows, or all of them where it is
    NULL): unnormalised output acc [G, D], running maximum top [G] and sum sums [G]. */
@@ -937,36 +957,20 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
         for (int r = 0; r < G; r++)
             row_weights(scores + r * TILE, TILE, 1.0f, 0, t0, hi, allowed, s_allowed, n, row0 + r, D,
                         acc + (int64_t)r * D, top + r, sums + r);
-        int r = 0;
 #if VECTORS
-        if (bf16 && D % 16 == 0) { /* the values read where they are held */
-            int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
-            for (; r < G; r += 4) {
-                int rows = G - r < 4 ? G - r : 4, reads = 0;
-                for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
-                if (!reads) continue;
-                if (rows == 4)
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, values, AS_BF16, s_value, t0);
-                else
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, values, AS_BF16, s_value, t0);
+        if (D % 16 == 0) {
+            if (bf16) /* the values read where they are held */
+                dense_values(acc, scores, hi, n, row0, G, D, t0, (int)(count - t0 < TILE ? count - t0 : TILE), values,
+                             AS_BF16, s_value, t0);
+            else {
+                dense_rows(values, bf16, s_value, t0, count, D, by_key);
+                dense_values(acc, scores, hi, n, row0, G, D, t0, TILE, by_key, AS_FLOAT32, D, 0);
             }
             continue;
         }
 #endif
         dense_rows(values, bf16, s_value, t0, count, D, by_key);
-#if VECTORS
-        if (D % 16 == 0)
-            for (; r < G; r += 4) {
-                int rows = G - r < 4 ? G - r : 4, reads = 0;
-                for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
-                if (!reads) continue;
-                if (rows == 4)
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, TILE, by_key, AS_FLOAT32, D, 0);
-                else
-                    tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, TILE, by_key, AS_FLOAT32, D, 0);
-            }
-#endif
-        for (; r < G; r++) {
+        for (int r = 0; r < G; r++) {
             float row[D];
             float *o = acc + (int64_t)r * D;
             const float *w = scores + r * TILE;
