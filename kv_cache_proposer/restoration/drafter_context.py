@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kv_cache_proposer.restoration.projection import row_product
+
 
 @dataclass(frozen=True, slots=True, eq=False)
 class DrafterContext:
@@ -44,7 +46,7 @@ class DrafterContext:
         """Context rows `[n, H]` (float32) of verifier features `[n, L*H]` (outputs of `target_layer_ids`)."""
         if features.shape[1] != self.fc_weight.shape[1]:
             raise ValueError(f"the drafter context reads {self.fc_weight.shape[1]} features, got {features.shape[1]}")
-        projected = features.astype(np.float32) @ self.fc_weight.T  # [n, H]
+        projected = row_product(features, self.fc_weight.T)  # [n, H]
         scale = 1.0 / np.sqrt(np.mean(projected * projected, axis=-1, keepdims=True) + self.eps)  # RMSNorm
         return (projected * scale * self.norm_weight).astype(np.float32)
 

@@ -15,6 +15,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# A host product runs over blocks of this many rows, each a product of its own shape. numpy's BLAS picks its kernel
+# by the shape of a product (one row: a matrix-vector kernel; a few rows of a small layer: its small-matrix one),
+# and kernels sum a row in different orders, so a position's restored K/V would depend on how many positions its
+# forward evicted with it (one block, turns, token by token) or a rebuild mapped at once. In blocks of one shape a
+# row's values depend on the row alone (`test_projection.py`); 16 rows cost about what one product of every row
+# costs on a layer of the default model, and little more than one row for a decode step.
+_ROW_BLOCK = 16
+
+
+def row_product(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """`rows [P, in] @ weight [in, out]` in float32, each row's values independent of the other rows."""
+    count, width = rows.shape
+    blocks = np.zeros((-(-max(count, 1) // _ROW_BLOCK), _ROW_BLOCK, width), dtype=np.float32)
+    blocks.reshape(-1, width)[:count] = rows
+    return (blocks @ weight).reshape(-1, weight.shape[1])[:count]
+
 
 def kv_rows(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
     """K/V `[B, H, P, D]` (B = 1) as feature rows `[P, 2 * H * D]`."""
@@ -97,13 +113,13 @@ class LinearProjection:
             raise ValueError(f"the projection reads {self.weight.shape[0]} features per row, got {rows.shape[1]}")
         rotary = self.rotary
         if rotary is None:
-            return (rows.astype(np.float32) @ self.weight + self.bias).astype(np.float32)
+            return (row_product(rows, self.weight) + self.bias).astype(np.float32)
         if positions is None:
             raise ValueError("a projection in the keys' unrotated frame needs the rows' positions")
         source = rows.astype(np.float32)
         if self.reads_keys:
             source = unrotated_rows(source, positions, rotary)
-        out = (source @ self.weight + self.bias).astype(np.float32)
+        out = (row_product(source, self.weight) + self.bias).astype(np.float32)
         half = out.shape[1] // 2
         out[:, :half] = rotary.turn(out[:, :half], positions)
         return out
