@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 DENSE_ENV: Final = "KAKEYA_DENSE_ATTENTION"
 """`auto` (the default): the compiled kernel (`dense_kernel`) for bfloat16 queries and K/V where the CPU multiplies
-them as bfloat16 (AVX512-BF16 dot products, or the tile unit, AMX), PyTorch's CPU flash kernel otherwise;
+them as bfloat16 (AVX512-BF16 dot products, or the tile unit, AMX) and for float32 ones where it has AVX-512,
+PyTorch's CPU flash kernel otherwise;
 `compiled`: the compiled kernel for every dtype; `flash`: PyTorch's flash kernel. Each gives a query the same values
 however its history was delivered; the two agree within float rounding (docs/operator-guide.md#the-attention-kernel)."""
 DENSE_SETTINGS: Final = ("auto", "compiled", "flash")
@@ -100,15 +101,23 @@ def dense_kernel() -> held_kernel.HeldKernel | None:
         log.info("dense attention: compiled kernel (%s=compiled)", DENSE_ENV)
     elif kernel.bf16_products:
         unit = "the tile unit" if kernel.tiles else "bfloat16 dot products"
-        log.info("dense attention: compiled kernel for bfloat16 K/V (on %s), PyTorch's flash kernel otherwise", unit)
+        log.info("dense attention: compiled kernel for bfloat16 K/V (on %s) and float32 K/V, flash otherwise", unit)
+    elif kernel.vectors:
+        log.info("dense attention: compiled kernel for float32 K/V, flash for bfloat16 (no AVX512-BF16 products)")
     else:
-        log.info("dense attention: PyTorch's flash kernel (the CPU has no bfloat16 products the compiled kernel uses)")
+        log.info("dense attention: PyTorch's flash kernel (the CPU has no AVX-512 the compiled kernel uses)")
     return kernel
 
 
 def _auto_compiled(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether the kernel multiplies these queries and keys as bfloat16 (`auto` gives it only those)."""
-    return kernel.bf16_products and q.dtype == keys.dtype == torch.bfloat16 and int(q.shape[3]) % 32 == 0
+    """Whether `auto` gives the kernel these queries and keys: bfloat16 ones it multiplies as bfloat16, float32 ones
+    on its AVX-512 vector path (there it decoded and prefilled faster than PyTorch's flash kernel; for bfloat16 the
+    vector path without bfloat16 products prefilled slower, docs/benchmarks.md)."""
+    if q.dtype != keys.dtype:
+        return False
+    if q.dtype == torch.bfloat16:
+        return kernel.bf16_products and int(q.shape[3]) % 32 == 0
+    return kernel.vectors and q.dtype == torch.float32
 
 
 def _attend_compiled(

@@ -647,6 +647,9 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
    tile unit where it is granted): the kernel's fast path for them. */
 int dense_bf16_products(void) { return PAIRS; }
 
+/* 1 when dense attention scores and sums on the CPU's 512-bit vector units (AVX-512), float32 K/V included. */
+int dense_vectors(void) { return VECTORS; }
+
 #if TILES
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -2,7 +2,7 @@
 this CPU (`kernel_build`), and loaded with ctypes. Over held coordinates, a decode step or a speculative block
 reads the int8 coordinates in one pass, never writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it
 serves `exact_attention.attend_exact` as `KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU
-multiplies bfloat16: AVX512-BF16 or AMX).
+multiplies bfloat16, AVX512-BF16 or AMX, and float32 K/V where it has AVX-512).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -131,6 +131,9 @@ class HeldKernel:
     bf16_products: bool = False
     """Whether dense attention multiplies bfloat16 queries and K/V as bfloat16 (the CPU has AVX512-BF16; true
     wherever `tiles` is)."""
+    vectors: bool = False
+    """Whether dense attention runs on the CPU's 512-bit vector units (AVX-512; true wherever `bf16_products` is),
+    float32 K/V included; without them its loops are plain C."""
 
     def attend(
         self,
@@ -351,7 +354,7 @@ def held_kernel() -> HeldKernel | None:
         function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
         dense_many = loaded.dense_attend_many
         tiles_enable = loaded.dense_tiles_enable
-        bf16_products = loaded.dense_bf16_products
+        bf16_products, vectors = loaded.dense_bf16_products, loaded.dense_vectors
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
         return None
@@ -360,7 +363,8 @@ def held_kernel() -> HeldKernel | None:
     dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
     dense_many.argtypes, dense_many.restype = [ctypes.POINTER(_DenseCall), _I, _I], _I
     tiles_enable.argtypes, tiles_enable.restype = [], _I
-    bf16_products.argtypes, bf16_products.restype = [], _I
+    for flag in (bf16_products, vectors):
+        flag.argtypes, flag.restype = [], _I
     tiles = bool(tiles_enable())
     log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
-    return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()))
+    return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()), bool(vectors()))

@@ -1,6 +1,7 @@
 """Which kernel attends over dense K/V (`KAKEYA_DENSE_ATTENTION`): by default (`auto`) the compiled kernel where the
-CPU multiplies bfloat16 queries and K/V as bfloat16 (AVX512-BF16, or the tile unit), PyTorch's flash kernel for the
-rest; `compiled` and `flash` for everything; an unknown value logged and read as `auto`."""
+CPU multiplies bfloat16 queries and K/V as bfloat16 (AVX512-BF16, or the tile unit) and for float32 ones where it
+has AVX-512, PyTorch's flash kernel for the rest; `compiled` and `flash` for everything; an unknown value logged and
+read as `auto`."""
 
 from __future__ import annotations
 
@@ -35,29 +36,34 @@ def _attended(monkeypatch: pytest.MonkeyPatch, setting: str, dtype: torch.dtype)
     return exact_attention.attend_exact(q, keys, values, OVER_HISTORY, 3, 0.125, {})
 
 
-def test_auto_attends_bfloat16_with_the_compiled_kernel_and_float32_with_flash(fresh):
+def test_auto_attends_bfloat16_and_float32_with_the_compiled_kernel_on_an_avx512_bf16_cpu(fresh):
     kernel = held_kernel.held_kernel()
     if kernel is None or not kernel.bf16_products:
         pytest.skip(
-            "this CPU has no bfloat16 products (AVX512-BF16) the compiled kernel uses: auto is flash for every dtype"
+            "this CPU has no bfloat16 products (AVX512-BF16) the compiled kernel uses: auto attends bfloat16 K/V "
+            "with flash here (the test below checks that choice on a kernel loaded as on such a CPU)"
         )
-    for dtype, same_as in ((torch.bfloat16, "compiled"), (torch.float32, "flash")):
-        auto = _attended(fresh, "auto", dtype)
-        assert torch.equal(auto, _attended(fresh, same_as, dtype)), dtype
-    # the two kernels differ in their last bits, so the comparisons above tell which ran
-    assert not torch.equal(_attended(fresh, "compiled", torch.bfloat16), _attended(fresh, "flash", torch.bfloat16))
-    assert not torch.equal(_attended(fresh, "compiled", torch.float32), _attended(fresh, "flash", torch.float32))
+    for dtype in (torch.bfloat16, torch.float32):
+        assert torch.equal(_attended(fresh, "auto", dtype), _attended(fresh, "compiled", dtype)), dtype
+        # the two kernels differ in their last bits, so the comparison above tells which ran
+        assert not torch.equal(_attended(fresh, "compiled", dtype), _attended(fresh, "flash", dtype)), dtype
 
 
-def test_auto_attends_bfloat16_with_flash_where_the_cpu_has_no_bfloat16_products(fresh):
+@pytest.mark.parametrize(("vectors", "float32_by"), [(True, "compiled"), (False, "flash")])
+def test_auto_attends_bfloat16_with_flash_where_the_cpu_has_no_bfloat16_products(fresh, vectors, float32_by):
     kernel = held_kernel.held_kernel()
     if kernel is None:
         pytest.skip("no C compiler here to build the attention kernel: auto is flash for every dtype")
-    # the kernel as it loads on a CPU without AVX512-BF16 (its vector path then converts bfloat16 to float32)
-    fresh.setattr(held_kernel, "held_kernel", lambda: dataclasses.replace(kernel, tiles=False, bf16_products=False))
+    if vectors and not kernel.vectors:
+        pytest.skip("this CPU has no AVX-512: the kernel's vector path cannot run here")
+    # the kernel as it loads on a CPU with AVX-512 but not AVX512-BF16 (its vector path then converts bfloat16 to
+    # float32), and as it loads on one without AVX-512 (plain C loops)
+    as_loaded = dataclasses.replace(kernel, tiles=False, bf16_products=False, vectors=vectors)
+    fresh.setattr(held_kernel, "held_kernel", lambda: as_loaded)
     auto = _attended(fresh, "auto", torch.bfloat16)
     assert torch.equal(auto, _attended(fresh, "flash", torch.bfloat16))
     assert not torch.equal(auto, _attended(fresh, "compiled", torch.bfloat16))
+    assert torch.equal(_attended(fresh, "auto", torch.float32), _attended(fresh, float32_by, torch.float32))
 
 
 def test_unset_is_auto_and_an_unknown_setting_is_logged_and_read_as_auto(fresh, caplog):

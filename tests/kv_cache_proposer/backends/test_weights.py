@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference_engine.model_source import resolve_model
+from kv_cache_proposer.backends.torch_backend import exact_attention
 from kv_cache_proposer.backends.torch_backend import weights as weights_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
@@ -108,7 +109,10 @@ def test_each_choice_stays_within_its_tolerance_of_float32(checkpoints, arch, we
 
 
 @pytest.mark.parametrize("weights", ["int8", "int4"])
-def test_the_direct_forward_and_transformers_modules_agree_on_packed_weights(checkpoints, weights):
+def test_the_direct_forward_and_transformers_modules_agree_on_packed_weights(checkpoints, weights, monkeypatch):
+    # Both attend with PyTorch's flash kernel, so that the products of the weights are what is compared: the compiled
+    # kernel's last bits, magnified by the bfloat16 inputs of the packed products, flip near-ties of this random model.
+    monkeypatch.setattr(exact_attention, "dense_kernel", lambda: None)
     direct = TorchVerifier.load(checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights, kv_dtype="model")
     library = TorchVerifier.load(
         checkpoints["qwen3"], device="cpu", dtype="float32", weights=weights, forward="library"
