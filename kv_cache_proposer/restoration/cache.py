@@ -168,8 +168,7 @@ class RestoringSessionCache(KVSessionCache[A]):
         self._stage_tokens = [*self._stage_tokens, *token_ids] if extend else list(token_ids)
         evicted = self.evicted_count
         if evicted and (self._restored is None or self._restored.count != evicted):
-            self._restored = self._state.rebuild(evicted, self._layers)
-            self._restored.bound(self._restored_horizon)
+            self._hold_restored(self._state.rebuild(evicted, self._layers))
             self._note_peak()
         self.attach_prefix(self._restored)
         super().begin_stage(block_len, extend=extend)
@@ -237,17 +236,23 @@ class RestoringSessionCache(KVSessionCache[A]):
 
     def _extend_restored(self, captured: dict[int, Entries[A]], added: int) -> None:
         """Add the positions that just left the window to the restored K/V, as a rebuild would give them."""
-        if self._restored is None:
+        restored = self._restored
+        if restored is None:
             if self.evicted_count:  # the prefix of earlier evictions was dropped: rebuilt at the next forward
                 return
-            self._restored = self._state.new_prefix(self._layers)
-            self._restored.bound(self._restored_horizon)
-        self._state.extend(self._restored, captured, added)
+            restored = self._hold_restored(self._state.new_prefix(self._layers))
+        self._state.extend(restored, captured, added)
         self._note_peak()
 
     def stage_layer_parts(self, layer_idx: int, keys: A, values: A) -> tuple[KeyPart[A], ...]:
         self._state.see_keys(keys)
         return super().stage_layer_parts(layer_idx, keys, values)
+
+    def _hold_restored(self, prefix: RestoredPrefix[A]) -> RestoredPrefix[A]:
+        """Hold `prefix` as the restored K/V, grown no further than this generation can evict (`expect`)."""
+        prefix.bound(self._restored_horizon)
+        self._restored = prefix
+        return prefix
 
     def _drop_restored(self) -> None:
         self._restored = None
