@@ -193,9 +193,10 @@ class ServerConfig:
     session_idle_ttl_s: float = _opt(1800.0, "seconds a session may stay idle before it is evicted")
     max_concurrent: int = _opt(1, "generations running at once across sessions; others wait in FIFO order")
     max_batch_size: int = _opt(
-        8,
+        0,
         "generation steps of concurrent sessions run in one verifier forward (1: one forward per step); takes "
-        "effect with --max-concurrent above 1",
+        "effect with --max-concurrent above 1; 0 chooses 8 on torch and 1 on mlx, whose batched forward pads "
+        "every session's keys to the longest history's (docs/operator-guide.md#batched-decoding)",
     )
     kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
@@ -284,7 +285,6 @@ class ServerConfig:
             "window",
             "max_sessions",
             "max_concurrent",
-            "max_batch_size",
             "kv_budget_bytes",
             "max_history_tokens",
             "max_append_tokens",
@@ -303,6 +303,7 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         for name in (
             "threads",
+            "max_batch_size",
             "prefill_chunk_tokens",
             "decode_burst_tokens",
             "state_kv_max_bytes",
@@ -347,6 +348,11 @@ class ServerConfig:
                 f"refusing to bind non-loopback address {self.host!r} without an API key "
                 f"(set --api-key or {ENV_PREFIX}API_KEY)"
             )
+
+    def batch_size(self) -> int:
+        """Steps of concurrent sessions one verifier forward runs at most: `max_batch_size`, or where that is 0,
+        8 on torch and 1 on mlx (whose padded batches decoded slower than one forward per step)."""
+        return self.max_batch_size or (1 if self.backend == "mlx" else 8)
 
     def compressor(self) -> KVCompressor:
         """The default KV compressor of new sessions."""

@@ -75,7 +75,7 @@ def describe_model(
             max_message_bytes=config.max_message_bytes,
             max_concurrent_generations=config.max_concurrent,
             queue_deadline_s=config.queue_deadline_s,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=config.batch_size(),
             prefill_chunk_tokens=prefill_chunk_tokens,
         ),
         proposer=proposer,

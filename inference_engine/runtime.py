@@ -97,7 +97,7 @@ class Runtime:
         self.engine = EngineLoop(
             self.decoder,
             metrics,
-            max_batch_size=config.max_batch_size,
+            max_batch_size=config.batch_size(),
             token_budget=self.decoder.prefill_chunk_tokens,
         )
         self.store = SessionStore(

@@ -54,6 +54,7 @@ def test_bad_config_files_are_rejected_with_the_option_named(tmp_path, text, mes
         {"backend": "jax"},
         {"sink": -1},
         {"prefill_chunk_tokens": -1},
+        {"max_batch_size": -1},
     ],
 )
 def test_invalid_values_are_rejected(overrides):
@@ -149,3 +150,10 @@ def test_bfloat16_kv_is_a_choice_of_torchs_direct_forward():
             ServerConfig(backend=backend, torch_forward=forward, kv_dtype="bfloat16")
     with pytest.raises(ConfigError, match="kv_dtype: 'float16' is not one of auto, model, bfloat16"):
         load_config({}, environ={"KAKEYA_KV_DTYPE": "float16"})
+
+
+def test_the_batch_size_defaults_to_batching_on_torch_and_one_forward_per_step_on_mlx():
+    assert ServerConfig().max_batch_size == 0 and ServerConfig().batch_size() == 8
+    assert ServerConfig(backend="mlx").batch_size() == 1
+    assert ServerConfig(backend="mlx", max_batch_size=4).batch_size() == 4
+    assert ServerConfig(max_batch_size=1).batch_size() == 1

@@ -53,9 +53,17 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
     assert info.limits.max_message_bytes == limits.max_message_bytes
     assert info.limits.max_concurrent_generations == limits.max_concurrent
     assert info.limits.queue_deadline_seconds == limits.queue_deadline_s
-    assert info.limits.max_batch_size == limits.max_batch_size == 8
+    assert limits.max_batch_size == 0 and info.limits.max_batch_size == 8  # 0 (the default): 8 on torch
     # --prefill-chunk-tokens 0 (the default) chooses from the device: 512 on a CPU.
     assert limits.prefill_chunk_tokens == 0 and info.limits.prefill_chunk_tokens == 512
+
+
+@pytest.mark.parametrize("backend", ["mlx"])
+def test_an_mlx_daemon_runs_one_forward_per_step_unless_told_otherwise(serve):
+    default, batching = serve("qwen3", max_concurrent=4), serve("qwen3", max_concurrent=4, max_batch_size=4)
+    for server, size in ((default, 1), (batching, 4)):
+        info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.limits.max_batch_size == size and server.runtime.engine.max_batch_size == size
 
 
 def test_an_explicit_prefill_chunk_is_the_one_used_and_reported(serve):
