@@ -349,11 +349,6 @@ class ServerConfig:
                 f"(set --api-key or {ENV_PREFIX}API_KEY)"
             )
 
-    def batch_size(self) -> int:
-        """Steps of concurrent sessions one verifier forward runs at most: `max_batch_size`, or where that is 0,
-        8 on torch and 1 on mlx (whose padded batches decoded slower than one forward per step)."""
-        return self.max_batch_size or (1 if self.backend == "mlx" else 8)
-
     def compressor(self) -> KVCompressor:
         """The default KV compressor of new sessions."""
         return KVCompressor(self.kv_compressor, self.kv_q_range)

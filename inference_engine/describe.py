@@ -53,6 +53,7 @@ def describe_model(
     eos_token_ids: tuple[int, ...],
     default_strategy: KVStrategy,
     prefill_chunk_tokens: int,
+    max_batch_size: int,
     proposer: str,
 ) -> ModelInfo:
     """The served model's facts, the session defaults and the request limits."""
@@ -75,7 +76,7 @@ def describe_model(
             max_message_bytes=config.max_message_bytes,
             max_concurrent_generations=config.max_concurrent,
             queue_deadline_s=config.queue_deadline_s,
-            max_batch_size=config.batch_size(),
+            max_batch_size=max_batch_size,
             prefill_chunk_tokens=prefill_chunk_tokens,
         ),
         proposer=proposer,

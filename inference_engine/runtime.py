@@ -97,7 +97,7 @@ class Runtime:
         self.engine = EngineLoop(
             self.decoder,
             metrics,
-            max_batch_size=config.batch_size(),
+            max_batch_size=config.max_batch_size or verifier.batch_size,
             token_budget=self.decoder.prefill_chunk_tokens,
         )
         self.store = SessionStore(
@@ -293,6 +293,7 @@ class Runtime:
             eos_token_ids=self.default_eos_token_ids,
             default_strategy=self.checks.default_strategy,
             prefill_chunk_tokens=self.decoder.prefill_chunk_tokens,
+            max_batch_size=self.engine.max_batch_size,
             proposer=self.proposer.name,
         )
 

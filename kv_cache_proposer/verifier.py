@@ -101,6 +101,11 @@ class Verifier(CausalLM[A], Protocol[A]):
         """How many plain greedy decode steps `burst` runs by default on this model's device."""
         ...
 
+    @property
+    def batch_size(self) -> int:
+        """How many concurrent sessions' steps one forward runs by default on this backend."""
+        ...
+
     def burst(
         self, cache: SessionCache[A], token_ids: Sequence[int], steps: int, feature_layers: Sequence[int] = ()
     ) -> tuple[list[int], A | None]:

@@ -24,6 +24,7 @@ _PREFILL_ACTIVATION_BYTES = 256 << 20
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DECODE_BURST_TOKENS = 4
 _MLX_CPU_DECODE_BURST_TOKENS = 8
+_BATCH_SIZE = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,13 @@ class LoadedModelSpec:
             return _MLX_CPU_DECODE_BURST_TOKENS
         return _DECODE_BURST_TOKENS
 
+    @property
+    def batch_size(self) -> int:
+        """The default number of concurrent sessions' steps one forward runs (`Verifier.verify_batch`): 8, and 1 on
+        MLX, whose batched forward pads every row's keys to the longest history's and reads them under a mask, and
+        decoded slower than one forward per step (docs/benchmarks.md)."""
+        return 1 if self.backend == "mlx" else _BATCH_SIZE
+
 
 class BackendModel(ABC, Generic[A]):
     """The backend-neutral half of a verifier: a backend adds the forward over a staged block."""
@@ -93,6 +101,10 @@ class BackendModel(ABC, Generic[A]):
     @property
     def decode_burst_tokens(self) -> int:
         return self.model_spec.decode_burst_tokens
+
+    @property
+    def batch_size(self) -> int:
+        return self.model_spec.batch_size
 
     @property
     def hidden_size(self) -> int:

@@ -152,8 +152,6 @@ def test_bfloat16_kv_is_a_choice_of_torchs_direct_forward():
         load_config({}, environ={"KAKEYA_KV_DTYPE": "float16"})
 
 
-def test_the_batch_size_defaults_to_batching_on_torch_and_one_forward_per_step_on_mlx():
-    assert ServerConfig().max_batch_size == 0 and ServerConfig().batch_size() == 8
-    assert ServerConfig(backend="mlx").batch_size() == 1
-    assert ServerConfig(backend="mlx", max_batch_size=4).batch_size() == 4
-    assert ServerConfig(max_batch_size=1).batch_size() == 1
+def test_the_batch_size_defaults_to_the_backends_choice():
+    assert ServerConfig().max_batch_size == ServerConfig(backend="mlx").max_batch_size == 0
+    assert ServerConfig(backend="mlx", max_batch_size=4).max_batch_size == 4

@@ -53,7 +53,7 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
     assert info.limits.max_message_bytes == limits.max_message_bytes
     assert info.limits.max_concurrent_generations == limits.max_concurrent
     assert info.limits.queue_deadline_seconds == limits.queue_deadline_s
-    assert limits.max_batch_size == 0 and info.limits.max_batch_size == 8  # 0 (the default): 8 on torch
+    assert limits.max_batch_size == 0 and info.limits.max_batch_size == 8  # 0 (the default): the backend's, 8 on torch
     # --prefill-chunk-tokens 0 (the default) chooses from the device: 512 on a CPU.
     assert limits.prefill_chunk_tokens == 0 and info.limits.prefill_chunk_tokens == 512
 
