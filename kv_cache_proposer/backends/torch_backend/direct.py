@@ -101,7 +101,7 @@ class DirectForward:
         self._norm = (decoder.norm.weight, float(decoder.norm.variance_epsilon))
         self._on_cpu = decoder.norm.weight.device.type == "cpu"
         self._exact = invariant and self._on_cpu
-        self._head = _linear_of(model.get_output_embeddings(), self._exact)
+        self._head = _head_of(model.get_output_embeddings(), self._exact)
         self._layers = [
             _read_layer(layer, kind, self._exact) for layer, kind in zip(decoder.layers, layer_types, strict=True)
         ]
@@ -202,7 +202,7 @@ class DirectForward:
                 )
             if index in feature_layers:
                 features[index] = hidden
-        logits = linear(slice_logits_to_keep(hidden, logits_to_keep), *self._head)
+        logits = self._head(slice_logits_to_keep(hidden, logits_to_keep))
         return logits, features
 
 
@@ -324,6 +324,15 @@ def _linear_of(module: Any, exact: bool) -> Linear:
     if reordered is not None:
         return (reordered, module.bias, None, DENSE_EXACT, 0)
     return (module.weight, module.bias, None, DENSE, 0)
+
+
+def _head_of(module: Any, exact: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The LM head's product: a packed head's own (an int8 head's integer sums may run on the compiled kernel,
+    `PackedLinear.forward`), else `linear` over its weights as `_linear_of` holds them."""
+    if isinstance(module, PackedLinear):
+        return module
+    weights = _linear_of(module, exact)
+    return lambda x: linear(x, *weights)
 
 
 def _read_layer(layer: Any, kind: str, exact: bool) -> _Layer:

@@ -1,6 +1,7 @@
-"""How the compiled attention kernel (`held_kernel.c`) is built: with the machine's C compiler, for this CPU
-(`-march=native`), once per source, flags, compiler and CPU, into `$XDG_CACHE_HOME/kakeya/kernels` (else
-`~/.cache/kakeya/kernels`); `held_kernel` loads what this builds."""
+"""How the compiled CPU kernels (`held_kernel.c`: attention; `int8_rows.c`: the int8 LM head's product) are built:
+with the machine's C compiler, for this CPU (`-march=native`), once per source, flags, compiler and CPU, into
+`$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`); `held_kernel` and `int8_rows` load what this
+builds."""
 
 from __future__ import annotations
 
@@ -32,23 +33,23 @@ def kernel_dir() -> Path:
     return Path(base) / "kakeya" / "kernels"
 
 
-def built() -> Path:
-    """The library for this source, compiler and CPU, compiled into the cache directory unless it is there."""
+def built(source: Path = SOURCE) -> Path:
+    """The library of `source` for this compiler and CPU, compiled into the cache directory unless it is there."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
-    library = kernel_dir() / f"held_kernel-{key.hexdigest()[:16]}.so"
+    library = kernel_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(SOURCE)], capture_output=True, text=True, timeout=300
+            [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from kv_cache_proposer.backends.torch_backend.int8_rows import code_offsets, row_sums
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,14 @@ def split_int8_product(
     x: torch.Tensor, codes: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor
 ) -> torch.Tensor:
     """`x @ (codes × scale).T + bias` for int8 `codes` [out, in] and float32 `scale` [out] (`INT8_SPLIT`)."""
+    parts, high_scale, low_scale = int8_parts(x)
+    sums = torch._int_mm(parts, codes.t())  # [2M, out]: exact integers
+    return split_output(sums, high_scale, low_scale, scale, x, bias)
+
+
+def int8_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows of `x` [..., in] as two int8 parts each, `[2M, in]` (every row at a scale of its own, then what that
+    leaves at a finer one), and the two scales [M, 1]."""
     rows = x.reshape(-1, x.shape[-1]).float()  # [M, in]
     tiny = 1.1754943508222875e-38  # float32's smallest normal (a row of zeros)
     high_scale = (rows.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=tiny)  # [M, 1]
@@ -131,9 +140,21 @@ def split_int8_product(
     rest = rows - high * high_scale  # within half a step of high_scale
     low_scale = (rest.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=tiny)
     parts = torch.cat([high, torch.round(rest / low_scale).clamp(-127, 127)]).to(torch.int8)  # [2M, in]
-    sums = torch._int_mm(parts, codes.t()).float()  # [2M, out]: exact integers
-    count = rows.shape[0]
-    return _as_output((sums[:count] * high_scale + sums[count:] * low_scale) * scale, x, bias)
+    return parts, high_scale, low_scale
+
+
+def split_output(
+    sums: torch.Tensor,
+    high_scale: torch.Tensor,
+    low_scale: torch.Tensor,
+    scale: torch.Tensor,
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """The split product's output from the integer sums [2M, out] of its parts (`int8_parts`) with the codes."""
+    count = high_scale.shape[0]
+    totals = sums.float()
+    return _as_output((totals[:count] * high_scale + totals[count:] * low_scale) * scale, x, bias)
 
 
 def _as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -176,8 +197,14 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.qparams = None if qparams is None else nn.Parameter(qparams, requires_grad=False)
         self.bias = None if source.bias is None else nn.Parameter(source.bias.detach(), requires_grad=False)
+        self.code_offsets = code_offsets(packed) if self.kind == INT8_SPLIT else None  # `row_sums`'s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == INT8_SPLIT:  # the parts' integer sums on the compiled kernel where it serves them
+            assert self.qparams is not None
+            parts, high_scale, low_scale = int8_parts(x)
+            sums = row_sums(parts, self.weight, self.code_offsets)
+            return split_output(sums, high_scale, low_scale, self.qparams, x, self.bias)
         return linear(x, self.weight, self.bias, self.qparams, self.kind, self.group)
 
     def extra_repr(self) -> str:
