@@ -32,7 +32,14 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import (
     Output,
     ScriptedSteps,
 )
-from kv_cache_proposer.backends.torch_backend.weights import DENSE, DENSE_EXACT, PackedLinear, exact_dense, linear
+from kv_cache_proposer.backends.torch_backend.weights import (
+    DENSE,
+    DENSE_EXACT,
+    PackedLinear,
+    exact_dense,
+    linear,
+    stack_int4,
+)
 from kv_cache_proposer.cache.protocol import KeyPart
 
 DIRECT_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -326,6 +333,13 @@ def _linear_of(module: Any, exact: bool) -> Linear:
     return (module.weight, module.bias, None, DENSE, 0)
 
 
+def _products(modules: tuple[Any, ...], exact: bool) -> list[Linear]:
+    """Layers that read the same input as `linear` takes them: one stacked product where that gives every output
+    its own values (`stack_int4`: int4 layers), else one per layer."""
+    stacked = stack_int4(list(modules))
+    return [stacked] if stacked is not None else [_linear_of(module, exact) for module in modules]
+
+
 def _head_of(module: Any, exact: bool) -> Callable[[torch.Tensor], torch.Tensor]:
     """The LM head's product: a packed head's own (an int8 head's integer sums may run on the compiled kernel,
     `PackedLinear.forward`), else `linear` over its weights as `_linear_of` holds them."""
@@ -340,12 +354,12 @@ def _read_layer(layer: Any, kind: str, exact: bool) -> _Layer:
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     head_eps = float(q_norm.variance_epsilon) if q_norm is not None else 0.0
     norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+    projections = (attn.q_proj, attn.k_proj, attn.v_proj)
     inputs = (
         norm_in.weight,
         float(norm_in.variance_epsilon),
-        _linear_of(attn.q_proj, exact),
-        _linear_of(attn.k_proj, exact),
-        _linear_of(attn.v_proj, exact),
+        _products(projections, exact),
+        [int(p.out_features) for p in projections],
         None if q_norm is None else q_norm.weight,
         None if k_norm is None else k_norm.weight,
         head_eps,
@@ -354,8 +368,7 @@ def _read_layer(layer: Any, kind: str, exact: bool) -> _Layer:
         _linear_of(attn.o_proj, exact),
         norm_post.weight,
         float(norm_post.variance_epsilon),
-        _linear_of(mlp.gate_proj, exact),
-        _linear_of(mlp.up_proj, exact),
+        _products((mlp.gate_proj, mlp.up_proj), exact),
         _linear_of(mlp.down_proj, exact),
     )
     return _Layer(inputs, output, kind, int(attn.num_key_value_groups), int(attn.head_dim), float(attn.scaling))

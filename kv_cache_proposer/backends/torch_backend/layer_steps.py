@@ -30,12 +30,13 @@ from kv_cache_proposer.backends.torch_backend.weights import linear
 
 # A linear layer as `weights.linear` takes it: (weight, bias, qparams, kind, group).
 Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
-# The arguments of `attention_inputs` after the hidden states, less cos/sin/head_dim: (norm, eps, wq, wk, wv,
-# q_norm, k_norm, head_eps).
-Inputs = tuple[torch.Tensor, float, Linear, Linear, Linear, torch.Tensor | None, torch.Tensor | None, float]
+# The arguments of `attention_inputs` after the hidden states, less cos/sin/head_dim: (norm, eps, projections,
+# sizes, q_norm, k_norm, head_eps). `projections` is [wq, wk, wv], or one product of the three weights stacked
+# (`weights.stacked`) whose output `sizes` [q, k, v] splits.
+Inputs = tuple[torch.Tensor, float, list[Linear], list[int], torch.Tensor | None, torch.Tensor | None, float]
 # The arguments of `layer_output` after the hidden states and attention's output, less head_dim: (wo, norm, eps,
-# w_gate, w_up, w_down).
-Output = tuple[Linear, torch.Tensor, float, Linear, Linear, Linear]
+# gate_up, w_down). `gate_up` is [w_gate, w_up], or one product of the two stacked whose output halves are theirs.
+Output = tuple[Linear, torch.Tensor, float, list[Linear], Linear]
 # The final norm: (weight, eps).
 Norm = tuple[torch.Tensor, float]
 
@@ -57,9 +58,8 @@ def attention_inputs(
     hidden: torch.Tensor,
     norm: torch.Tensor,
     eps: float,
-    wq: Linear,
-    wk: Linear,
-    wv: Linear,
+    projections: list[Linear],
+    sizes: list[int],
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     head_eps: float,
@@ -71,9 +71,12 @@ def attention_inputs(
     where the model has them (Qwen3), rotary embedding."""
     batch, n = hidden.shape[0], hidden.shape[1]
     x = rms_norm(hidden, norm, eps)
-    q = linear(x, wq[0], wq[1], wq[2], wq[3], wq[4]).view(batch, n, -1, head_dim)
-    k = linear(x, wk[0], wk[1], wk[2], wk[3], wk[4]).view(batch, n, -1, head_dim)
-    v = linear(x, wv[0], wv[1], wv[2], wv[3], wv[4]).view(batch, n, -1, head_dim).transpose(1, 2)
+    outputs = [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in projections]
+    if len(outputs) == 1:
+        outputs = list(outputs[0].split(sizes, dim=-1))
+    q = outputs[0].view(batch, n, -1, head_dim)
+    k = outputs[1].view(batch, n, -1, head_dim)
+    v = outputs[2].view(batch, n, -1, head_dim).transpose(1, 2)
     if q_norm is not None:
         q = rms_norm(q, q_norm, head_eps)
     if k_norm is not None:
@@ -91,8 +94,7 @@ def layer_output(
     wo: Linear,
     norm: torch.Tensor,
     eps: float,
-    w_gate: Linear,
-    w_up: Linear,
+    gate_up: list[Linear],
     w_down: Linear,
     head_dim: int,
 ) -> torch.Tensor:
@@ -102,9 +104,10 @@ def layer_output(
     attended = attended.reshape(batch, -1, n, head_dim).transpose(1, 2).contiguous()
     hidden = hidden + linear(attended.reshape(batch, n, -1).contiguous(), wo[0], wo[1], wo[2], wo[3], wo[4])
     x = rms_norm(hidden, norm, eps)
-    gate = linear(x, w_gate[0], w_gate[1], w_gate[2], w_gate[3], w_gate[4])
-    up = linear(x, w_up[0], w_up[1], w_up[2], w_up[3], w_up[4])
-    x = linear(F.silu(gate) * up, w_down[0], w_down[1], w_down[2], w_down[3], w_down[4])
+    outputs = [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in gate_up]
+    if len(outputs) == 1:
+        outputs = list(outputs[0].chunk(2, dim=-1))
+    x = linear(F.silu(outputs[0]) * outputs[1], w_down[0], w_down[1], w_down[2], w_down[3], w_down[4])
     return hidden + x
 
 

@@ -248,6 +248,34 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, qparams
 
 
+STACKED_BLOCK: Final = 64
+"""Outputs the int4 kernel computes together (its `BLOCK_N`): layers whose outputs fill whole blocks can be stacked
+without any output meeting other arithmetic."""
+
+
+def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int] | None:
+    """One product for int4 layers that read the same input (a layer's Q/K/V projections; its gate and up), as
+    `linear` takes it (weight, bias, qparams, kind, group): their codes stacked along the outputs, and each module's
+    own weight made a view of the stack (no second copy). Every output gets the same values bit for bit as from its
+    own layer, since the kernel computes blocks of `STACKED_BLOCK` outputs alike; None (nothing changed) unless
+    every module is an int4 `PackedLinear` of one group size whose outputs fill whole blocks, all with biases or
+    none."""
+    packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind == INT4]
+    if len(packed) != len(modules) or len(packed) < 2 or len({m.group for m in packed}) != 1:
+        return None
+    if any(m.out_features % STACKED_BLOCK for m in packed) or len({m.bias is None for m in packed}) != 1:
+        return None
+    weight = torch.cat([m.weight for m in packed])
+    start = 0
+    for module in packed:
+        module.weight = nn.Parameter(weight[start : start + module.out_features], requires_grad=False)
+        start += module.out_features
+    qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=1)
+    biases: list[torch.Tensor] = [m.bias for m in packed if m.bias is not None]
+    bias = torch.cat(biases) if biases else None
+    return weight, bias, qparams, INT4, packed[0].group
+
+
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
     """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
     by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts; an int8 head as

@@ -285,7 +285,7 @@ def test_without_onednn_s_product_float32_runs_the_default_product_and_says_so(m
         verifier = TorchVerifier.load(model_dirs["qwen3"], device="cpu", dtype="float32")
     assert "no oneDNN linear operator" in caplog.text
     direct = verifier._direct
-    assert direct is not None and direct._layers[0].inputs[2][3] == weights.DENSE
+    assert direct is not None and direct._layers[0].inputs[2][0][3] == weights.DENSE
     cache = verifier.new_cache(FullStrategy())
     assert verifier.verify(cache, random_tokens(3, 9), 1).logits.isfinite().all()
     weights._warn_inexact.cache_clear()

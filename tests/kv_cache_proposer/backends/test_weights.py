@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from inference_engine.model_source import resolve_model
+from kv_cache_proposer.backends.torch_backend import direct as direct_module
 from kv_cache_proposer.backends.torch_backend import exact_attention
 from kv_cache_proposer.backends.torch_backend import weights as weights_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
@@ -28,6 +29,7 @@ from kv_cache_proposer.backends.torch_backend.weights import (
     linear,
     pack_linears,
     quantize_int8,
+    stack_int4,
 )
 from kv_cache_proposer.errors import ModelLoadError
 from kv_cache_proposer.proposers import ProposerOptions
@@ -206,3 +208,55 @@ def test_a_q4_1_gguf_at_int4_gives_its_dequantized_logits_within_rounding(checkp
     # the layers' codes are the file's own; what is left is bfloat16 rounding (inputs, block scales and offsets)
     # and the LM head's int8
     assert _relative_error(_logits(held), dequantized) < 0.02  # measured 0.0075 (int4 of a float checkpoint: 0.16)
+
+
+def _int4_layer(outputs: int, seed: int, *, bias: bool = False, weights: str = "int4") -> PackedLinear:
+    generator = torch.Generator().manual_seed(seed)
+    source = torch.nn.Linear(96, outputs, bias=bias)
+    with torch.no_grad():
+        source.weight.copy_(torch.randn(outputs, 96, generator=generator))
+        if bias:
+            source.bias.copy_(torch.randn(outputs, generator=generator))
+    return PackedLinear(source, weights)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_stacked_int4_layers_give_every_output_its_own_values_from_one_copy_of_the_codes(bias):
+    layers = [_int4_layer(128, 1, bias=bias), _int4_layer(64, 2, bias=bias), _int4_layer(64, 3, bias=bias)]
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(4))
+    alone = [layer(x) for layer in layers]
+    stacked = stack_int4(list(layers))
+    assert stacked is not None
+    for count in (1, 3, 7, 40):
+        split = linear(x[:count], *stacked).split([128, 64, 64], dim=-1)
+        for own, part in zip(alone, split, strict=True):
+            assert torch.equal(part, own[:count]), count
+    weight = stacked[0]
+    for layer, own in zip(layers, alone, strict=True):  # each layer reads its rows of the stack, as before
+        assert weight.data_ptr() <= layer.weight.data_ptr() < weight.data_ptr() + weight.numel()
+        assert torch.equal(layer(x), own)
+
+
+def test_layers_whose_outputs_would_meet_other_arithmetic_are_not_stacked():
+    assert stack_int4([_int4_layer(128, 1), _int4_layer(48, 2)]) is None  # 48 outputs: not whole kernel blocks
+    assert stack_int4([_int4_layer(128, 1), _int4_layer(64, 2, bias=True)]) is None
+    assert stack_int4([_int4_layer(128, 1), _int4_layer(64, 2, weights="int8")]) is None
+    assert stack_int4([_int4_layer(128, 1)]) is None
+
+
+def test_a_verifier_s_logits_do_not_depend_on_stacking(checkpoints, monkeypatch):
+    def logits(stacks: int) -> list[torch.Tensor]:
+        verifier = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4")
+        assert verifier._direct is not None
+        assert len(verifier._direct._layers[0].output[3]) == 2 - stacks  # gate and up: one product, or two
+        cache = verifier.new_cache(FullStrategy())
+        out = []
+        for block in (PROMPT, [10], [11, 12, 13]):
+            out.append(verifier.verify(cache, block, len(block)).logits.clone())
+            verifier.commit(cache, len(block))
+        return out
+
+    stacked = logits(1)  # the tiny llama's gate and up (128 outputs each) are stacked
+    monkeypatch.setattr(direct_module, "stack_int4", lambda modules: None)
+    for with_stack, without in zip(stacked, logits(0), strict=True):
+        assert torch.equal(with_stack, without)
