@@ -1,6 +1,6 @@
-"""How the compiled CPU kernels (`held_kernel.c`: attention; `int8_rows.c`: the int8 LM head's product) are built:
-with the machine's C compiler, for this CPU (`-march=native`), once per source, flags, compiler and CPU, into
-`$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`); `held_kernel` and `int8_rows` load what this
+"""How the compiled CPU kernels (`held_kernel.c`: attention; `products.c`: linear layers' products) are built: with
+the machine's C compiler, for this CPU (`-march=native`), once per source, flags, compiler and CPU, into
+`$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`); `held_kernel` and `products` load what this
 builds."""
 
 from __future__ import annotations
@@ -14,18 +14,17 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("held_kernel.c")
+EXACT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared") + (
+    ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+)
+"""Flags of a kernel whose float arithmetic is written out operation by operation (`products.c`)."""
 FLAGS = (
-    "-O3",
-    "-march=native",
-    "-fopenmp",
+    *EXACT_FLAGS,
     # Sums may be reassociated (vectorised reductions); infinities and NaNs keep their meaning (masked keys are -inf).
-    "-fno-math-errno",
     "-fassociative-math",
     "-fno-signed-zeros",
     "-fno-trapping-math",
-    "-fPIC",
-    "-shared",
-) + (("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ())
+)
 
 
 def kernel_dir() -> Path:
@@ -33,14 +32,15 @@ def kernel_dir() -> Path:
     return Path(base) / "kakeya" / "kernels"
 
 
-def built(source: Path = SOURCE) -> Path:
-    """The library of `source` for this compiler and CPU, compiled into the cache directory unless it is there."""
+def built(source: Path = SOURCE, flags: tuple[str, ...] = FLAGS) -> Path:
+    """The library of `source` built with `flags` for this compiler and CPU, compiled into the cache directory
+    unless it is there."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH; set CC to one")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True, timeout=30).stdout
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_flags().encode()):
+    for part in (source.read_bytes(), " ".join(flags).encode(), version.encode(), _cpu_flags().encode()):
         key.update(part)
     library = kernel_dir() / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if library.exists():
@@ -49,7 +49,7 @@ def built(source: Path = SOURCE) -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
         done = subprocess.run(
-            [compiler, *FLAGS, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
+            [compiler, *flags, "-o", str(built), str(source)], capture_output=True, text=True, timeout=300
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends.torch_backend.int8_rows import code_offsets, row_sums
+from kv_cache_proposer.backends.torch_backend.products import code_offsets, row_sums
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,10 @@ def linear(
         y = torch.ops.aten._weight_int8pack_mm(rows, weight, qparams)
     else:
         assert qparams is not None
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
+        if rows.shape[0] >= 5:  # products.INT4_ROWS_FROM: the same values, each weight dequantized once
+            y = torch.ops.kakeya.int4_rows(rows, weight, group, qparams)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
     return _as_output(y, x, bias)
 
 

@@ -1,0 +1,200 @@
+"""Linear layers' products on the compiled kernel (`products.c`), each giving exactly the values of the PyTorch
+kernel it stands in for, so a token's values are the same bit for bit whichever computes them:
+
+- the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
+  codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
+  longer blocks keep `_int_mm`, whose packed product pays from there.
+- int4 layers over blocks of `INT4_ROWS_FROM` rows or more (`torch.ops.kakeya.int4_rows`: a verify block, a
+  batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized once
+  for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
+
+Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
+(AVX512-VNNI for int8, AVX-512 for int4), PyTorch does not run its AVX-512 int4 kernel (whose layout and arithmetic
+the int4 path reproduces; checked against it once at load), or `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels
+compute every product. What runs is logged once, with the reason."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kv_cache_proposer.backends.torch_backend.kernel_build import EXACT_FLAGS, built
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("products.c")
+ENV = "KAKEYA_PRODUCT_KERNEL"
+MAX_INT8_ROWS = 6
+"""Input rows (a split product's parts: two per token) up to which the kernel computes the int8 head's sums:
+measured against `_int_mm` on the default model's head (49,152 × 576), one and two threads
+(docs/models.md#the-lm-heads-product)."""
+INT4_ROWS_FROM = 5
+"""Rows from which an int4 layer's product runs on the kernel (`weights.linear` reads this number as a literal):
+from 5, PyTorch's kernel dequantizes every weight twice or more (docs/models.md#weights)."""
+INT4_MAX_ROWS = 64
+"""Rows of one kernel call (`INT4_MAX_ROWS` of products.c); more are computed 64 at a time."""
+INT4_BLOCK = 64
+"""Outputs of one packed block of int4 weights (`INT4_BLOCK` of products.c)."""
+INT4_MAX_GROUP = 256
+
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@dataclass(frozen=True, slots=True)
+class ProductKernel:
+    """The loaded kernel, what it serves on this CPU, and where its library lies."""
+
+    int8_sums: Any
+    int4_rows: Any
+    library: Path
+    serves_int8: bool
+    serves_int4: bool
+
+    def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
+        """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
+        rows are contiguous, `offsets` from `code_offsets(codes)`: int32 [M, out] (a transposed view)."""
+        rows = rows.contiguous()
+        count, width = (int(s) for s in rows.shape)
+        outputs = int(codes.shape[0])
+        if codes.stride(1) != 1 or int(codes.shape[1]) != width:
+            raise ValueError("the int8 row kernel reads code rows of contiguous values as long as the input rows")
+        out = torch.empty(outputs, count, dtype=torch.int32)
+        status = self.int8_sums(
+            rows.data_ptr(),
+            count,
+            codes.data_ptr(),
+            outputs,
+            width,
+            int(codes.stride(0)),
+            offsets.data_ptr(),
+            out.data_ptr(),
+            threads,
+        )
+        if status != 0:
+            raise ValueError(f"the int8 row kernel does not serve {count} rows of {width} values")
+        return out.t()
+
+    def int4_product(
+        self, rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor, threads: int
+    ) -> torch.Tensor:
+        """`_weight_int4pack_mm_for_cpu(rows, weight, group, qparams)` for bfloat16 `rows` [M, K], bit for bit."""
+        rows, weight, qparams = rows.contiguous(), weight.contiguous(), qparams.contiguous()
+        count, width = (int(s) for s in rows.shape)
+        outputs = int(weight.shape[0])
+        out = torch.empty(count, outputs, dtype=torch.bfloat16)
+        for start in range(0, count, INT4_MAX_ROWS):
+            end = min(count, start + INT4_MAX_ROWS)
+            status = self.int4_rows(
+                rows[start].data_ptr(),
+                end - start,
+                weight.data_ptr(),
+                qparams.data_ptr(),
+                out[start].data_ptr(),
+                outputs,
+                width,
+                group,
+                threads,
+            )
+            if status != 0:
+                raise ValueError(f"the int4 row kernel does not serve {outputs} outputs of {width} inputs")
+        return out
+
+
+def code_offsets(codes: torch.Tensor) -> torch.Tensor:
+    """128 × the sum of each code row, int32 [out]: what the kernel takes off the sums of rows it reads shifted by
+    128 (its dot products multiply unsigned by signed bytes)."""
+    return (codes.sum(dim=1, dtype=torch.int32) * 128).to(torch.int32).contiguous()
+
+
+def row_sums(rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor | None) -> torch.Tensor:
+    """Exact int32 sums `rows @ codes.T` [M, out] of int8 `rows` [M, in] and `codes` [out, in]: on the kernel where
+    `offsets` are given, it serves int8 and the rows are few, else `_int_mm`."""
+    kernel = product_kernel() if offsets is not None and rows.shape[0] <= MAX_INT8_ROWS else None
+    if kernel is None or not kernel.serves_int8 or offsets is None:
+        return torch._int_mm(rows, codes.t())
+    return kernel.sums(rows, codes, offsets, torch.get_num_threads())
+
+
+def int4_serves(weight: torch.Tensor, group: int, width: int) -> bool:
+    """Whether the kernel's int4 path reads a layer of packed `weight` [N, K / 2] and `group`."""
+    outputs = int(weight.shape[0])
+    return outputs >= INT4_BLOCK and outputs % INT4_BLOCK == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
+
+
+def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
+    """`_weight_int4pack_mm_for_cpu(rows, weight, group, qparams)`, bit for bit: on the kernel where it serves this
+    layer, else PyTorch's kernel."""
+    kernel = product_kernel()
+    if kernel is None or not kernel.serves_int4 or not int4_serves(weight, group, int(rows.shape[-1])):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
+    return kernel.int4_product(rows, weight, group, qparams, torch.get_num_threads())
+
+
+_LIBRARY = torch.library.Library("kakeya", "DEF")
+_LIBRARY.define("int4_rows(Tensor rows, Tensor weight, int group, Tensor qparams) -> Tensor")
+_LIBRARY.impl("int4_rows", int4_rows, "CPU")
+
+
+@torch.library.register_fake("kakeya::int4_rows")
+def _int4_rows_shape(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+@cache
+def product_kernel() -> ProductKernel | None:
+    """The kernel, built if needed, or None (the reason logged) where it cannot be, serves nothing on this CPU or
+    is turned off."""
+    setting = os.environ.get(ENV, "auto").strip().lower()
+    if setting in ("off", "0", "false", "no"):
+        log.info("product kernel: PyTorch's kernels (%s=%s)", ENV, setting)
+        return None
+    try:
+        library = built(SOURCE, EXACT_FLAGS)
+        loaded = ctypes.CDLL(str(library))
+        int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
+        int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
+        return None
+    int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
+    int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
+    for served in (int8_served, int4_served):
+        served.argtypes, served.restype = [], _I
+    kernel = ProductKernel(int8_sums, int4, library, bool(int8_served()), False)
+    why = _int4_unserved(kernel, bool(int4_served()))
+    if why is None:
+        kernel = ProductKernel(int8_sums, int4, library, kernel.serves_int8, True)
+    if not kernel.serves_int8 and not kernel.serves_int4:
+        log.info("product kernel: PyTorch's kernels (no AVX512-VNNI for int8; int4: %s)", why)
+        return None
+    int8_says = "the int8 head's sums" if kernel.serves_int8 else "not the int8 head's sums (no AVX512-VNNI)"
+    int4_says = f"int4 blocks of {INT4_ROWS_FROM}+ rows" if kernel.serves_int4 else f"not int4 ({why})"
+    log.info("product kernel: compiled kernel %s for %s, %s", library, int8_says, int4_says)
+    return kernel
+
+
+def _int4_unserved(kernel: ProductKernel, built_with_avx512: bool) -> str | None:
+    """Why the kernel's int4 path must not stand in for PyTorch's here, or None where it gives its values."""
+    if not built_with_avx512:
+        return "no AVX-512"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return f"PyTorch runs its {capability} int4 kernel"
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (128, 96), generator=generator, dtype=torch.int32)
+    weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    qparams = torch.randn(3, 128, 2, generator=generator).to(torch.bfloat16)
+    rows = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
+    expected = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, 32, qparams)
+    if not torch.equal(kernel.int4_product(rows, weight, 32, qparams, 1), expected):
+        log.warning("product kernel: int4 rows differ from PyTorch's kernel here; PyTorch's computes them")
+        return "its values differ from PyTorch's kernel here"
+    return None
