@@ -32,7 +32,7 @@ from kv_cache_proposer.backends.torch_backend.weights import linear
 Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
 # The arguments of `attention_inputs` after the hidden states, less cos/sin/head_dim: (norm, eps, projections,
 # sizes, q_norm, k_norm, head_eps). `projections` is [wq, wk, wv], or one product of the three weights stacked
-# (`weights.stacked`) whose output `sizes` [q, k, v] splits.
+# (`weights.stack_int4`) whose output `sizes` [q, k, v] splits.
 Inputs = tuple[torch.Tensor, float, list[Linear], list[int], torch.Tensor | None, torch.Tensor | None, float]
 # The arguments of `layer_output` after the hidden states and attention's output, less head_dim: (wo, norm, eps,
 # gate_up, w_down). `gate_up` is [w_gate, w_up], or one product of the two stacked whose output halves are theirs.

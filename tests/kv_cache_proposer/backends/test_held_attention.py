@@ -16,6 +16,7 @@ from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_pa
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 from kv_cache_proposer.compression.lattice import LatticeSpec
 from tests.kv_cache_proposer.backends.test_chunked_attention import _reference
+from tests.support.compilers import use_broken_compiler
 
 HISTORY, QUERIES, DIM, KV_HEADS = 37, 5, 16, 2
 PATHS = ["kernel", "scripted", "decoded"]
@@ -193,12 +194,7 @@ def test_the_kernel_is_built_once_per_source_compiler_and_cpu_and_can_be_turned_
 
 def test_a_compiler_that_fails_leaves_the_scripted_path_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    broken = tmp_path / "cc"
-    broken.write_text(
-        "#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\necho 'no such target' >&2\nexit 1\n"
-    )
-    broken.chmod(0o755)
-    monkeypatch.setenv("CC", str(broken))
+    use_broken_compiler(monkeypatch, tmp_path, "no such target")
     held_kernel.held_kernel.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=held_kernel.__name__):

@@ -12,6 +12,7 @@ from kv_cache_proposer.backends.torch_backend import products
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import INT8_SPLIT, PackedLinear, integer_head_product
 from kv_cache_proposer.strategies import FullStrategy
+from tests.support.compilers import use_broken_compiler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -151,12 +152,7 @@ def test_the_kernel_can_be_turned_off_and_a_failed_build_says_why(monkeypatch, t
     assert "PyTorch's kernels (KAKEYA_PRODUCT_KERNEL=off)" in caplog.text
     monkeypatch.delenv(products.ENV)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    broken = tmp_path / "cc"
-    broken.write_text(
-        "#!/bin/sh\n[ \"$1\" = --version ] && echo broken-cc 1.0 && exit 0\necho 'no such cpu' >&2\nexit 1\n"
-    )
-    broken.chmod(0o755)
-    monkeypatch.setenv("CC", str(broken))
+    use_broken_compiler(monkeypatch, tmp_path, "no such cpu")
     products.product_kernel.cache_clear()
     with caplog.at_level("WARNING", logger=products.__name__):
         assert products.product_kernel() is None
