@@ -19,7 +19,7 @@ import ctypes
 import logging
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,8 @@ from 5, PyTorch's kernel dequantizes every weight twice or more (docs/models.md#
 INT4_MAX_ROWS = 64
 """Rows of one kernel call (`INT4_MAX_ROWS` of products.c); more are computed 64 at a time."""
 INT4_BLOCK = 64
-"""Outputs of one packed block of int4 weights (`INT4_BLOCK` of products.c)."""
+"""Outputs of one packed block of int4 weights (`INT4_BLOCK` of products.c; PyTorch's int4 kernel's `BLOCK_N`, whose
+blocks it computes alike, so layers whose outputs fill whole blocks can be stacked: `weights.stack_int4`)."""
 INT4_MAX_GROUP = 256
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -168,10 +169,10 @@ def product_kernel() -> ProductKernel | None:
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
     for served in (int8_served, int4_served):
         served.argtypes, served.restype = [], _I
-    kernel = ProductKernel(int8_sums, int4, library, bool(int8_served()), False)
+    kernel = ProductKernel(int8_sums, int4, library, bool(int8_served()), serves_int4=False)
     why = _int4_unserved(kernel, bool(int4_served()))
     if why is None:
-        kernel = ProductKernel(int8_sums, int4, library, kernel.serves_int8, True)
+        kernel = replace(kernel, serves_int4=True)
     if not kernel.serves_int8 and not kernel.serves_int4:
         log.info("product kernel: PyTorch's kernels (no AVX512-VNNI for int8; int4: %s)", why)
         return None

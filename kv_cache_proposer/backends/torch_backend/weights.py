@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends.torch_backend.products import code_offsets, row_sums
+from kv_cache_proposer.backends.torch_backend.products import INT4_BLOCK, code_offsets, row_sums
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -251,22 +251,17 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, qparams
 
 
-STACKED_BLOCK: Final = 64
-"""Outputs the int4 kernel computes together (its `BLOCK_N`): layers whose outputs fill whole blocks can be stacked
-without any output meeting other arithmetic."""
-
-
 def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int] | None:
     """One product for int4 layers that read the same input (a layer's Q/K/V projections; its gate and up), as
     `linear` takes it (weight, bias, qparams, kind, group): their codes stacked along the outputs, and each module's
     own weight made a view of the stack (no second copy). Every output gets the same values bit for bit as from its
-    own layer, since the kernel computes blocks of `STACKED_BLOCK` outputs alike; None (nothing changed) unless
+    own layer, since the kernel computes blocks of `INT4_BLOCK` outputs alike; None (nothing changed) unless
     every module is an int4 `PackedLinear` of one group size whose outputs fill whole blocks, all with biases or
     none."""
     packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind == INT4]
     if len(packed) != len(modules) or len(packed) < 2 or len({m.group for m in packed}) != 1:
         return None
-    if any(m.out_features % STACKED_BLOCK for m in packed) or len({m.bias is None for m in packed}) != 1:
+    if any(m.out_features % INT4_BLOCK for m in packed) or len({m.bias is None for m in packed}) != 1:
         return None
     weight = torch.cat([m.weight for m in packed])
     start = 0
