@@ -156,14 +156,11 @@ class BatchLayout(Generic[A]):
         reads, in parts (`SessionCache.stage_layer_parts`), with where the row's queries and keys sit."""
         if not self.packed:
             raise ValueError("rows read in parts only from a packed layout")
-        source_keys: Any = keys
-        source_values: Any = values
+        ops = self._ops
         rows = []
         for index, block in enumerate(self.blocks):
             _, start, end = self.query_span(index)
-            parts = block.cache.stage_layer_parts(
-                layer_idx, source_keys[:, :, start:end], source_values[:, :, start:end]
-            )
+            parts = block.cache.stage_layer_parts(layer_idx, ops.span(keys, start, end), ops.span(values, start, end))
             rows.append(RowKeys(start, end, self._key_starts[index], parts))
         return rows
 

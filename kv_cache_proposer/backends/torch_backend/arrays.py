@@ -67,6 +67,19 @@ class TorchArrayOps(IndexedArrayOps[torch.Tensor]):
             return int(storage.nbytes())
         return self.nbytes(keys) + self.nbytes(values)
 
+    # Narrowed views: what indexing with slices gives, for less Python per call (a batched step stages every row's
+    # K/V in every layer).
+    def write(self, buffer: torch.Tensor, start: int, values: torch.Tensor) -> torch.Tensor:
+        buffer.narrow(2, start, int(values.shape[2])).copy_(values)
+        return buffer
+
+    def head(self, buffer: torch.Tensor, end: int) -> torch.Tensor:
+        return buffer.narrow(2, 0, end) if 0 <= end <= buffer.shape[2] else buffer[:, :, :end]
+
+    def span(self, buffer: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        fits = 0 <= start <= end <= buffer.shape[2]
+        return buffer.narrow(2, start, end - start) if fits else buffer[:, :, start:end]
+
     def take(self, buffer: torch.Tensor, slots: np.ndarray) -> torch.Tensor:
         return buffer.index_select(2, self._index(slots))
 

@@ -259,9 +259,8 @@ def _attend_rows_together(
         part = row.parts[0]
         assert isinstance(part, tuple)
         keys, values = part
-        inputs.append((q[:, :, row.query_start : row.query_end], keys, values, _layer_mask(row_masks, layer)))
-    outputs = attend_exact_rows(inputs, layer.groups, layer.scaling, memo)
-    return None if outputs is None else torch.cat(outputs, dim=2)
+        inputs.append((row.query_start, row.query_end, keys, values, _layer_mask(row_masks, layer)))
+    return attend_exact_rows(q, inputs, layer.groups, layer.scaling, memo)
 
 
 def _attend_parts(q: torch.Tensor, staged: Staged, mask: Mask, layer: _Layer, memo: Memo | None) -> torch.Tensor:

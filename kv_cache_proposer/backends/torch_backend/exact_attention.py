@@ -154,33 +154,40 @@ def _attend_compiled(
 
 
 def attend_exact_rows(
-    rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | str | None]],
+    q: torch.Tensor,
+    rows: Sequence[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | str | None]],
     groups: int,
     scale: float,
     memo: Memo,
-) -> list[torch.Tensor] | None:
-    """`attend_exact` of each row `(q, keys, values, mask)` of a packed batched forward over its own keys, in one
-    call of the compiled kernel (`HeldKernel.attend_dense_many`), where that kernel is what `attend_exact` would
-    run for every row alone in one call: each output is that row's alone, bit for bit, and the rows' work shares
-    the threads (rows of different history lengths keep every thread busy, which one call per row does not).
-    None where it is not (the caller attends row by row)."""
+) -> torch.Tensor | None:
+    """`attend_exact` of each row `(start, end, keys, values, mask)` of a packed batched forward (its queries
+    `[start, end)` of `q` `[1, H, T, D]`) over its own keys, in one call of the compiled kernel
+    (`HeldKernel.attend_dense_rows`), where that kernel is what `attend_exact` would run for every row alone in one
+    call: the output `[1, H, T, D]` holds each row's values alone, bit for bit, and the rows' work shares the
+    threads (rows of different history lengths keep every thread busy, which one call per row does not). None
+    where it is not (the caller attends row by row)."""
     kernel = dense_kernel()
     if kernel is None or not 2 <= len(rows) <= held_kernel.MAX_CALLS or torch.compiler.is_compiling():
         return None
+    if (
+        q.device.type != "cpu"
+        or int(q.shape[3]) > held_kernel.MAX_DIM
+        or len({keys.dtype for *_, keys, _, _ in rows}) != 1
+    ):
+        return None
+    dtype = rows[0][2].dtype
+    read = q.to(dtype) if dtype != q.dtype else q  # as `_attend` hands them to `attend_exact`
     compiled = dense_setting() == "compiled"
     per = max(1, DENSE_ROWS // groups)
+    if not (compiled or _auto_compiled(kernel, read, rows[0][2])):
+        return None
     calls = []
-    for q, keys, values, mask in rows:
-        read = q.to(keys.dtype) if keys.dtype != q.dtype else q  # as `_attend` hands them to `attend_exact`
-        n = int(q.shape[2])
-        if q.device.type != "cpu" or int(q.shape[3]) > held_kernel.MAX_DIM or n > per:
+    for start, end, keys, values, mask in rows:
+        if end - start > per:
             return None
-        if not (compiled or _auto_compiled(kernel, read, keys)):
-            return None
-        calls.append((read, keys, values, *_memo_limits(memo, mask, n, int(keys.shape[2]))))
-    outputs = kernel.attend_dense_many(calls, scale, torch.get_num_threads())
-    shaped = zip(outputs, rows, calls, strict=True)
-    return [out.view(q.shape).to(read.dtype).to(q.dtype) for out, (q, *_), (read, *_) in shaped]
+        calls.append((start, end, keys, values, *_memo_limits(memo, mask, end - start, int(keys.shape[2]))))
+    out = kernel.attend_dense_rows(read, calls, scale, torch.get_num_threads())
+    return out.to(read.dtype).to(q.dtype)
 
 
 def _memo_limits(

@@ -1152,7 +1152,8 @@ typedef struct {
     int threads;
     int tiles;      /* bfloat16 queries and K/V by the tile unit (granted by dense_tiles_enable) */
     float *scratch; /* held_attend_scratch(...) floats: the same layout */
-    float *out;     /* [B, H, g*n, D] */
+    float *out;     /* [B, H*g, n, D] at o_strides */
+    int64_t o_strides[3]; /* batch, query head, query (of a contiguous output: H*g*n*D, n*D, D) */
     float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
 } DenseCall;
 
@@ -1240,12 +1241,14 @@ static void dense_finish(const DenseCall *call) {
     const int H = call->H, D = call->D, G = call->g * call->n;
     const int64_t segments = (call->count + call->seg - 1) / call->seg, stride = (int64_t)G * (D + 2);
     const float *parts = call->scratch + (int64_t)call->B * H * G * D;
+    const int64_t *os = call->o_strides;
     for (int64_t bh = 0; bh < (int64_t)call->B * H; bh++) {
+        int64_t b = bh / H, h = bh % H;
         for (int r = 0; r < G; r++) {
             float m, total, acc[MAX_DIM];
             merge_segments(parts + bh * segments * stride, stride, segments, G, D, r, &m, &total, acc);
             float divisor = total > 1.1754943508222875e-38f ? total : 1.1754943508222875e-38f;
-            float *o = call->out + (bh * G + r) * D;
+            float *o = call->out + b * os[0] + (h * call->g + r / call->n) * os[1] + (int64_t)(r % call->n) * os[2];
             for (int d = 0; d < D; d++) o[d] = acc[d] / divisor;
             if (call->lse) call->lse[bh * G + r] = m == -INFINITY ? -INFINITY : m + logf(total);
         }

@@ -21,6 +21,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from kv_cache_proposer.backends.torch_backend.kernel_build import built
@@ -112,8 +113,13 @@ class _DenseCall(ctypes.Structure):
         ("tiles", _I),
         ("scratch", _P),
         ("out", _P),
+        ("o_strides", _I64 * 3),
         ("lse", _P),
     ]
+
+
+_DENSE_CALLS = np.dtype(_DenseCall)
+"""`DenseCall`s as a NumPy array's rows (its layout is the structure's): a call's fields are written as one tuple."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,32 +227,41 @@ class HeldKernel:
         count. Where `self.tiles`, bfloat16 runs on the tile unit."""
         dense = _DenseRow(q, keys, values, hi, allowed, with_lse)
         scratch = _scratch(dense.scratch_floats(self))
-        call = dense.call(self, scratch.data_ptr(), scale, threads)
-        if self.dense(ctypes.byref(call)) != 0:
+        call = np.array([dense.fields(self, scratch.data_ptr(), scale, threads)], dtype=_DENSE_CALLS)
+        if self.dense(call.ctypes.data) != 0:
             rows, dim = dense.rows, dense.dim
             raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
         return dense.out, dense.lse
 
-    def attend_dense_many(
+    def attend_dense_rows(
         self,
-        rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+        q: torch.Tensor,
+        rows: Sequence[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
         scale: float,
         threads: int,
-    ) -> list[torch.Tensor]:
-        """`attend_dense` of several independent rows `(q, keys, values, hi, allowed)` (a batched forward's rows,
-        each over its own keys) in one parallel region, their work shared by the threads: each output is the one
-        `attend_dense` gives that row alone (no log-sum-exp), bit for bit."""
-        dense = [_DenseRow(*row, False) for row in rows]
+    ) -> torch.Tensor:
+        """`attend_dense` of several independent rows of a packed batched forward in one parallel region, their
+        work shared by the threads: the queries `q` `[1, H, T, D]` hold every row's, row `(start, end, keys, values,
+        hi, allowed)` its queries `[start, end)` over its own K/V. Returns the output `[1, H, T, D]`, float32, each
+        row's queries holding what `attend_dense` gives that row alone, bit for bit (each writes its own span)."""
+        out = torch.empty(q.shape, dtype=torch.float32)
+        q = _readable(q)
+        dense = [
+            _DenseRow(
+                q.narrow(2, start, end - start), keys, values, hi, allowed, False, out.narrow(2, start, end - start)
+            )
+            for start, end, keys, values, hi, allowed in rows
+        ]
         sizes = [row.scratch_floats(self) for row in dense]
         scratch = _scratch(sum(sizes))
-        base, offset = scratch.data_ptr(), 0
-        calls = (_DenseCall * len(dense))()
-        for index, (row, size) in enumerate(zip(dense, sizes, strict=True)):
-            calls[index] = row.call(self, base + 4 * offset, scale, threads)
+        base, offset, fields = scratch.data_ptr(), 0, []
+        for row, size in zip(dense, sizes, strict=True):
+            fields.append(row.fields(self, base + 4 * offset, scale, threads))
             offset += size
-        if self.dense_many(calls, len(dense), threads) != 0:
+        calls = np.array(fields, dtype=_DENSE_CALLS)
+        if self.dense_many(calls.ctypes.data, len(dense), threads) != 0:
             raise ValueError(f"the dense-attention kernel does not serve these {len(dense)} rows")
-        return [row.out for row in dense]
+        return out
 
 
 class _DenseRow:
@@ -260,6 +275,7 @@ class _DenseRow:
         hi: torch.Tensor,
         allowed: torch.Tensor | None,
         with_lse: bool,
+        out: torch.Tensor | None = None,
     ) -> None:
         self.batch, heads, self.n, self.dim = (int(s) for s in q.shape)
         self.kv_heads, self.count = int(keys.shape[1]), int(keys.shape[2])
@@ -269,40 +285,50 @@ class _DenseRow:
         if self.keys.dtype != self.values.dtype:
             self.values = self.values.to(self.keys.dtype)
         self.hi, self.allowed = hi, allowed
-        self.out = torch.empty(self.batch, self.kv_heads, self.rows, self.dim)
+        # [B, H_kv, g·n, D] (viewed as [B, H, n, D]) unless the caller's `[B, H, n, D]` float32 view, rows contiguous
+        self.out = torch.empty(self.batch, self.kv_heads, self.rows, self.dim) if out is None else out
         self.lse = torch.empty(self.batch, self.kv_heads, self.rows, 1) if with_lse else None
 
     def scratch_floats(self, kernel: HeldKernel) -> int:
         return int(kernel.scratch_size(self.batch, self.kv_heads, self.rows, self.dim, self.count, SEGMENT))
 
-    def call(self, kernel: HeldKernel, scratch: int, scale: float, threads: int) -> _DenseCall:
-        q, keys, values, allowed = self.q, self.keys, self.values, self.allowed
-        return _DenseCall(
-            q=q.data_ptr(),
-            q_strides=(_I64 * 3)(*q.stride()[:3]),
-            q_bf16=int(q.dtype == torch.bfloat16),
-            keys=keys.data_ptr(),
-            values=values.data_ptr(),
-            k_strides=(_I64 * 3)(*keys.stride()[:3]),
-            v_strides=(_I64 * 3)(*values.stride()[:3]),
-            kv_bf16=int(keys.dtype == torch.bfloat16),
-            count=self.count,
-            hi=self.hi.data_ptr(),
-            allowed=None if allowed is None else allowed.data_ptr(),
-            s_allowed=0 if allowed is None else int(allowed.stride(0)),
-            scale=scale,
-            B=self.batch,
-            H=self.kv_heads,
-            g=self.groups,
-            n=self.n,
-            D=self.dim,
-            seg=SEGMENT,
-            threads=threads,
-            tiles=int(kernel.tiles),
-            scratch=scratch,
-            out=self.out.data_ptr(),
-            lse=None if self.lse is None else self.lse.data_ptr(),
+    def fields(self, kernel: HeldKernel, scratch: int, scale: float, threads: int) -> tuple[Any, ...]:
+        """The call as a `DenseCall`'s fields, in order (a row of `_DENSE_CALLS`)."""
+        q, keys, values, allowed, lse = self.q, self.keys, self.values, self.allowed, self.lse
+        return (
+            q.data_ptr(),
+            q.stride()[:3],
+            q.dtype == torch.bfloat16,
+            keys.data_ptr(),
+            values.data_ptr(),
+            keys.stride()[:3],
+            values.stride()[:3],
+            keys.dtype == torch.bfloat16,
+            self.count,
+            self.hi.data_ptr(),
+            0 if allowed is None else allowed.data_ptr(),
+            0 if allowed is None else allowed.stride(0),
+            scale,
+            self.batch,
+            self.kv_heads,
+            self.groups,
+            self.n,
+            self.dim,
+            SEGMENT,
+            threads,
+            kernel.tiles,
+            scratch,
+            self.out.data_ptr(),
+            self._out_strides(),
+            0 if lse is None else lse.data_ptr(),
         )
+
+    def _out_strides(self) -> tuple[int, int, int]:
+        """The output's strides by batch, query head and query."""
+        out = self.out
+        if out.dim() == 4 and int(out.shape[1]) == self.kv_heads * self.groups:  # [B, H, n, D]
+            return int(out.stride(0)), int(out.stride(1)), int(out.stride(2))
+        return int(out.stride(0)), self.n * self.dim, self.dim  # [B, H_kv, g·n, D], contiguous
 
 
 _scratches = threading.local()
@@ -360,8 +386,8 @@ def held_kernel() -> HeldKernel | None:
         return None
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
-    dense.argtypes, dense.restype = [ctypes.POINTER(_DenseCall)], _I
-    dense_many.argtypes, dense_many.restype = [ctypes.POINTER(_DenseCall), _I, _I], _I
+    dense.argtypes, dense.restype = [_P], _I  # an array of `_DENSE_CALLS`
+    dense_many.argtypes, dense_many.restype = [_P, _I, _I], _I
     tiles_enable.argtypes, tiles_enable.restype = [], _I
     for flag in (bf16_products, vectors):
         flag.argtypes, flag.restype = [], _I

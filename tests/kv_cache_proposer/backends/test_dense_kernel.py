@@ -84,27 +84,33 @@ def test_rows_attended_together_get_the_bits_each_gets_alone(dtype):
     K/V held at `dtype` as the forward hands them; each row's output is the one it gets alone."""
     groups, dim = 3, 64
     shapes = [(1, 37), (1, 1500), (1, 513), (4, 700), (9, 2100)]
-    rows, expected = [], []
+    queries, rows, expected = [], [], []
+    start = 0
     for index, (n, count) in enumerate(shapes):
         q, keys, values = _inputs(torch.float32, groups, n, count, dim, seed=10 + index)
         keys, values = keys.to(dtype), values.to(dtype)
         visible = torch.arange(count)[None, :] <= torch.arange(count - n, count)[:, None]
         visible[:, 3::11] = False
         mask = (visible[None, None], OVER_HISTORY, None)[index % 3] if n == 1 else visible[None, None]
-        rows.append((q, keys, values, mask))
+        queries.append(q)
+        rows.append((start, start + n, keys, values, mask))
+        start += n
         alone = exact_attention.attend_exact(q.to(dtype), keys, values, mask, groups, 0.125, {})
-        expected.append(alone.to(torch.float32))
-    got = exact_attention.attend_exact_rows(rows, groups, 0.125, {})
-    assert got is not None
-    for row, (output, wanted) in enumerate(zip(got, expected, strict=True)):
-        assert output.dtype == torch.float32 and torch.equal(output, wanted), shapes[row]
+        expected.append(alone.to(dtype).to(torch.float32))
+    packed = torch.cat(queries, dim=2)
+
+    def check(got: torch.Tensor | None) -> None:
+        assert got is not None and got.dtype == torch.float32 and got.shape == packed.shape
+        for (start, end, *_), wanted in zip(rows, expected, strict=True):
+            assert torch.equal(got[:, :, start:end], wanted), (start, end)
+
+    check(exact_attention.attend_exact_rows(packed, rows, groups, 0.125, {}))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        again = exact_attention.attend_exact_rows(rows, groups, 0.125, {})
+        check(exact_attention.attend_exact_rows(packed, rows, groups, 0.125, {}))
     finally:
         torch.set_num_threads(threads)
-    assert again is not None and all(torch.equal(x, y) for x, y in zip(again, expected, strict=True))
 
 
 def test_keys_and_values_may_lie_apart_and_a_query_that_reads_nothing_gets_zeros():
