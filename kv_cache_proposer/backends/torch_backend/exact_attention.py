@@ -173,6 +173,7 @@ def attend_exact_rows(
         q.device.type != "cpu"
         or int(q.shape[3]) > held_kernel.MAX_DIM
         or len({keys.dtype for *_, keys, _, _ in rows}) != 1
+        or sum(end - start for start, end, *_ in rows) != int(q.shape[2])  # the rows' spans fill the output
     ):
         return None
     dtype = rows[0][2].dtype
