@@ -14,7 +14,12 @@ from kv_cache_proposer import sampling
 from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
-from kv_cache_proposer.backends.mlx_backend.attention import batch_staging_layers, staging_layers
+from kv_cache_proposer.backends.mlx_backend.attention import (
+    batch_staging_layers,
+    route_rows,
+    row_staging_layers,
+    staging_layers,
+)
 from kv_cache_proposer.backends.mlx_backend.features import recorded_features, recording
 from kv_cache_proposer.backends.mlx_backend.loader import LoadedModel, load_mlx_model, resolve_device, resolve_dtype
 from kv_cache_proposer.backends.mlx_blas import active_mlx_blas
@@ -58,6 +63,8 @@ class MlxVerifier(BackendModel[mx.array]):
         self.device = device
         self.dtype = loaded.dtype
         self._layer_windows = loaded.layer_windows
+        self.rows_routed = route_rows(self.model)
+        """Whether a batched forward attends row by row over each row's own keys (`attention.route_rows`)."""
         self._input_major = loaded.input_major_modules
         self.weights = loaded.weights
 
@@ -185,11 +192,19 @@ class MlxVerifier(BackendModel[mx.array]):
     def forward_batch(
         self, blocks: Sequence[BatchBlock[mx.array]], feature_layers: Sequence[int]
     ) -> list[VerifyOutput[mx.array]]:
-        # Padded: mlx-lm's RoPE takes one offset per batch row, not per token, so each block gets its own row.
+        # Padded: mlx-lm's RoPE takes one offset per batch row, not per token, so each block gets its own row. Where
+        # the model's attention is routed (`route_rows`), each row reads its own keys, unpadded; else every row's keys
+        # are padded to the longest and read under one mask.
         layout = BatchLayout(blocks, self.array_ops, packed=False, join_batch=lambda parts: mx.concatenate(parts, 0))
         with recording(self.model, feature_layers) as taps, mx.stream(self.device):
             input_ids = mx.array(layout.token_matrix(), dtype=mx.int32)  # [B, T]
-            logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
+            if self.rows_routed:
+                layers = row_staging_layers(layout, self._layer_windows)
+                logits = self.model(input_ids, cache=layers)  # [B, T, V]
+                if any(layer.attended != 1 for layer in layers):
+                    raise EngineError("a layer of this model attended without mlx-lm's scaled_dot_product_attention")
+            else:
+                logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
             features = None
             if taps:
                 features = mx.concatenate([(tap.recording.outputs or [])[-1] for tap in taps], axis=-1)

@@ -33,9 +33,15 @@ def test_a_history_gives_the_same_values_however_it_was_delivered(verifier_pool,
         assert all(np.array_equal(to_numpy(a), to_numpy(b)) for a, b in zip(got, expected, strict=True)), name
 
 
+@pytest.mark.parametrize("routed", [True, False], ids=["row by row", "padded"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
-def test_a_block_gives_the_same_values_alone_and_among_other_sessions(verifier_pool, strategy):
-    verifier = MlxVerifier.load(verifier_pool.model_dir("mlx", "qwen3"), device="cpu")
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_block_gives_the_same_values_alone_and_among_other_sessions(verifier_pool, arch, strategy, routed):
+    """Each row over its own keys (the model's attention routed: `attention.route_rows`), and every row's keys
+    padded to the longest under one mask (a model whose attention is not)."""
+    verifier = MlxVerifier.load(verifier_pool.model_dir("mlx", arch), device="cpu")
+    assert verifier.rows_routed
+    verifier.rows_routed = routed
 
     def prefilled(seed: int, length: int):
         cache = verifier.new_cache(strategy)
