@@ -106,11 +106,14 @@ class BatchStagingLayer:
         return self._layout.stage_layer(self._layer_idx, keys, values)
 
     def make_mask(self, query_len: int, window_size: int | None = None, **_: object) -> mx.array:
+        self._check_width(query_len)
+        window = window_size if window_size is not None else self._window
+        return mx.array(self._layout.mask(window=window)[:, None])  # [B, 1, T, K]
+
+    def _check_width(self, query_len: int) -> None:
         if query_len != self._layout.width:
             width = self._layout.width
             raise InvariantViolation("inv1", f"a mask for {query_len} queries was asked for a call over {width}")
-        window = window_size if window_size is not None else self._window
-        return mx.array(self._layout.mask(window=window)[:, None])  # [B, 1, T, K]
 
     @property
     def state(self) -> tuple[()]:
@@ -124,31 +127,25 @@ class BatchStagingLayer:
 
 
 def batch_staging_layers(
-    layout: BatchLayout[mx.array], layer_windows: tuple[int | None, ...]
+    layout: BatchLayout[mx.array], layer_windows: tuple[int | None, ...], *, by_row: bool = False
 ) -> list[BatchStagingLayer]:
-    """The per-layer cache objects of one padded batched model call."""
+    """The per-layer cache objects of one padded batched model call; `by_row`: attended row by row
+    (`RowStagingLayer`)."""
     offsets = mx.array(layout.position_matrix()[:, 0].astype("int32"))  # [B]
-    return [BatchStagingLayer(layout, offsets, i, window) for i, window in enumerate(layer_windows)]
+    kind = RowStagingLayer if by_row else BatchStagingLayer
+    return [kind(layout, offsets, i, window) for i, window in enumerate(layer_windows)]
 
 
-class RowStagingLayer:
+class RowStagingLayer(BatchStagingLayer):
     """One layer's view of a padded batched forward attended row by row: per-row RoPE offsets, each row's K/V staged
     in its own session cache, and attention (`attend`, reached through `routed_attention`) of each row's queries
     over what its cache returns, under the mask its block gets alone (`attention_mask`), the same call a forward of
     that block alone makes: no row's keys are padded or copied beside another's."""
 
     def __init__(self, layout: BatchLayout[mx.array], offsets: mx.array, layer_idx: int, window: int | None) -> None:
-        self._layout = layout
-        self._offsets = offsets
-        self._layer_idx = layer_idx
-        self._window = window
+        super().__init__(layout, offsets, layer_idx, window)
         self._staged: list[tuple[mx.array, mx.array]] = []
         self.attended = 0  # calls of `attend`: one per forward when the model's attention was routed
-
-    @property
-    def offset(self) -> mx.array:
-        """RoPE offset of every row: the global position of its first (padded) query."""
-        return self._offsets
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """Stage each row's K/V in its own cache; returns the call's own K/V, which `attend` does not read."""
@@ -162,10 +159,8 @@ class RowStagingLayer:
             )
         return keys, values
 
-    def make_mask(self, query_len: int, **_: object) -> None:
-        if query_len != self._layout.width:
-            width = self._layout.width
-            raise InvariantViolation("inv1", f"a mask for {query_len} queries was asked for a call over {width}")
+    def make_mask(self, query_len: int, window_size: int | None = None, **_: object) -> None:  # type: ignore[override]
+        self._check_width(query_len)
         return None  # each row's own, in `attend`
 
     def attend(self, queries: mx.array, scale: float, sinks: mx.array | None) -> mx.array:
@@ -185,22 +180,6 @@ class RowStagingLayer:
             outputs.append(out)
         self.attended += 1
         return mx.concatenate(outputs, axis=0)
-
-    @property
-    def state(self) -> tuple[()]:
-        return ()
-
-    def is_trimmable(self) -> bool:
-        return False
-
-    def empty(self) -> bool:
-        return False
-
-
-def row_staging_layers(layout: BatchLayout[mx.array], layer_windows: tuple[int | None, ...]) -> list[RowStagingLayer]:
-    """The per-layer cache objects of one padded batched model call attended row by row."""
-    offsets = mx.array(layout.position_matrix()[:, 0].astype("int32"))  # [B]
-    return [RowStagingLayer(layout, offsets, i, window) for i, window in enumerate(layer_windows)]
 
 
 _LIBRARY_ATTENTION = mlx_lm_base.scaled_dot_product_attention

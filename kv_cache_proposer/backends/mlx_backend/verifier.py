@@ -15,9 +15,9 @@ from kv_cache_proposer.backends.base import BackendModel, LoadedModelSpec
 from kv_cache_proposer.backends.batching import BatchLayout
 from kv_cache_proposer.backends.mlx_backend.arrays import MlxArrayOps
 from kv_cache_proposer.backends.mlx_backend.attention import (
+    RowStagingLayer,
     batch_staging_layers,
     route_rows,
-    row_staging_layers,
     staging_layers,
 )
 from kv_cache_proposer.backends.mlx_backend.features import recorded_features, recording
@@ -198,13 +198,10 @@ class MlxVerifier(BackendModel[mx.array]):
         layout = BatchLayout(blocks, self.array_ops, packed=False, join_batch=lambda parts: mx.concatenate(parts, 0))
         with recording(self.model, feature_layers) as taps, mx.stream(self.device):
             input_ids = mx.array(layout.token_matrix(), dtype=mx.int32)  # [B, T]
-            if self.rows_routed:
-                layers = row_staging_layers(layout, self._layer_windows)
-                logits = self.model(input_ids, cache=layers)  # [B, T, V]
-                if any(layer.attended != 1 for layer in layers):
-                    raise EngineError("a layer of this model attended without mlx-lm's scaled_dot_product_attention")
-            else:
-                logits = self.model(input_ids, cache=batch_staging_layers(layout, self._layer_windows))  # [B, T, V]
+            layers = batch_staging_layers(layout, self._layer_windows, by_row=self.rows_routed)
+            logits = self.model(input_ids, cache=layers)  # [B, T, V]
+            if any(isinstance(layer, RowStagingLayer) and layer.attended != 1 for layer in layers):
+                raise EngineError("a layer of this model attended without mlx-lm's scaled_dot_product_attention")
             features = None
             if taps:
                 features = mx.concatenate([(tap.recording.outputs or [])[-1] for tap in taps], axis=-1)
