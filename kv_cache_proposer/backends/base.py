@@ -72,10 +72,9 @@ class LoadedModelSpec:
 
     @property
     def batch_size(self) -> int:
-        """The default number of concurrent sessions' steps one forward runs (`Verifier.verify_batch`): 8, and 1 on
-        MLX, whose batched forward pads every row's keys to the longest history's and reads them under a mask, and
-        decoded slower than one forward per step (docs/benchmarks.md)."""
-        return 1 if self.backend == "mlx" else _BATCH_SIZE
+        """The default number of concurrent sessions' steps one forward runs (`Verifier.verify_batch`): 8 (an MLX
+        verifier whose model's attention it cannot route row by row says 1: `MlxVerifier.batch_size`)."""
+        return _BATCH_SIZE
 
 
 class BackendModel(ABC, Generic[A]):

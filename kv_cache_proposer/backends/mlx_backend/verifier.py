@@ -93,6 +93,13 @@ class MlxVerifier(BackendModel[mx.array]):
         return self._input_major > 0
 
     @property
+    def batch_size(self) -> int:
+        """The spec's, where batched rows are attended row by row (`rows_routed`); 1 where they would be padded to
+        the longest history's keys and read under a mask, which decoded slower than one forward per step
+        (docs/benchmarks.md)."""
+        return super().batch_size if self.rows_routed else 1
+
+    @property
     def key_block(self) -> int | None:
         """`_CPU_KEY_BLOCK` on a Linux CPU with the bundled BLAS. An optimised BLAS (`--mlx-blas auto` with a system
         OpenBLAS), Accelerate and the GPU's kernels sum a row in orders that depend on the shape around it, so there
