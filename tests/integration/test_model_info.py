@@ -59,9 +59,11 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
 
 
 @pytest.mark.parametrize("backend", ["mlx"])
-def test_an_mlx_daemon_runs_one_forward_per_step_unless_told_otherwise(serve):
-    default, batching = serve("qwen3", max_concurrent=4), serve("qwen3", max_concurrent=4, max_batch_size=4)
-    for server, size in ((default, 1), (batching, 4)):
+def test_an_mlx_daemon_batches_eight_steps_unless_told_otherwise(serve):
+    """Its batched rows are attended row by row (the model's attention routed), so it batches as torch does."""
+    default, chosen = serve("qwen3", max_concurrent=4), serve("qwen3", max_concurrent=4, max_batch_size=1)
+    assert default.runtime.verifier.rows_routed
+    for server, size in ((default, 8), (chosen, 1)):
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
         assert info.limits.max_batch_size == size and server.runtime.engine.max_batch_size == size
 
