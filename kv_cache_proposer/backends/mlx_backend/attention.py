@@ -132,8 +132,10 @@ def batch_staging_layers(
     """The per-layer cache objects of one padded batched model call; `by_row`: attended row by row
     (`RowStagingLayer`)."""
     offsets = mx.array(layout.position_matrix()[:, 0].astype("int32"))  # [B]
-    kind = RowStagingLayer if by_row else BatchStagingLayer
-    return [kind(layout, offsets, i, window) for i, window in enumerate(layer_windows)]
+    if by_row:
+        masks: dict[tuple[int, int | None], AttentionMask] = {}  # each row's, built once per forward
+        return [RowStagingLayer(layout, offsets, i, window, masks) for i, window in enumerate(layer_windows)]
+    return [BatchStagingLayer(layout, offsets, i, window) for i, window in enumerate(layer_windows)]
 
 
 class RowStagingLayer(BatchStagingLayer):
@@ -142,8 +144,16 @@ class RowStagingLayer(BatchStagingLayer):
     over what its cache returns, under the mask its block gets alone (`attention_mask`), the same call a forward of
     that block alone makes: no row's keys are padded or copied beside another's."""
 
-    def __init__(self, layout: BatchLayout[mx.array], offsets: mx.array, layer_idx: int, window: int | None) -> None:
+    def __init__(
+        self,
+        layout: BatchLayout[mx.array],
+        offsets: mx.array,
+        layer_idx: int,
+        window: int | None,
+        masks: dict[tuple[int, int | None], AttentionMask],
+    ) -> None:
         super().__init__(layout, offsets, layer_idx, window)
+        self._masks = masks  # shared by the forward's layers: (row, window) -> that row's mask
         self._staged: list[tuple[mx.array, mx.array]] = []
         self.attended = 0  # calls of `attend`: one per forward when the model's attention was routed
 
@@ -171,7 +181,10 @@ class RowStagingLayer(BatchStagingLayer):
         for index, block in enumerate(layout.blocks):
             row, start, end = layout.query_span(index)
             keys, values = self._staged[index]
-            mask = attention_mask(block.cache, end - start, self._window, return_array=False)
+            key = (index, self._window)
+            if key not in self._masks:
+                self._masks[key] = attention_mask(block.cache, end - start, self._window, return_array=False)
+            mask = self._masks[key]
             out = mx.fast.scaled_dot_product_attention(
                 queries[row : row + 1, :, start:end], keys, values, scale=scale, mask=mask, sinks=sinks
             )
