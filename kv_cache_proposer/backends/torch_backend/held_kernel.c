@@ -684,7 +684,7 @@ static void configure_tiles(int m) {
         c.rows[t] = (uint8_t)m;
         c.colsb[t] = 64;
     }
-    for (int t = 5; t < 7; t++) {
+    for (int t = 5; t < 8; t++) {
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
@@ -715,6 +715,32 @@ static inline void tiles_scores(const float *q, int D, const uint32_t *by_pair, 
     _tile_stored(1, out + 16, ld * 4);
     _tile_stored(2, out + 32, ld * 4);
     _tile_stored(3, out + 48, ld * 4);
+}
+
+static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t s_src, float *dst,
+                                                               int64_t s_dst);
+
+/* m (1 to 16) bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) by pair, [D/2][16], zeros
+   past m: the right operand of tiles_key_scores. */
+static inline void queries_by_pair(const float *q, int m, int D, uint32_t *by_query) {
+    for (int p = 0; p < D / 2; p++)
+        for (int i = 0; i < 16; i++) by_query[p * 16 + i] = i < m ? ((const uint32_t *)(q + (int64_t)i * D))[p] : 0;
+}
+
+/* What tiles_scores gives for 16 keys, with the keys the tile unit's left operand, read where they are held (16
+   bfloat16 rows s_key apart) instead of transposed first: out[i * ld + t] for query row i and key t. Each score is
+   the same pairs' products summed in the same order as there, so the bits are the same. */
+static inline void tiles_key_scores(const uint16_t *keys, int64_t s_key, int D, const uint32_t *by_query, float *out,
+                                    int ld) {
+    float by_key[16 * 16];
+    _tile_zero(7);
+    for (int p = 0; p < D / 32; p++) {
+        _tile_loadd(5, keys + 32 * p, s_key * 2);
+        _tile_loadd(6, by_query + 16 * 16 * p, 64);
+        _tile_dpbf16ps(7, 5, 6);
+    }
+    _tile_stored(7, by_key, 64);
+    transpose16(by_key, 16, out, ld);
 }
 
 /* `width` bfloat16 value rows (rows s_pos apart from key t0, zeros past `count`) as pairs of keys: for each pair,
@@ -987,6 +1013,7 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
 
 #if TILES
 #define STEP 256 /* keys under one softmax step of the tile path: STEP / TILE tiles, at fixed places */
+#define IN_PLACE_ROWS 32 /* query rows up to which the tile path scores keys where they are held */
 
 /* dense_segment_of for bfloat16 queries and K/V by the tile unit: keys in steps of STEP at fixed places, 16 rows at a
    time, each step's scores (a tile of 64 keys at a time), each row's weights over the step as there, rounded to
@@ -997,14 +1024,16 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
                                 int row0, int G, int D, float scale, int64_t start, int64_t end, float *acc,
                                 float *top, float *sums) {
     float scores[16 * STEP], products[16 * 64];
-    uint16_t weights[16 * STEP];
-    uint32_t by_key[TILE * D / 2], by_pair[STEP * D / 2], pairs[STEP / 2 * D];
+    uint16_t weights[16 * STEP], tail[16 * D];
+    uint32_t by_key[TILE * D / 2], by_pair[STEP * D / 2], pairs[STEP / 2 * D], by_query[IN_PLACE_ROWS * D / 2];
     TileConfig saved;
     _tile_storeconfig(&saved);
-    int configured = 0;
+    int configured = 0, in_place = G <= IN_PLACE_ROWS; /* keys scored where they are held, not transposed first */
+    for (int r = 0; r < G && in_place; r += 16)
+        queries_by_pair(q + (int64_t)r * D, G - r < 16 ? G - r : 16, D, by_query + r * D / 2);
     int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += STEP) {
-        for (int j = 0; j < STEP / TILE; j++) {
+        for (int j = 0; j < STEP / TILE && !in_place; j++) {
             pair_rows(keys, s_key, t0 + j * TILE, count, D, by_key);
             by_dimension((const float *)by_key, D / 2, (float *)(by_pair + j * TILE * D / 2));
         }
@@ -1014,8 +1043,25 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
             for (int i = 0; i < m; i++) reads |= hi[(row0 + r + i) % n] > t0;
             if (!reads) continue; /* weights 0 for every row: nothing would change */
             if (m != configured) configure_tiles(configured = m);
-            for (int j = 0; j < STEP / TILE; j++)
+            for (int j = 0; j < STEP / TILE && !in_place; j++)
                 tiles_scores(q + (int64_t)r * D, D, by_pair + j * TILE * D / 2, scores + j * TILE, STEP);
+            for (int t = 0; t < STEP && in_place; t += 16) {
+                int64_t k = t0 + t, held = count - k < 16 ? count - k : 16;
+                if (held <= 0) { /* past the keys: scored 0, as the zeros tiles_scores multiplies there */
+                    for (int i = 0; i < m; i++) memset(scores + i * STEP + t, 0, sizeof(float) * 16);
+                    continue;
+                }
+                const uint16_t *at = (const uint16_t *)keys + k * s_key;
+                int64_t step = s_key;
+                if (held < 16) { /* the last keys, padded with zeros: nothing past them is read */
+                    for (int64_t u = 0; u < held; u++)
+                        memcpy(tail + u * D, at + u * s_key, sizeof(uint16_t) * (size_t)D);
+                    memset(tail + held * D, 0, sizeof(uint16_t) * (size_t)(16 - held) * (size_t)D);
+                    at = tail;
+                    step = D;
+                }
+                tiles_key_scores(at, step, D, by_query + r * D / 2, scores + t, STEP);
+            }
             for (int i = 0; i < m; i++) {
                 float *s = scores + i * STEP;
                 row_weights(s, STEP, scale, 1, t0, hi, allowed, s_allowed, n, row0 + r + i, D,
@@ -1055,10 +1101,11 @@ static void held_segment_tiles(const float *q, const Held *held, const uint8_t *
                                int G, int D, int64_t start, int64_t end, float *acc, float *top, float *sums) {
     float rows[G * D], scores[16 * TILE], products[16 * 64], key_factors[TILE], value_factors[TILE];
     uint16_t weights[16 * TILE], converted[TILE * D];
-    uint32_t by_pair[TILE * D / 2], pairs[TILE / 2 * D];
+    uint32_t by_pair[TILE * D / 2], pairs[TILE / 2 * D], by_query[IN_PLACE_ROWS * D / 2];
+    float scored[IN_PLACE_ROWS * TILE];
     TileConfig saved;
     _tile_storeconfig(&saved);
-    int configured = 0;
+    int configured = 0, in_place = G <= IN_PLACE_ROWS; /* keys scored as converted, not transposed */
     for (int r = 0; r < G; r++) { /* a row's pairs of dimensions in its first D/2 floats, as tiles_scores reads */
         for (int d = 0; d < D; d += 32) {
             __m512bh pair = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + (int64_t)r * D + d + 16),
@@ -1069,21 +1116,29 @@ static void held_segment_tiles(const float *q, const Held *held, const uint8_t *
         sums[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+    for (int r = 0; r < G && in_place; r += 16)
+        queries_by_pair(rows + (int64_t)r * D, G - r < 16 ? G - r : 16, D, by_query + r * D / 2);
     for (int64_t t0 = start; t0 < end; t0 += TILE) {
         int nt = (int)(end - t0 < TILE ? end - t0 : TILE);
         factors_of(held->key_norms, held->key_qmax, held->s_scale, held->half_over_q, t0, nt, key_factors);
         factors_of(held->value_norms, held->value_qmax, held->s_scale, held->half_over_q, t0, nt, value_factors);
         for (int t = nt; t < TILE; t++) key_factors[t] = value_factors[t] = 0.0f;
         coordinates_bf16(held->keys, held->s_pos, t0, nt, D, converted);
-        by_dimension((const float *)converted, D / 2, (float *)by_pair);
+        for (int r = 0; r < G && in_place; r += 16) {
+            if (!configured) configure_tiles(configured = G - r < 16 ? G - r : 16);
+            for (int t = 0; t < TILE; t += 16)
+                tiles_key_scores(converted + t * D, D, D, by_query + r * D / 2, scored + r * TILE + t, TILE);
+        }
+        if (!in_place) by_dimension((const float *)converted, D / 2, (float *)by_pair);
         coordinates_bf16(held->values, held->s_pos, t0, nt, D, converted);
         value_pairs(converted, D, 0, TILE, TILE, D, pairs);
         for (int r = 0; r < G; r += 16) {
             int m = G - r < 16 ? G - r : 16;
             if (m != configured) configure_tiles(configured = m);
-            tiles_scores(rows + (int64_t)r * D, D, by_pair, scores, TILE);
+            float *group = in_place ? scored + r * TILE : scores; /* the group's scores [m][TILE] */
+            if (!in_place) tiles_scores(rows + (int64_t)r * D, D, by_pair, scores, TILE);
             for (int i = 0; i < m; i++) {
-                float *s = scores + i * TILE;
+                float *s = group + i * TILE;
                 const uint8_t *a = allowed ? allowed + (int64_t)((r + i) % n) * s_allowed + t0 : NULL;
                 __m512 best = _mm512_set1_ps(top[r + i]);
                 for (int t = 0; t < TILE; t += 16) { /* keys past nt, or not allowed, score -inf */
