@@ -171,6 +171,28 @@ def test_the_kernel_gives_the_same_bits_on_any_thread_count_and_a_query_alone_it
     np.testing.assert_allclose(block.numpy(), torch.cat(alone, dim=2).numpy(), atol=3e-5, rtol=3e-5)
 
 
+def test_a_block_s_rows_get_the_same_bits_however_many_rows_share_the_tile_unit():
+    # Up to 32 rows score the keys as they are converted, more transpose them first: the same products in the same
+    # order, so a row's bits do not depend on which way its block took.
+    _require_kernel()
+    kernel = held_kernel.held_kernel()
+    assert kernel is not None
+    if not kernel.tiles:
+        pytest.skip("this CPU has no tile unit (AMX) for the kernel to use; the vector path is tested above")
+    rng = np.random.default_rng(5)
+    queries, groups, dim, history = 12, 3, 64, 300
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * groups, queries, dim)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, history, dim)).astype(np.float32)) for _ in "kv")
+    own = tuple(torch.from_numpy(rng.standard_normal((1, KV_HEADS, queries, dim)).astype(np.float32)) for _ in "kv")
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", dim, 38), torch.device("cpu")), keys, values)
+    allowed = np.ones((queries, history + queries), dtype=bool)
+    allowed[:, history:] = np.tril(np.ones((queries, queries), dtype=bool))
+    mask = torch.from_numpy(allowed)
+    whole = attend_parts(q, [held, own], mask, scale=dim**-0.5)  # 36 rows a K/V head
+    parts = [attend_parts(q[:, :, i : i + 4], [held, own], mask[i : i + 4], scale=dim**-0.5) for i in (0, 4, 8)]
+    assert torch.equal(whole, torch.cat(parts, dim=2))  # 12 rows each
+
+
 def test_the_kernel_is_built_once_per_source_compiler_and_cpu_and_can_be_turned_off(monkeypatch, tmp_path, caplog):
     _require_kernel()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
