@@ -1024,7 +1024,7 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
                                 int row0, int G, int D, float scale, int64_t start, int64_t end, float *acc,
                                 float *top, float *sums) {
     float scores[16 * STEP], products[16 * 64];
-    uint16_t weights[16 * STEP], tail[16 * D];
+    uint16_t weights[16 * STEP];
     uint32_t by_key[TILE * D / 2], by_pair[STEP * D / 2], pairs[STEP / 2 * D], by_query[IN_PLACE_ROWS * D / 2];
     TileConfig saved;
     _tile_storeconfig(&saved);
@@ -1051,16 +1051,13 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
                     for (int i = 0; i < m; i++) memset(scores + i * STEP + t, 0, sizeof(float) * 16);
                     continue;
                 }
-                const uint16_t *at = (const uint16_t *)keys + k * s_key;
-                int64_t step = s_key;
-                if (held < 16) { /* the last keys, padded with zeros: nothing past them is read */
-                    for (int64_t u = 0; u < held; u++)
-                        memcpy(tail + u * D, at + u * s_key, sizeof(uint16_t) * (size_t)D);
-                    memset(tail + held * D, 0, sizeof(uint16_t) * (size_t)(16 - held) * (size_t)D);
-                    at = tail;
-                    step = D;
+                if (held < 16) { /* the last keys, copied with zeros after them: nothing past them is read */
+                    pair_rows(keys, s_key, k, count, D, by_key);
+                    tiles_key_scores((const uint16_t *)by_key, D, D, by_query + r * D / 2, scores + t, STEP);
+                } else {
+                    tiles_key_scores((const uint16_t *)keys + k * s_key, s_key, D, by_query + r * D / 2, scores + t,
+                                     STEP);
                 }
-                tiles_key_scores(at, step, D, by_query + r * D / 2, scores + t, STEP);
             }
             for (int i = 0; i < m; i++) {
                 float *s = scores + i * STEP;
