@@ -8,12 +8,14 @@ a setting, say). For every history length a session of that much held-out standa
 both and its first token timed (`--prefill-repeats` fresh sessions each, every one's history starting a token later
 than the one before so that none shares another's prefix, the revisions in alternating order: the prefill); each
 repeat then forks the first and generates `--new-tokens` greedy tokens through the Python SDK, the
-revisions in alternating order, so both meet the same load. Writes `results/bench_daemon_revisions_<stamp>.json`
+revisions in alternating order, so both meet the same load; with `--sessions N`, N forks generate at once (one thread
+each) and a repeat's rate is their tokens over its wall time, the batched decoding a daemon gives concurrent
+sessions. Writes `results/bench_daemon_revisions_<stamp>.json`
 (config, raw samples, medians, current/baseline ratios, paired by repeat) and a PNG plot next to it.
 
 Usage:
     python scripts/bench_daemon_revisions.py --baseline REV [--model NAME|DIR|GGUF] [--histories 1024,8192]
-        [--new-tokens 64] [--repeats 7] [--prefill-repeats 1] [--flags "--threads 2"]
+        [--new-tokens 64] [--sessions 1] [--repeats 7] [--prefill-repeats 1] [--flags "--threads 2"]
         [--current-env KAKEYA_DENSE_ATTENTION=compiled] [--out results]
 
     --model takes a model name, a model directory or a GGUF file, as `kakeya-runtime serve --model` does (default:
@@ -30,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_model_option(p, "the model both daemons serve")
     p.add_argument("--histories", default="1024,8192", help="history lengths in tokens, comma-separated")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument(
+        "--sessions", type=int, default=1, help="forks that generate at once per repeat (their aggregate tokens/s)"
+    )
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--prefill-repeats", type=int, default=1, help="timed prefills per revision and history")
     p.add_argument("--flags", default="", help="extra `serve` flags for both daemons, one shell-quoted string")
@@ -64,8 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = p.parse_args(argv)
     args.histories = [int(h) for h in args.histories.split(",") if h]
-    if args.new_tokens < 2 or args.repeats < 1 or args.prefill_repeats < 1 or not args.histories:
-        p.error("--new-tokens >= 2, --repeats >= 1, --prefill-repeats >= 1 and at least one history are required")
+    if args.new_tokens < 2 or min(args.sessions, args.repeats, args.prefill_repeats) < 1 or not args.histories:
+        p.error(
+            "--new-tokens >= 2, --sessions >= 1, --repeats >= 1, --prefill-repeats >= 1 and at least one history "
+            "are required"
+        )
     if any("=" not in item or not item.partition("=")[0] for item in args.current_env):
         p.error("--current-env takes NAME=VALUE")
     return args
@@ -96,6 +105,30 @@ def check_imports_from(tree: Path) -> None:
         raise SystemExit(f"bench_daemon_revisions: the baseline daemon would import {found}, not {tree}")
 
 
+def decode(session: Any, sessions: int, new_tokens: int) -> dict[str, Any]:
+    """`new_tokens` greedy tokens from `sessions` forks of `session` at once: one fork's tokens and timing alone,
+    or, for several, their aggregate tokens/s over the wall time from the first request to the last token."""
+    if sessions == 1:
+        with session.fork() as fork:
+            return timed_tokens(fork.generate(new_tokens), time.perf_counter())
+    forks = [session.fork() for _ in range(sessions)]
+    try:
+        with ThreadPoolExecutor(sessions) as pool:
+            started = time.perf_counter()
+            streams = list(pool.map(lambda fork: timed_tokens(fork.generate(new_tokens), started), forks))
+            wall = time.perf_counter() - started
+    finally:
+        for fork in forks:
+            fork.close()
+    tokens = streams[0]["tokens"]
+    return {
+        "tokens": tokens,
+        "forks_agree": all(stream["tokens"] == tokens for stream in streams),
+        "ttft_s": max(stream["ttft_s"] for stream in streams),
+        "decode_tokens_per_s": sum(len(stream["tokens"]) for stream in streams) / wall,
+    }
+
+
 def summarise(samples: list[dict[str, Any]], histories: list[int]) -> dict[str, Any]:
     prefill = {
         rev: {
@@ -123,7 +156,7 @@ def summarise(samples: list[dict[str, Any]], histories: list[int]) -> dict[str, 
             statistics.median(c["decode_tokens_per_s"] / b["decode_tokens_per_s"] for c, b in pairs), 3
         )
     ratio = {h: round(rates["current"][h] / rates["baseline"][h], 3) for h in rates["current"]}
-    agree = all(
+    agree = all(s.get("forks_agree", True) for s in samples) and all(
         c["tokens"] == b["tokens"]
         for h in histories
         for c, b in zip(
@@ -149,7 +182,7 @@ def summarise(samples: list[dict[str, Any]], histories: list[int]) -> dict[str, 
     }
 
 
-def plot(png: Path, summary: dict[str, Any]) -> None:
+def plot(png: Path, summary: dict[str, Any], sessions: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,7 +198,8 @@ def plot(png: Path, summary: dict[str, Any]) -> None:
         ax.set_xticks(range(len(histories)), [f"{h} tokens" for h in histories])
         ax.set_ylabel(label)
         ax.legend()
-    decode.set_title("daemon decode: current against baseline")
+    at_once = f", {sessions} sessions at once" if sessions > 1 else ""
+    decode.set_title(f"daemon decode{at_once}: current against baseline")
     prefill.set_title("a new session's prefill to its first token")
     fig.tight_layout()
     fig.savefig(png)
@@ -210,8 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                             held[rev] = session
                 for repeat in range(args.repeats):
                     for rev in REVISIONS if repeat % 2 == 0 else REVISIONS[::-1]:
-                        with held[rev].fork() as fork:
-                            result = timed_tokens(fork.generate(args.new_tokens), time.perf_counter())
+                        result = decode(held[rev], args.sessions, args.new_tokens)
                         samples.append(
                             {"kind": "decode", "revision": rev, "history": history_len, "repeat": repeat, **result}
                         )
@@ -232,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         config=config,
         samples=samples,
         summary=summary,
-        plot=lambda png: plot(png, summary),
+        plot=lambda png: plot(png, summary, args.sessions),
         out_dir=args.out,
     )
     print(summary["statement"])

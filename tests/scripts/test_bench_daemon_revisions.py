@@ -59,6 +59,19 @@ def test_a_smoke_run_decodes_through_both_revisions_daemons_and_writes_their_rat
     assert (again / "inference_engine" / "engine.py").exists(), "the baseline daemon's packages are exported"
 
 
+def test_sessions_at_once_decode_the_same_tokens_and_report_their_aggregate_rate(tmp_path):
+    argv = ["--baseline", "HEAD", "--histories", "16", "--new-tokens", "5", "--repeats", "1", "--sessions", "3"]
+    assert _bench().main([*argv, "--out", str(tmp_path)]) == 0
+
+    (json_path,) = tmp_path.glob("bench_daemon_revisions_*.json")
+    data = json.loads(json_path.read_text())
+    decodes = [s for s in data["samples"] if s["kind"] == "decode"]
+    assert len(decodes) == 2 and all(s["forks_agree"] is True and len(s["tokens"]) == 5 for s in decodes)
+    # three forks' 15 tokens over a wall no shorter than the slowest fork's first token
+    assert all(0 < s["decode_tokens_per_s"] <= 15 / s["ttft_s"] for s in decodes)
+    assert data["summary"]["tokens_agree"] is True
+
+
 def test_an_unknown_revision_is_refused(tmp_path):
     with pytest.raises(SystemExit, match="unknown revision"):
         _bench().main(["--baseline", "no-such-revision", "--out", str(tmp_path)])
