@@ -216,10 +216,9 @@ class ServerConfig:
     decode_burst_tokens: int = _opt(
         0,
         "plain greedy decode steps (no proposer) run back to back in one model-worker call, each step's token fed to "
-        "the next forward on the device so the host never stalls it; also the most forwards one engine turn runs "
-        "for a batch of steps before handing their tokens over; tokens then stream in groups of up to this many "
-        "forwards (never the first token of a generation); 0 chooses 8 for MLX on a CPU, 4 elsewhere (1 streams "
-        "every token as soon as it exists)",
+        "the next forward on the device so the host never stalls it; tokens then stream in groups of up to this "
+        "many (never the first token of a generation); 0 chooses 8 for MLX on a CPU, 4 elsewhere (1 streams every "
+        "token as soon as it exists)",
     )
     threads: int = _opt(
         0,

@@ -224,70 +224,36 @@ class EngineLoop:
             self._wake.wait(_POLL_S if self._running else None)
 
     def _run(self, batch: list[Generation]) -> list[_Delivery]:
-        """Forwards for the batch, back to back while it may go on (`_goes_on`), and each generation's outputs of
-        them: the tokens of one turn reach a consumer as one output."""
+        """One forward for the batch, and each generation's output of it."""
         started = time.perf_counter()
+        metrics = self.metrics
         for generation in batch:
-            self.metrics.batch_queue_wait_seconds.observe(max(0.0, started - generation.ready_at))
+            metrics.batch_queue_wait_seconds.observe(max(0.0, started - generation.ready_at))
+        metrics.batch_size.observe(len(batch))
+        metrics.batch_forwards.inc()
         # The running order puts the generations just stepped last: the others go first next time.
         for generation in batch:
             self._running.remove(generation)
         self._running += batch
-        outputs: dict[Generation, list[StepOutput]] = {generation: [] for generation in batch}
-        ended: set[Generation] = set()
-        stepping, forwards = batch, 0
-        while True:
-            results = self._step(stepping, self.decoder.burst_tokens - forwards)
-            forwards += max(result.forwards if isinstance(result, StepResult) else 1 for result in results)
-            going_on = True
-            for generation, result in zip(stepping, results, strict=True):
-                output, done = self._post_process(generation, result)
-                outputs[generation].append(output)
-                if done:
-                    ended.add(generation)
-                # a step that prefilled or gave a generation its first token hands its output over at once
-                going_on &= isinstance(result, StepResult) and 0 < len(result.tokens) < generation.tally.generated
-            if ended or not going_on or not self._goes_on(stepping, forwards):
-                break
-        return [delivery for g, steps in outputs.items() for delivery in self._handed_over(g, steps, g in ended)]
-
-    def _step(self, batch: list[Generation], burst_limit: int) -> Sequence[StepResult | Exception]:
-        """One step for the batch, one forward (a lone greedy step: a burst of at most `burst_limit`): each
-        generation's step result, or the error its step raised."""
-        self.metrics.batch_size.observe(len(batch))
-        self.metrics.batch_forwards.inc()
+        results: Sequence[StepResult | Exception]
         prefilled = any(generation.seq.pending_count > 1 for generation in batch)
         try:
-            results = self.decoder.step_batch([generation.request() for generation in batch], burst_limit=burst_limit)
+            results = self.decoder.step_batch([generation.request() for generation in batch])
         except Exception as exc:  # the decoder isolates sessions; this is a failure of the forward itself
             results = [exc] * len(batch)
         if prefilled:
             # A prefill forward grows caches (the buffers they outgrew are freed) and frees a chunk's working
             # storage: what the process keeps should follow what sessions hold, not the last forward's peak.
             release_free_memory()
-        return results
+        return [self._post_process(g, r) for g, r in zip(batch, results, strict=True)]
 
-    def _goes_on(self, batch: list[Generation], forwards: int) -> bool:
-        """Whether the batch takes another forward in this turn, its tokens so far held back: while the turn ran
-        fewer forwards than a decode burst, nothing is queued for the engine, none of the batch is told to stop
-        and no other running generation is ready to join a batch. One turn hands each consumer one output (one
-        event-loop pass, one journal write and one gRPC message for its tokens) where a forward per turn would
-        hand it one per forward."""
-        if forwards >= self.decoder.burst_tokens or any(generation.stopping for generation in batch):
-            return False
-        with self._wake:
-            if self._calls or self._arrivals or self._closing:
-                return False
-        stepping = set(batch)
-        return not any(generation.ready for generation in self._running if generation not in stepping)
-
-    def _post_process(self, generation: Generation, result: StepResult | Exception) -> tuple[StepOutput, bool]:
-        """One step's output for `generation` (its tokens not yet journaled: `_handed_over`), and whether the
-        generation ended with it."""
+    def _post_process(self, generation: Generation, result: StepResult | Exception) -> _Delivery:
+        now = time.perf_counter()
+        generation.produced += 1
+        generation.ready_at = now
         if isinstance(result, Exception):
             self._running.remove(generation)
-            return StepOutput(error=result), True
-        now = time.perf_counter()
+            return generation, StepOutput(error=result), True
         tally = generation.tally
         tally.add(result)
         self._record_step(result)
@@ -298,8 +264,11 @@ class EngineLoop:
                 tally.first_token_at = now
                 self._record_prefill(generation)
                 output.truncated = generation.seq.cache.footprint().lost_count
+            if self.journal is not None:
+                entry = JournalAppended(generation.session_id, tuple(result.tokens), time.time())
+                output.journaled = self.journal.submit(entry)
         if result.stop is None:
-            return output, False
+            return generation, output, False
         self._running.remove(generation)
         try:
             generation.before_done()
@@ -308,28 +277,7 @@ class EngineLoop:
                 "work before a generation's Done failed", extra={"session_id": generation.session_id}, exc_info=True
             )
         output.done = self._finish(generation, STOP_REASONS[result.stop])
-        return output, True
-
-    def _handed_over(self, generation: Generation, steps: list[StepOutput], ended: bool) -> list[_Delivery]:
-        """A turn's step outputs for `generation` as its consumer gets them: their tokens in one output, journaled
-        in one write, which also carries the end (a failed step's error follows as an output of its own)."""
-        failed = steps.pop() if steps[-1].error is not None else None
-        outputs = [failed] if failed is not None else []
-        if steps:
-            merged = steps[0]
-            for step in steps[1:]:
-                merged.tokens = merged.tokens + step.tokens
-                if merged.logprobs is not None and step.logprobs is not None:
-                    merged.logprobs = merged.logprobs + step.logprobs
-                merged.truncated = merged.truncated or step.truncated
-                merged.done = step.done
-            if merged.tokens and self.journal is not None:
-                entry = JournalAppended(generation.session_id, tuple(merged.tokens), time.time())
-                merged.journaled = self.journal.submit(entry)
-            outputs.insert(0, merged)
-        generation.produced += len(outputs)
-        generation.ready_at = time.perf_counter()
-        return [(generation, output, ended and index == len(outputs) - 1) for index, output in enumerate(outputs)]
+        return generation, output, True
 
     def _finish(self, generation: Generation, reason: StopReason) -> GenerationStats:
         tally = generation.tally

@@ -75,9 +75,9 @@ class StepOutput:
 class Generation:
     """A generation on a session that holds its generation turn.
 
-    The engine loop (its own thread) steps it and pushes a `StepOutput` per turn (the tokens of the turn's steps);
-    the consumer (on the event loop) reads them with `next_output`. The engine steps a generation only while its
-    consumer has finished every output but the newest, so the history runs at most one turn ahead of the stream.
+    The engine loop (its own thread) steps it and pushes a `StepOutput` per step; the consumer (on the event loop)
+    reads them with `next_output`. The engine steps a generation only while its consumer has finished every output
+    but the newest, so the history runs at most one step ahead of the stream.
     """
 
     def __init__(

@@ -115,11 +115,8 @@ class Decoder:
             plan.draft_commit.deliver()
         return result
 
-    def step_batch(
-        self, requests: Sequence[StepRequest], *, burst_limit: int | None = None
-    ) -> list[StepResult | Exception]:
-        """One step of each request (of distinct sessions), their verifier blocks run in one batched forward (a
-        lone request's plain greedy step: a burst of at most `burst_limit` forwards, if given, and `burst_tokens`).
+    def step_batch(self, requests: Sequence[StepRequest]) -> list[StepResult | Exception]:
+        """One step of each request (of distinct sessions), their verifier blocks run in one batched forward.
 
         Each result is what `step` alone would return for that request, or the exception it would raise: a
         failing session never fails the others. Should the batched forward itself raise, each block is run alone,
@@ -130,8 +127,7 @@ class Decoder:
         planned: list[tuple[int, _Plan]] = []
         for index, request in enumerate(requests):
             try:
-                alone = len(requests) == 1
-                planned.append((index, self._plan(request, propose=False, alone=alone, burst_limit=burst_limit)))
+                planned.append((index, self._plan(request, propose=False, alone=len(requests) == 1)))
             except Exception as exc:  # handed to that session's caller
                 results[index] = exc
         if len(planned) == 1 and planned[0][1].burst > 1:
@@ -194,9 +190,7 @@ class Decoder:
         except Exception as exc:  # handed to that session's caller
             return exc
 
-    def _plan(
-        self, request: StepRequest, *, propose: bool = True, alone: bool = True, burst_limit: int | None = None
-    ) -> _Plan:
+    def _plan(self, request: StepRequest, *, propose: bool = True, alone: bool = True) -> _Plan:
         """Everything a step decides before its forward: a prefill chunk, or the pending tokens and a draft
         (`propose=False`: no draft yet; `wanted` says how long one may be, `_attach_draft` adds it), or, for a
         plain greedy step that runs `alone`, how many steps to run back to back. Under `cost`, a proposal that
@@ -228,8 +222,7 @@ class Decoder:
                 proposal = self._timed_proposal(seq, wanted)
             offered = None if proposal is None else len(proposal[0])
             wanted, decision = costs.decide(wanted, decoding=pending == 1, offered=offered)
-        most = self.burst_tokens if burst_limit is None else min(self.burst_tokens, burst_limit)
-        burst = max(1, min(most, room)) if alone and self._bursts(request, wanted) else 1
+        burst = min(self.burst_tokens, room) if alone and self._bursts(request, wanted) else 1
         plan = _Plan(
             request, seq.tokens[start:], 1, layers, pending, room, [], burst=burst, wanted=wanted, decision=decision
         )

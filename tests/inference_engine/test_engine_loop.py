@@ -21,7 +21,6 @@ from kv_cache_proposer.strategies import FullStrategy
 from tests.support.checkpoints import VOCAB_SIZE
 
 CHUNK = 16
-SAMPLED = SamplingParams(temperature=0.9, seed=7)  # no decode burst inside a step: every step is one forward
 
 
 def _seq(verifier, pending: int, seed: int = 0) -> SequenceState:
@@ -31,21 +30,17 @@ def _seq(verifier, pending: int, seed: int = 0) -> SequenceState:
     )
 
 
-def _generation(
-    seq: SequenceState, max_new_tokens: int, name: str = "s", params: SamplingParams | None = None
-) -> Generation:
-    budget = GenerationBudget(max_new_tokens)
-    return Generation(name, seq, params or SamplingParams(), budget, DecodeControls(), asyncio.Event())
+def _generation(seq: SequenceState, max_new_tokens: int, name: str = "s") -> Generation:
+    return Generation(name, seq, SamplingParams(), GenerationBudget(max_new_tokens), DecodeControls(), asyncio.Event())
 
 
-def _decoder(verifier, burst_tokens: int = 1) -> Decoder:
-    return Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=burst_tokens)
+def _decoder(verifier) -> Decoder:
+    return Decoder(verifier, prefill_chunk_tokens=CHUNK, burst_tokens=1)
 
 
-def _engine(verifier, max_batch_size: int, burst_tokens: int = 1) -> tuple[EngineLoop, Metrics]:
+def _engine(verifier, max_batch_size: int) -> tuple[EngineLoop, Metrics]:
     metrics = Metrics()
-    decoder = _decoder(verifier, burst_tokens)
-    return EngineLoop(decoder, metrics, max_batch_size=max_batch_size, token_budget=CHUNK), metrics
+    return EngineLoop(_decoder(verifier), metrics, max_batch_size=max_batch_size, token_budget=CHUNK), metrics
 
 
 def _sample(metrics: Metrics, name: str, labels: dict[str, str] | None = None) -> float:
@@ -63,15 +58,6 @@ async def _drain(generation: Generation) -> tuple[list[int], StepOutput]:
         tokens += output.tokens
         if output.done is not None:
             return tokens, output
-
-
-async def _outputs(generation: Generation) -> list[StepOutput]:
-    outputs: list[StepOutput] = []
-    while not outputs or outputs[-1].done is None:
-        outputs.append(await generation.next_output())
-        if outputs[-1].error is not None:
-            raise outputs[-1].error
-    return outputs
 
 
 async def _begin_together(
@@ -146,73 +132,15 @@ def test_batch_size_one_runs_every_step_alone(verifiers):
     assert _sample(metrics, "kakeya_batch_size_bucket", {"le": "1.0"}) == 3
 
 
-def test_a_turn_runs_forwards_back_to_back_and_hands_their_tokens_over_in_one_output(verifiers):
-    verifier = verifiers["qwen3"]
-
-    def generate(burst_tokens: int) -> tuple[list[list[int]], float]:
-        engine, metrics = _engine(verifier, max_batch_size=8, burst_tokens=burst_tokens)
-
-        async def run() -> list[StepOutput]:
-            generation = _generation(_seq(verifier, 5), 9, params=SAMPLED)
-            engine.begin(generation)
-            return await _outputs(generation)
-
-        try:
-            outputs = asyncio.run(run())
-        finally:
-            engine.close()
-        return [output.tokens for output in outputs], _sample(metrics, "kakeya_batch_forwards_total")
-
-    one_by_one, one_forwards = generate(1)
-    by_turns, turn_forwards = generate(4)
-    assert [len(tokens) for tokens in one_by_one] == [1] * 9
-    # the first token goes out at once; then a turn runs four forwards and hands their tokens over together
-    assert [len(tokens) for tokens in by_turns] == [1, 4, 4]
-    assert [t for tokens in by_turns for t in tokens] == [t for tokens in one_by_one for t in tokens]
-    assert turn_forwards == one_forwards == 9
-
-
-def test_a_generation_that_arrives_during_a_turn_joins_the_next_forward(verifiers, monkeypatch):
-    verifier = verifiers["qwen3"]
-    engine, _ = _engine(verifier, max_batch_size=8, burst_tokens=4)
-    calls: list[list[SequenceState]] = []
-    step_batch = engine.decoder.step_batch
-    late: list[Generation] = []
-
-    def recorded_step(requests, **options):
-        calls.append([request.seq for request in requests])
-        if len(calls) == 2:  # the second forward of the first generation, a turn of several forwards
-            engine.begin(late[0])
-        return step_batch(requests, **options)
-
-    monkeypatch.setattr(engine.decoder, "step_batch", recorded_step)
-    seqs = [_seq(verifier, 4, i) for i in range(2)]
-
-    async def run() -> list[list[int]]:
-        first = _generation(seqs[0], 12, "first", SAMPLED)
-        late.append(_generation(seqs[1], 3, "late"))
-        engine.begin(first)
-        return [tokens for tokens, _ in await asyncio.gather(_drain(first), _drain(late[0]))]
-
-    try:
-        first_tokens, late_tokens = asyncio.run(run())
-    finally:
-        engine.close()
-    assert len(first_tokens) == 12 and len(late_tokens) == 3
-    # the turn under way ended after its forward: the late generation's first step is the third forward
-    assert calls[0] == [seqs[0]] and calls[1] == [seqs[0]]
-    assert seqs[1] in calls[2]
-
-
 def test_free_memory_goes_back_to_the_system_after_each_forward_that_prefilled_and_only_then(verifiers, monkeypatch):
     verifier = verifiers["qwen3"]
     engine, _ = _engine(verifier, max_batch_size=1)
     events: list[str] = []
     step_batch = engine.decoder.step_batch
 
-    def recorded_step(requests, **options):
+    def recorded_step(requests):
         events.append("prefill" if any(r.seq.pending_count > 1 for r in requests) else "decode")
-        return step_batch(requests, **options)
+        return step_batch(requests)
 
     monkeypatch.setattr(engine.decoder, "step_batch", recorded_step)
     monkeypatch.setattr("inference_engine.engine.release_free_memory", lambda: events.append("trim"))
