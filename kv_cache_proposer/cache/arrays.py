@@ -41,7 +41,8 @@ class ArrayOps(Protocol[A]):
         ...
 
     def write(self, buffer: A, start: int, values: A) -> A:
-        """Write `values` `[B, H, n, D]` into slots `[start, start + n)` of `buffer`; returns the buffer."""
+        """Write `values` `[B, H, n, D]` into slots `[start, start + n)` of `buffer`, rounded to its dtype as a cast
+        to it would round them; returns the buffer."""
         ...
 
     def head(self, buffer: A, end: int) -> A:

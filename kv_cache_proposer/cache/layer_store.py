@@ -260,16 +260,18 @@ class DenseLayerStore(Generic[A]):
         self._capacity = capacity
 
     def _buffers(self, keys: A, values: A) -> tuple[A, A]:
+        """The buffers, allocated in the held dtype for K/V like `keys` and `values` on the first write."""
         if self._keys is None or self._values is None:
-            self._keys, self._values = self._ops.alloc_pair(keys, values, self._capacity, self.read_past)
+            held_keys, held_values = self._held(keys), self._held(values)
+            self._keys, self._values = self._ops.alloc_pair(held_keys, held_values, self._capacity, self.read_past)
         return self._keys, self._values
 
     def _held(self, array: A) -> A:
         return array if self._dtype is None else self._ops.cast(array, self._dtype)
 
     def stage(self, slot: int, keys: A, values: A) -> None:
-        keys, values = self._held(keys), self._held(values)
         key_buf, value_buf = self._buffers(keys, values)
+        # the write rounds them to the buffers' dtype as `_held` would, without a cast copy first
         self._keys = self._ops.write(key_buf, slot, keys)
         self._values = self._ops.write(value_buf, slot, values)
 
