@@ -195,7 +195,7 @@ class ServerConfig:
     max_batch_size: int = _opt(
         0,
         "generation steps of concurrent sessions run in one verifier forward (1: one forward per step); takes "
-        "effect with --max-concurrent above 1; 0 chooses 8 (1 on mlx for a model whose attention it cannot "
+        "effect with --max-concurrent above 1; 0 chooses 16 (1 on mlx for a model whose attention it cannot "
         "attend row by row) (docs/operator-guide.md#batched-decoding)",
     )
     kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")

@@ -53,17 +53,18 @@ def test_model_info_reports_the_bundled_models_facts_and_the_server_limits(bundl
     assert info.limits.max_message_bytes == limits.max_message_bytes
     assert info.limits.max_concurrent_generations == limits.max_concurrent
     assert info.limits.queue_deadline_seconds == limits.queue_deadline_s
-    assert limits.max_batch_size == 0 and info.limits.max_batch_size == 8  # 0 (the default): the backend's, 8 on torch
+    # 0 (the default): the backend's, 16 on torch
+    assert limits.max_batch_size == 0 and info.limits.max_batch_size == 16
     # --prefill-chunk-tokens 0 (the default) chooses from the device: 512 on a CPU.
     assert limits.prefill_chunk_tokens == 0 and info.limits.prefill_chunk_tokens == 512
 
 
 @pytest.mark.parametrize("backend", ["mlx"])
-def test_an_mlx_daemon_batches_eight_steps_unless_told_otherwise(serve):
+def test_an_mlx_daemon_batches_sixteen_steps_unless_told_otherwise(serve):
     """Its batched rows are attended row by row (the model's attention routed), so it batches as torch does."""
     default, chosen = serve("qwen3", max_concurrent=4), serve("qwen3", max_concurrent=4, max_batch_size=1)
     assert default.runtime.verifier.rows_routed
-    for server, size in ((default, 8), (chosen, 1)):
+    for server, size in ((default, 16), (chosen, 1)):
         info = server.stub.GetModelInfo(pb.GetModelInfoRequest())
         assert info.limits.max_batch_size == size and server.runtime.engine.max_batch_size == size
 

@@ -19,7 +19,7 @@ describe("model facts and limits", () => {
     expect(info.limits.maxGenerateTokens).toBe(maxGenerateTokens);
     expect(info.limits.maxAppendTokens).toBe(512);
     expect(info.limits.maxConcurrentGenerations).toBe(2);
-    expect(info.limits.maxBatchSize).toBe(8);
+    expect(info.limits.maxBatchSize).toBe(16);
     expect(info.limits.prefillChunkTokens).toBe(512);
     expect(await client.modelInfo()).toBe(info);
   });
