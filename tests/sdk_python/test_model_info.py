@@ -21,7 +21,7 @@ def test_model_info_reports_the_servers_facts_and_limits(serve):
         assert info.default_kv_strategy is kakeya.KvStrategy.SINK_WINDOW
         assert (info.default_sink_tokens, info.default_window_tokens) == (2, 32)
         assert info.limits.max_generate_tokens == 64
-        assert (info.limits.max_batch_size, info.limits.prefill_chunk_tokens) == (8, 512)
+        assert (info.limits.max_batch_size, info.limits.prefill_chunk_tokens) == (16, 512)
         assert client.model_info() is info, "asked once per client"
 
 
