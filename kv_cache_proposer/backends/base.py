@@ -73,7 +73,7 @@ class LoadedModelSpec:
     @property
     def batch_size(self) -> int:
         """The default number of concurrent sessions' steps one forward runs (`Verifier.verify_batch`): 16, which
-        gave 1.2-1.3x the tokens/s of 8 with 16 or 32 sessions generating and little less than 32 with 32
+        gave 1.2-1.3x the tokens/s of 8 with 16 or 32 sessions generating, and about what 32 gave with 32
         (docs/benchmarks.md); an MLX verifier whose model's attention it cannot route row by row says 1
         (`MlxVerifier.batch_size`)."""
         return _BATCH_SIZE

@@ -720,11 +720,13 @@ static inline void tiles_scores(const float *q, int D, const uint32_t *by_pair, 
 static inline __attribute__((always_inline)) void transpose16(const float *src, int64_t s_src, float *dst,
                                                                int64_t s_dst);
 
-/* m (1 to 16) bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) by pair, [D/2][16], zeros
-   past m: the right operand of tiles_key_scores. */
-static inline void queries_by_pair(const float *q, int m, int D, uint32_t *by_query) {
-    for (int p = 0; p < D / 2; p++)
-        for (int i = 0; i < 16; i++) by_query[p * 16 + i] = i < m ? ((const uint32_t *)(q + (int64_t)i * D))[p] : 0;
+/* G bfloat16 query rows (pairs of dimensions as uint32, rows D floats apart) by pair, 16 rows at a time: for rows r to
+   r + 16, [D/2][16] at by_query + r * D / 2, zeros past G: the right operands of tiles_key_scores. */
+static inline void queries_by_pair(const float *q, int G, int D, uint32_t *by_query) {
+    for (int r = 0; r < G; r += 16)
+        for (int p = 0; p < D / 2; p++)
+            for (int i = 0; i < 16; i++)
+                by_query[r * D / 2 + p * 16 + i] = r + i < G ? ((const uint32_t *)(q + (int64_t)(r + i) * D))[p] : 0;
 }
 
 /* What tiles_scores gives for 16 keys, with the keys the tile unit's left operand, read where they are held (16
@@ -1029,8 +1031,7 @@ static void dense_segment_tiles(const float *q, const void *keys, const void *va
     TileConfig saved;
     _tile_storeconfig(&saved);
     int configured = 0, in_place = G <= IN_PLACE_ROWS; /* keys scored where they are held, not transposed first */
-    for (int r = 0; r < G && in_place; r += 16)
-        queries_by_pair(q + (int64_t)r * D, G - r < 16 ? G - r : 16, D, by_query + r * D / 2);
+    if (in_place) queries_by_pair(q, G, D, by_query);
     int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += STEP) {
         for (int j = 0; j < STEP / TILE && !in_place; j++) {
@@ -1113,8 +1114,7 @@ static void held_segment_tiles(const float *q, const Held *held, const uint8_t *
         sums[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
-    for (int r = 0; r < G && in_place; r += 16)
-        queries_by_pair(rows + (int64_t)r * D, G - r < 16 ? G - r : 16, D, by_query + r * D / 2);
+    if (in_place) queries_by_pair(rows, G, D, by_query);
     for (int64_t t0 = start; t0 < end; t0 += TILE) {
         int nt = (int)(end - t0 < TILE ? end - t0 : TILE);
         factors_of(held->key_norms, held->key_qmax, held->s_scale, held->half_over_q, t0, nt, key_factors);
