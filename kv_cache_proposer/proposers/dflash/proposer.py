@@ -19,6 +19,7 @@ from kv_cache_proposer.proposers.dflash.checkpoint import load_drafter
 from kv_cache_proposer.proposers.dflash.config import DFlashSpec, check_compatible
 from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
 from kv_cache_proposer.proposers.dflash.session import DFlashBatchDrafter, DFlashDraftSession, block_masks
+from kv_cache_proposer.proposers.dflash.steps import ScriptedDrafter
 from kv_cache_proposer.strategies import KVStrategy
 from kv_cache_proposer.verifier import BatchBlock
 
@@ -41,6 +42,7 @@ class DFlashProposer:
             vocab_size=verifier.vocab_size,
         )
         self.drafter = drafter
+        self._steps = ScriptedDrafter(drafter)  # its forward and context projection, without Python between ops
         self.spec = spec
         self._embed = cast(torch.Tensor, verifier.model.get_input_embeddings().weight)  # [V, H]
         head = verifier.model.get_output_embeddings()
@@ -76,7 +78,7 @@ class DFlashProposer:
         cache.begin_stage(count)
         positions = torch.tensor(cache.call.query_positions[None], device=self._device)  # [1, n]
         self.context_projections += 1
-        layers = self.drafter.context_kv(features[None].to(self._embed.dtype), positions)
+        layers = self._steps.context_kv(features[None].to(self._embed.dtype), positions)
         for index, (keys, values) in enumerate(layers):
             cache.stage_layer(index, keys, values)
         cache.commit(count)
@@ -97,7 +99,7 @@ class DFlashProposer:
         ]
         positions = torch.tensor(query_pos[None], device=self._device)  # [1, M]
         self.drafter_forwards += 1
-        hidden = self.drafter(embeds, positions, masks, cache.stage_layer)  # [1, M, H]
+        hidden = self._steps.forward(embeds, positions, masks, cache.stage_layer)  # [1, M, H]
         cache.commit(0)  # the block's own K/V are never kept
         return self._pick(hidden[0, 1:])
 
@@ -120,7 +122,7 @@ class DFlashProposer:
         packed = np.concatenate([items[i][0].call.query_positions for i in live])
         positions = torch.from_numpy(packed[None]).to(self._device)  # [1, N]
         self.context_projections += 1
-        layers = self.drafter.context_kv(features[None], positions)  # per layer [1, KVH, N, D]
+        layers = self._steps.context_kv(features[None], positions)  # per layer [1, KVH, N, D]
         start = 0
         for i in live:
             cache, rows = items[i][0], int(items[i][1].shape[0])
@@ -154,7 +156,7 @@ class DFlashProposer:
             torch.from_numpy(by_window[w]).to(self._device)[:, None] for w in self.drafter.layer_windows
         ]  # [1, 1, T, K]
         self.drafter_forwards += 1
-        hidden = self.drafter(embeds, positions, masks, layout.stage_layer)  # [1, T, H]
+        hidden = self._steps.forward(embeds, positions, masks, layout.stage_layer)  # [1, T, H]
         for block in batch:
             block.cache.commit(0)  # the blocks' own K/V are never kept
         wanted = torch.tensor(layout.logits_indices(), device=self._device)  # every block's mask positions

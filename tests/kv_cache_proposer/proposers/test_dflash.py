@@ -173,3 +173,48 @@ def test_per_row_anchors_score_each_row_as_alone_and_acceptance_counts_leading_h
     finally:
         head.forward = original
     assert stats.acceptance_length == 4.0 and stats.slot_accuracy.tolist() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_the_scripted_forward_and_context_projection_are_the_module_s_bit_for_bit(bias):
+    from transformers import Qwen3Config
+
+    from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
+    from kv_cache_proposer.proposers.dflash.steps import ScriptedDrafter
+
+    config = Qwen3Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        attention_bias=bias,
+        max_position_embeddings=4096,
+    )
+    torch.manual_seed(5)
+    drafter = DFlashDrafter(config, 2, [6, None]).eval()
+    scripted = ScriptedDrafter(drafter)
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for context, block in ((1, 2), (9, 4), (40, 8)):
+            features = torch.randn(1, context, 2 * 64, generator=generator)
+            positions = torch.arange(3, 3 + context)[None]
+            kv = drafter.context_kv(features, positions)
+            for (keys, values), (fast_keys, fast_values) in zip(
+                kv, scripted.context_kv(features, positions), strict=True
+            ):
+                assert torch.equal(keys, fast_keys) and torch.equal(values, fast_values)
+            embeds = torch.randn(1, block, 64, generator=generator)
+            query = torch.arange(3 + context, 3 + context + block)[None]
+            keys_at = torch.cat([positions, query], dim=1)
+            allowed = torch.ones(1, 1, block, context + block, dtype=torch.bool)
+            masks = drafter.layer_masks(allowed, query[0, :, None], keys_at[0, None, :])
+
+            def store(layer, keys, values, kv=kv):
+                return torch.cat([kv[layer][0], keys], dim=2), torch.cat([kv[layer][1], values], dim=2)
+
+            for layer_masks in (masks, [None, None]):
+                hidden = drafter(embeds, query, layer_masks, store)
+                assert torch.equal(scripted.forward(embeds, query, layer_masks, store), hidden)
