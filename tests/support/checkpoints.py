@@ -69,11 +69,12 @@ def save_dflash_drafter(
     layers: int = 1,
     sliding_window: int | None = None,
     every_layer_windowed: bool = False,
+    attention_bias: bool = False,
 ) -> Path:
     """A random DFlash drafter in the published format for the test checkpoints (hidden 64, 3 verifier layers).
 
     `sliding_window`: its even layers attend over that window (the odd ones over everything), or every layer with
-    `every_layer_windowed`."""
+    `every_layer_windowed`; `attention_bias`: its Q/K/V/O projections have biases."""
     from kv_cache_proposer.proposers.dflash.checkpoint import save_drafter
     from kv_cache_proposer.proposers.dflash.config import DFlashSpec
     from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
@@ -87,6 +88,7 @@ def save_dflash_drafter(
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=4096,
+        attention_bias=attention_bias,
     )
     if sliding_window is not None:
         config.sliding_window = sliding_window

@@ -176,25 +176,13 @@ def test_per_row_anchors_score_each_row_as_alone_and_acceptance_counts_leading_h
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_the_scripted_forward_and_context_projection_are_the_module_s_bit_for_bit(bias):
-    from transformers import Qwen3Config
-
-    from kv_cache_proposer.proposers.dflash.model import DFlashDrafter
+def test_the_scripted_forward_and_context_projection_are_the_module_s_bit_for_bit(bias, tmp_path):
     from kv_cache_proposer.proposers.dflash.steps import ScriptedDrafter
 
-    config = Qwen3Config(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        attention_bias=bias,
-        max_position_embeddings=4096,
-    )
-    torch.manual_seed(5)
-    drafter = DFlashDrafter(config, 2, [6, None]).eval()
+    directory = save_dflash_drafter(tmp_path / "drafter", layers=2, sliding_window=6, attention_bias=bias, seed=5)
+    drafter, _ = load_drafter(directory, device=torch.device("cpu"), dtype=torch.float32)
+    assert drafter.layer_windows == [6, None]
+    assert all((layer.self_attn.k_proj.bias is not None) == bias for layer in drafter.layers)
     scripted = ScriptedDrafter(drafter)
     generator = torch.Generator().manual_seed(1)
     with torch.inference_mode():
