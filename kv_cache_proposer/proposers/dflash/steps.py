@@ -67,6 +67,11 @@ def _linear(module: nn.Module) -> Linear:
     return (layer.weight, layer.bias, None, 0, 0)  # weights.linear's DENSE kind
 
 
+def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """A drafter layer's attention, as `DFlashAttention` runs it (grouped K/V heads read in place)."""
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
+
+
 def _eps(norm: nn.Module) -> float:
     return float(cast(float, norm.variance_epsilon))
 
@@ -124,21 +129,20 @@ class ScriptedDrafter:
         self, block_embeds: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor | None], store: KVStore
     ) -> torch.Tensor:
         """`DFlashDrafter.forward`: final hidden states [B, M, H] of a block of input embeddings [B, M, H]."""
+        if len(masks) != len(self._inputs):
+            raise ValueError(f"{len(masks)} masks for {len(self._inputs)} drafter layers")
         cos, sin = self._rotary(block_embeds, positions)
-        steps, head_dim = self._steps, self._head_dim
+        steps, head_dim, last = self._steps, self._head_dim, len(self._inputs) - 1
         hidden = block_embeds
-        last = len(self._inputs) - 1
         queries, keys, values = steps.first(hidden, self._inputs[0], head_dim, cos, sin)
-        for index, mask in enumerate(masks):
-            keys, values = store(index, keys, values)
-            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=True)
-            if index == last:
-                norm = self._drafter.norm
-                return steps.last(hidden, attended, self._outputs[index], head_dim, (norm.weight, _eps(norm)))
+        for index in range(last):
+            attended = _attend(queries, *store(index, keys, values), masks[index])
             hidden, (queries, keys, values) = steps.between(
                 hidden, attended, self._outputs[index], head_dim, self._inputs[index + 1], head_dim, cos, sin
             )
-        raise ValueError("a drafter has at least one layer")
+        attended = _attend(queries, *store(last, keys, values), masks[last])
+        norm = self._drafter.norm
+        return steps.last(hidden, attended, self._outputs[last], head_dim, (norm.weight, _eps(norm)))
 
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`DFlashDrafter.context_kv`: per-layer context keys/values [B, KVH, N, D] of features [B, N, L*H] at
