@@ -26,6 +26,7 @@ from kv_cache_proposer.backends.torch_backend.layer_steps import (
     rms_norm,
     rotate_half,
 )
+from kv_cache_proposer.backends.torch_backend.weights import linear
 from kv_cache_proposer.proposers.dflash.model import DFlashAttention, DFlashDrafter, DFlashLayer, KVStore
 
 
@@ -34,23 +35,25 @@ def context_kv(
     fc: torch.Tensor,
     norm: torch.Tensor,
     eps: float,
-    projections: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]],
-    k_norms: list[torch.Tensor],
-    head_eps: float,
+    layers: list[Inputs],
     cos: torch.Tensor,
     sin: torch.Tensor,
     head_dim: int,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the context keys (normed, rotated) and values [B, KVH, N, D] of features [B, N, L*H]: `fc`, the
-    hidden norm, then each layer's K/V projections (`projections` [(w_k, b_k, w_v, b_v)]) and K norm."""
+    hidden norm, then each layer's K/V projections and K norm, read from its `attention_inputs` arguments
+    (`layers`: no input norm, no queries)."""
     context = rms_norm(F.linear(features, fc), norm, eps)
     batch, n = context.shape[0], context.shape[1]
     out: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for index in range(len(projections)):
-        w_k, b_k, w_v, b_v = projections[index]
-        k = rms_norm(F.linear(context, w_k, b_k).view(batch, n, -1, head_dim).transpose(1, 2), k_norms[index], head_eps)
+    for inputs in layers:
+        w_k, w_v, k_norm, head_eps = inputs[2][1], inputs[2][2], inputs[5], inputs[6]
+        k = linear(context, w_k[0], w_k[1], w_k[2], w_k[3], w_k[4]).view(batch, n, -1, head_dim).transpose(1, 2)
+        if k_norm is not None:
+            k = rms_norm(k, k_norm, head_eps)
         k = (k * cos) + (rotate_half(k) * sin)
-        out.append((k, F.linear(context, w_v, b_v).view(batch, n, -1, head_dim).transpose(1, 2)))
+        v = linear(context, w_v[0], w_v[1], w_v[2], w_v[3], w_v[4])
+        out.append((k, v.view(batch, n, -1, head_dim).transpose(1, 2)))
     return out
 
 
@@ -84,14 +87,10 @@ class ScriptedDrafter:
         self._steps = ScriptedSteps()
         self._inputs: list[Inputs] = []
         self._outputs: list[Output] = []
-        self._head_dim = 0
-        self._projections: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = []
-        self._k_norms: list[torch.Tensor] = []
-        self._head_eps = 0.0
+        self._head_dim = cast(DFlashLayer, drafter.layers[0]).self_attn.head_dim
         for module in drafter.layers:
             layer = cast(DFlashLayer, module)
             attention: DFlashAttention = layer.self_attn
-            self._head_dim = attention.head_dim
             sizes = [attention.num_heads * attention.head_dim] + [attention.num_kv_heads * attention.head_dim] * 2
             self._inputs.append(
                 (
@@ -104,11 +103,6 @@ class ScriptedDrafter:
                     _eps(attention.q_norm),
                 )
             )
-            self._projections.append(
-                (attention.k_proj.weight, attention.k_proj.bias, attention.v_proj.weight, attention.v_proj.bias)
-            )
-            self._k_norms.append(attention.k_norm.weight)
-            self._head_eps = _eps(attention.k_norm)
             mlp = layer.mlp
             self._outputs.append(
                 (
@@ -156,9 +150,7 @@ class ScriptedDrafter:
                 drafter.fc.weight,
                 drafter.hidden_norm.weight,
                 _eps(drafter.hidden_norm),
-                self._projections,
-                self._k_norms,
-                self._head_eps,
+                self._inputs,
                 cos,
                 sin,
                 self._head_dim,
