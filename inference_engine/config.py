@@ -198,6 +198,11 @@ class ServerConfig:
         "effect with --max-concurrent above 1; 0 chooses 16 (1 on mlx for a model whose attention it cannot "
         "attend row by row) (docs/operator-guide.md#batched-decoding)",
     )
+    batch_wait_ms: float = _opt(
+        5.0,
+        "how long a batched forward waits for running generations whose clients read their streams slowly (0: "
+        "never waits; the others step without them) (docs/operator-guide.md#batched-decoding)",
+    )
     kv_budget_bytes: int = _opt(8 << 30, "KV cache bytes across sessions; above it idle sessions are evicted LRU")
     max_history_tokens: int = _opt(131072, "history tokens a session may hold")
     max_append_tokens: int = _opt(65536, "tokens one append (or initial history) may carry")
@@ -318,6 +323,8 @@ class ServerConfig:
             self.compressor()
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"batch_wait_ms must be in 0..1000, got {self.batch_wait_ms}")
         if self.shutdown_grace_s < 0:
             raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if not 0 <= self.port <= 65535:

@@ -99,6 +99,7 @@ class Runtime:
             metrics,
             max_batch_size=config.max_batch_size or verifier.batch_size,
             token_budget=self.decoder.prefill_chunk_tokens,
+            gather_s=config.batch_wait_ms / 1000,
         )
         self.store = SessionStore(
             max_sessions=config.max_sessions,

@@ -14,11 +14,13 @@ the alone mode (its throughput is all sessions' tokens over the sum of their wal
 gives). `--rounds` rounds per mode, the modes' rounds interleaved so all meet the same load on a shared machine;
 the median round (by throughput) is reported. Recorded per configuration: wall time from the first request to the
 last token, aggregate tokens/s, p50/p99 of the gaps between consecutive tokens of a session (all sessions' gaps
-together), and the 1-minute load average before and after. Every session's tokens in the batched mode are
-compared with the same session's in the other two modes (greedy: they must be equal). `--proposer` sets both
-daemons' speculative proposer (dflash: the model's own drafter unless `--draft-model` names one); the batched
-daemon then also drafts the sessions of a step together where the proposer can (dflash: one drafter forward per
-step).
+together), the forwards the daemon ran for the round and their mean rows (from its /metrics, on a loopback port),
+with the seconds its steps waited to join one, and the 1-minute load average before and after. Every session's
+tokens in the batched mode are compared with the same session's in the other two modes (greedy: they must be
+equal). `--proposer` sets both daemons' speculative proposer (dflash: the model's own drafter unless
+`--draft-model` names one); the batched daemon then also drafts the sessions of a step together where the proposer
+can (dflash: one drafter forward per step). Daemon settings the bench does not pass go by environment
+(`KAKEYA_BATCH_WAIT_MS=0 python scripts/bench_concurrency.py ...`) and are recorded with the results.
 
 The summary gives, per mode, throughput at N over throughput at the first session count ("scaling"), and batched
 throughput over unbatched and over alone at each N.
@@ -37,8 +39,10 @@ import argparse
 import asyncio
 import os
 import random
+import re
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +106,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.proposer == "dflash" and args.draft_model is None and model_drafter(args.model) is None:
         p.error(f"--proposer dflash: {args.model_name} ships no DFlash drafter (dflash/); name one with --draft-model")
     return args
+
+
+_METRICS_URL = re.compile(r'"metrics_url": "(http://[^"]+)"')
+FORWARD_METRICS = ("kakeya_batch_size_sum", "kakeya_batch_size_count", "kakeya_batch_queue_wait_seconds_sum")
+
+
+def _metrics_url(daemon: Daemon) -> str:
+    """The daemon's /metrics address, from its listening line."""
+    for line in daemon.lines:
+        if match := _METRICS_URL.search(line):
+            return match.group(1)
+    raise RuntimeError("the daemon did not log its metrics address")
+
+
+def _forward_counters(url: str) -> dict[str, float]:
+    """The daemon's totals of rows per forward and of the time steps waited for one (FORWARD_METRICS)."""
+    with urllib.request.urlopen(url, timeout=30) as response:
+        text = response.read().decode()
+    values = dict.fromkeys(FORWARD_METRICS, 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in values:
+            values[name] = float(value)
+    return values
+
+
+def _forwards(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """A round's forwards, their mean rows, and the seconds its steps waited to join one (summed over steps)."""
+    forwards = after["kakeya_batch_size_count"] - before["kakeya_batch_size_count"]
+    rows = after["kakeya_batch_size_sum"] - before["kakeya_batch_size_sum"]
+    waited = after["kakeya_batch_queue_wait_seconds_sum"] - before["kakeya_batch_queue_wait_seconds_sum"]
+    return {"forwards": forwards, "mean_rows": rows / forwards if forwards else 0.0, "step_wait_s": waited}
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -175,13 +211,14 @@ def _configuration(count: int, rounds: list[dict[str, Any]], loads: list[tuple[f
         "inter_token_p99_s": _percentile(chosen["gaps_s"], 0.99),
         "load_1m_before": loads[median][0],
         "load_1m_after": loads[median][1],
+        **chosen["forwards"],
         "session_tokens": chosen["tokens"],
         "gaps_s": chosen["gaps_s"],
     }
 
 
 async def _drive(
-    addresses: dict[str, str], args: argparse.Namespace, prompts: list[list[int]]
+    addresses: dict[str, str], metrics: dict[str, str], args: argparse.Namespace, prompts: list[list[int]]
 ) -> dict[str, list[dict[str, Any]]]:
     """Every session count, each mode's rounds interleaved (batched, unbatched, alone, batched, ...) so that all
     modes meet the same load on a shared machine."""
@@ -199,17 +236,19 @@ async def _drive(
             for _ in range(args.rounds):
                 for mode in MODES:
                     daemon = "batched" if mode == "alone" else mode
-                    before = _load()
+                    before, counters = _load(), _forward_counters(metrics[daemon])
                     result = await asyncio.wait_for(
                         _round(held[daemon][:count], args.max_tokens, together=mode != "alone"), args.time_limit_s
                     )
+                    result["forwards"] = _forwards(counters, _forward_counters(metrics[daemon]))
                     rounds[mode].append(result)
                     loads[mode].append((before, _load()))
             for mode in MODES:
                 out[mode].append(_configuration(count, rounds[mode], loads[mode]))
                 print(
                     f"  {mode:>9} {count:>3} sessions: {out[mode][-1]['aggregate_tokens_per_s']:.1f} tokens/s, "
-                    f"p50 gap {1000 * out[mode][-1]['inter_token_p50_s']:.1f} ms",
+                    f"p50 gap {1000 * out[mode][-1]['inter_token_p50_s']:.1f} ms, "
+                    f"{out[mode][-1]['mean_rows']:.2f} rows per forward",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -255,6 +294,8 @@ def start_daemon(args: argparse.Namespace, mode: str) -> Daemon:
         str(args.threads),
         "--proposer",
         args.proposer,
+        "--metrics-port",
+        "0",
     ]
     if args.draft_model is not None:
         flags += ["--draft-model", str(args.draft_model)]
@@ -294,7 +335,8 @@ def main(argv: list[str] | None = None) -> Path:
     daemons = {name: start_daemon(args, name) for name in DAEMONS}
     try:
         addresses = {name: daemon.wait_listening() for name, daemon in daemons.items()}
-        runs = asyncio.run(_drive(addresses, args, prompts))
+        metrics = {name: _metrics_url(daemon) for name, daemon in daemons.items()}
+        runs = asyncio.run(_drive(addresses, metrics, args, prompts))
     finally:
         for daemon in daemons.values():
             daemon.stop()

@@ -55,6 +55,8 @@ def test_bad_config_files_are_rejected_with_the_option_named(tmp_path, text, mes
         {"sink": -1},
         {"prefill_chunk_tokens": -1},
         {"max_batch_size": -1},
+        {"batch_wait_ms": -1.0},
+        {"batch_wait_ms": 1001.0},
     ],
 )
 def test_invalid_values_are_rejected(overrides):

@@ -208,6 +208,45 @@ def test_a_consumer_that_stops_reading_holds_back_its_generation_only(verifiers)
     assert unread == 1
 
 
+@pytest.mark.parametrize("gather_s", [0.0, 0.1])
+def test_the_others_wait_for_a_slow_reader_up_to_the_gather_time_and_not_at_all_with_none(verifiers, gather_s):
+    verifier = verifiers["qwen3"]
+    metrics = Metrics()
+    engine = EngineLoop(_decoder(verifier), metrics, max_batch_size=8, token_budget=CHUNK, gather_s=gather_s)
+    waits: list[float] = []
+    observe = metrics.batch_queue_wait_seconds.observe
+
+    def record(seconds: float) -> None:
+        waits.append(seconds)
+        observe(seconds)
+
+    metrics.batch_queue_wait_seconds.observe = record  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        stalled = _generation(_seq(verifier, 4, 1), 50, "stalled")
+        engine.begin(stalled)
+        await stalled.next_output()  # takes the first output, then reads no more
+        reader = _generation(_seq(verifier, 4, 2), 4, "reader")
+        engine.begin(reader)
+        tokens, _ = await _drain(reader)
+        stalled.abandon()
+        await stalled.ended()
+        return tokens
+
+    try:
+        tokens = asyncio.run(run())
+    finally:
+        engine.close()
+    assert len(tokens) == 4
+    # The reader's steps after its first waited for the stalled generation's reader the whole gather time (it never
+    # caught up), or, with none, did not wait for it.
+    reader_waits = waits[-3:]
+    if gather_s:
+        assert all(wait >= gather_s for wait in reader_waits), reader_waits
+    else:
+        assert all(wait < 0.1 for wait in reader_waits), reader_waits
+
+
 def test_calls_run_on_the_engine_thread_and_raise_what_they_raise(verifiers):
     engine, _ = _engine(verifiers["qwen3"], max_batch_size=4)
 
