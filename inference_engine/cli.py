@@ -17,7 +17,7 @@ from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.config_sources import env_var, load_config, option_help
 from inference_engine.logs import configure_logging
 from inference_engine.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model
-from inference_engine.threads import apply_threads, resolve_threads
+from inference_engine.threads import apply_threads, on_a_passing_thread, resolve_threads
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger("inference_engine")
@@ -108,7 +108,7 @@ def run_server(config: ServerConfig) -> int:
     from inference_engine.server import KakeyaServer, load_runtime
 
     try:
-        model = resolve_model(config.model, config.model_cache_dir)
+        model = on_a_passing_thread(resolve_model, config.model, config.model_cache_dir)
     except ModelSourceError as exc:
         log.error("cannot serve the model: %s", exc)
         return 2
@@ -128,7 +128,7 @@ def run_server(config: ServerConfig) -> int:
     if changed:
         log.info("options: %s", ", ".join(f"{name}={value}" for name, value in changed.items()))
     try:
-        runtime = load_runtime(config)
+        runtime = on_a_passing_thread(load_runtime, config)  # the engine thread's OpenMP pool the only one
     except ModelLoadError as exc:
         log.error("cannot load the model: %s", exc)
         return 1

@@ -24,6 +24,7 @@ from inference_engine.journal import Journal, JournalDamaged, open_journal, open
 from inference_engine.metrics import Metrics
 from inference_engine.model_source import choose_weights
 from inference_engine.runtime import Runtime
+from inference_engine.threads import on_a_passing_thread
 from inference_engine.transport.auth import ApiKeyInterceptor
 from inference_engine.transport.grpc_handlers import add_runtime_service
 from inference_engine.transport.grpc_service import RuntimeServicer
@@ -107,7 +108,7 @@ class KakeyaServer:
         ]
         interceptors = [ApiKeyInterceptor(config.api_key)] if config.api_key else []
         if config.state_dir:
-            self._restore_sessions(Path(config.state_dir))
+            on_a_passing_thread(self._restore_sessions, Path(config.state_dir))  # no OpenMP pool stays behind
         elif config.journal_url:
             self._open_shared_journal()
         server = grpc.aio.server(options=options, interceptors=interceptors)

@@ -13,6 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 # Read by OpenMP, OpenBLAS (MLX on Linux), MKL and Accelerate when they start, so they are set before any loads.
 _ENV_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
@@ -63,3 +68,27 @@ def apply_threads(threads: int, backend: str) -> None:
         # Inter-op threads can only be set before the first parallel op; the intra-op count holds regardless.
         with contextlib.suppress(RuntimeError):
             torch.set_num_interop_threads(threads)
+
+
+def on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a thread that ends when it returns (its exception raised here). GNU OpenMP keeps a pool of
+    worker threads for every thread that ran a parallel operation until that thread ends, and once it manages more
+    threads than there are cores it makes each idle worker sleep at once instead of polling: the engine thread's
+    workers then slept and woke between the hundreds of short operations of every decode step (on SmolLM2 at 2,048
+    tokens, 195 context switches a token and 1.2x the time a token took in a process with one pool). Loading the
+    model here leaves the engine thread's pool the only one."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn(*args))
+        except BaseException as exc:  # re-raised on the caller's thread
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="kakeya-load")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
