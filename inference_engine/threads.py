@@ -86,7 +86,7 @@ def on_a_passing_thread(fn: Callable[..., T], *args: Any) -> T:
         except BaseException as exc:  # re-raised on the caller's thread
             failure.append(exc)
 
-    thread = threading.Thread(target=run, name="kakeya-load")
+    thread = threading.Thread(target=run, name="kakeya-load", daemon=True)  # an interrupted start need not wait
     thread.start()
     thread.join()
     if failure:
