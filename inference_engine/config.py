@@ -30,6 +30,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 JOURNAL_SYNC_POLICIES = ("normal", "full")
 JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
 DRAFT_POLICIES = ("auto", *(policy.value for policy in DraftPolicy))
+BATCH_WAIT_MS = 5.0  # how long a batch waits for running generations whose clients lag, by default
 
 
 class ConfigError(ValueError):
@@ -199,7 +200,7 @@ class ServerConfig:
         "attend row by row) (docs/operator-guide.md#batched-decoding)",
     )
     batch_wait_ms: float = _opt(
-        5.0,
+        BATCH_WAIT_MS,
         "how long a batched forward waits for running generations whose clients read their streams slowly (0: "
         "never waits; the others step without them) (docs/operator-guide.md#batched-decoding)",
     )

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from inference_engine.config import BATCH_WAIT_MS
 from inference_engine.domain import GenerationStats, StopReason
 from inference_engine.errors import ShuttingDown
 from inference_engine.generation import STOP_REASONS, Generation, StepOutput, call_soon
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-GATHER_S = 0.005  # how long a batch waits for running generations whose consumers lag
 _POLL_S = 0.05  # how often a waiting loop with running generations re-reads their cancel events
 
 
@@ -92,7 +92,7 @@ class EngineLoop:
         *,
         max_batch_size: int,
         token_budget: int,
-        gather_s: float = GATHER_S,
+        gather_s: float = BATCH_WAIT_MS / 1000,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError("max_batch_size must be >= 1")

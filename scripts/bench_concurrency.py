@@ -39,10 +39,8 @@ import argparse
 import asyncio
 import os
 import random
-import re
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -108,28 +106,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-_METRICS_URL = re.compile(r'"metrics_url": "(http://[^"]+)"')
 FORWARD_METRICS = ("kakeya_batch_size_sum", "kakeya_batch_size_count", "kakeya_batch_queue_wait_seconds_sum")
 
 
-def _metrics_url(daemon: Daemon) -> str:
-    """The daemon's /metrics address, from its listening line."""
-    for line in daemon.lines:
-        if match := _METRICS_URL.search(line):
-            return match.group(1)
-    raise RuntimeError("the daemon did not log its metrics address")
-
-
-def _forward_counters(url: str) -> dict[str, float]:
+def _forward_counters(daemon: Daemon) -> dict[str, float]:
     """The daemon's totals of rows per forward and of the time steps waited for one (FORWARD_METRICS)."""
-    with urllib.request.urlopen(url, timeout=30) as response:
-        text = response.read().decode()
-    values = dict.fromkeys(FORWARD_METRICS, 0.0)
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in values:
-            values[name] = float(value)
-    return values
+    samples = daemon.metrics()
+    return {name: samples.get(name, 0.0) for name in FORWARD_METRICS}
 
 
 def _forwards(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -218,7 +201,7 @@ def _configuration(count: int, rounds: list[dict[str, Any]], loads: list[tuple[f
 
 
 async def _drive(
-    addresses: dict[str, str], metrics: dict[str, str], args: argparse.Namespace, prompts: list[list[int]]
+    addresses: dict[str, str], daemons: dict[str, Daemon], args: argparse.Namespace, prompts: list[list[int]]
 ) -> dict[str, list[dict[str, Any]]]:
     """Every session count, each mode's rounds interleaved (batched, unbatched, alone, batched, ...) so that all
     modes meet the same load on a shared machine."""
@@ -236,11 +219,11 @@ async def _drive(
             for _ in range(args.rounds):
                 for mode in MODES:
                     daemon = "batched" if mode == "alone" else mode
-                    before, counters = _load(), _forward_counters(metrics[daemon])
+                    before, counters = _load(), _forward_counters(daemons[daemon])
                     result = await asyncio.wait_for(
                         _round(held[daemon][:count], args.max_tokens, together=mode != "alone"), args.time_limit_s
                     )
-                    result["forwards"] = _forwards(counters, _forward_counters(metrics[daemon]))
+                    result["forwards"] = _forwards(counters, _forward_counters(daemons[daemon]))
                     rounds[mode].append(result)
                     loads[mode].append((before, _load()))
             for mode in MODES:
@@ -335,8 +318,7 @@ def main(argv: list[str] | None = None) -> Path:
     daemons = {name: start_daemon(args, name) for name in DAEMONS}
     try:
         addresses = {name: daemon.wait_listening() for name, daemon in daemons.items()}
-        metrics = {name: _metrics_url(daemon) for name, daemon in daemons.items()}
-        runs = asyncio.run(_drive(addresses, metrics, args, prompts))
+        runs = asyncio.run(_drive(addresses, daemons, args, prompts))
     finally:
         for daemon in daemons.values():
             daemon.stop()

@@ -20,12 +20,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import psycopg
 
-from lib.daemon import free_port
+from lib.daemon import free_port, metric_samples
 
 REPO = Path(__file__).resolve().parents[2]
 HAPROXY_CONFIG = REPO / "deploy" / "haproxy" / "haproxy.cfg"
@@ -170,15 +169,7 @@ class ClusterDaemon:
 
     def metrics(self) -> dict[str, float]:
         """Its Prometheus samples without labels, by name."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=10) as reply:
-            text = reply.read().decode()
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#") and "{" not in line:
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return metric_samples(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     @property
     def alive(self) -> bool:

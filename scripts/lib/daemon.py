@@ -9,10 +9,24 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 _LISTENING = re.compile(r'"msg": "listening", "grpc": "([^"]+)"')
+_METRICS_URL = re.compile(r'"metrics_url": "(http://[^"]+)"')
+
+
+def metric_samples(url: str) -> dict[str, float]:
+    """A daemon's Prometheus samples without labels, by name, from its /metrics `url`."""
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        text = reply.read().decode()
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
 
 
 def free_port() -> int:
@@ -33,6 +47,7 @@ class Daemon:
         self.command = [*command, "serve", "--port", "0", "--metrics-port", "-1", "--log-format", "json", *flags]
         self.lines: list[str] = []
         self.address: str | None = None
+        self.metrics_url: str | None = None  # with `--metrics-port` among the flags, once it listens
         self._listening = threading.Event()
         self.process = subprocess.Popen(
             self.command,
@@ -50,6 +65,8 @@ class Daemon:
                 self.lines.append(line.rstrip())
             if self.address is None and (match := _LISTENING.search(line)):
                 self.address = match.group(1)
+                if metrics := _METRICS_URL.search(line):
+                    self.metrics_url = metrics.group(1)
                 self._listening.set()
 
     def wait_listening(self, timeout_s: float = 180.0) -> str:
@@ -60,6 +77,12 @@ class Daemon:
                 raise RuntimeError("the daemon did not start:\n" + "\n".join(self.lines[-30:]))
         assert self.address is not None
         return self.address
+
+    def metrics(self) -> dict[str, float]:
+        """Its Prometheus samples without labels, by name (`--metrics-port` among its flags)."""
+        if self.metrics_url is None:
+            raise RuntimeError("the daemon serves no metrics: start it with --metrics-port 0")
+        return metric_samples(self.metrics_url)
 
     def stop(self) -> None:
         if self.process.poll() is None:
