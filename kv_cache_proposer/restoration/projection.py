@@ -15,21 +15,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# A host product runs over blocks of this many rows, each a product of its own shape. numpy's BLAS picks its kernel
-# by the shape of a product (one row: a matrix-vector kernel; a few rows of a small layer: its small-matrix one),
-# and kernels sum a row in different orders, so a position's restored K/V would depend on how many positions its
-# forward evicted with it (one block, turns, token by token) or a rebuild mapped at once. In blocks of one shape a
-# row's values depend on the row alone (`test_projection.py`); 16 rows cost about what one product of every row
-# costs on a layer of the default model, and little more than one row for a decode step.
-_ROW_BLOCK = 16
-
-
 def row_product(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
-    """`rows [P, in] @ weight [in, out]` in float32, each row's values independent of the other rows."""
+    """`rows [P, in] @ weight [in, out]` in float32, each row's values independent of the other rows.
+
+    Each row is a product of its own (one matrix-vector product of one shape per row, `[P, 1, in] @ weight`).
+    numpy's BLAS picks its kernel by a product's shape and, within a kernel over several rows, may sum a row in an
+    order that depends on where it sits among them (on an AVX2 CPU OpenBLAS sums rows 0-5, 6-11 and 12-15 of a
+    16-row product three ways), so a position's restored K/V (or drafter context row) would depend on how many
+    positions its forward evicted with it or a rebuild mapped at once (`test_projection.py`). Rows one by one cost
+    1.4-3x one product of every row on the shapes of the default model's maps; the maps run on a forward's evicted
+    positions, a few at a time."""
     count, width = rows.shape
-    blocks = np.zeros((-(-max(count, 1) // _ROW_BLOCK), _ROW_BLOCK, width), dtype=np.float32)
-    blocks.reshape(-1, width)[:count] = rows
-    return (blocks @ weight).reshape(-1, weight.shape[1])[:count]
+    if count == 0:
+        return np.zeros((0, weight.shape[1]), dtype=np.float32)
+    stacked = np.ascontiguousarray(rows, dtype=np.float32).reshape(count, 1, width)
+    return (stacked @ weight).reshape(count, weight.shape[1])
 
 
 def kv_rows(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
