@@ -6,21 +6,29 @@
      short block. Exact integers, so equal to those of any other exact product (PyTorch's `_int_mm`), whatever the
      thread count. The dot-product instruction multiplies unsigned by signed bytes, so each row is read shifted by
      128 (unsigned) and 128 times the code row's sum (`offsets`, computed once per matrix) is taken off its sums.
-   - int4_rows: bfloat16 rows times int4 weights packed for PyTorch's `_weight_int4pack_mm_for_cpu` (its AVX-512
-     layout: blocks of 64 outputs), with that kernel's arithmetic for every output (each weight dequantized as
-     fma(code - 8, scale, zero) in float32, the products summed by fma in input order from 0, the sum rounded to
-     bfloat16 to nearest even), but each block's weights dequantized once for all the rows instead of once per 4:
-     a verify block, a batched step or a prefill chunk reads them at a fraction of the cost.
+   - int4_rows: bfloat16 rows times int4 weights packed for PyTorch's `_weight_int4pack_mm_for_cpu`, with that
+     kernel's layout and arithmetic for every output, as it runs on this CPU: on AVX-512 blocks of 64 outputs, each
+     weight dequantized as fma(code - 8, scale, zero) in float32; on AVX2 blocks of 32, each weight dequantized as
+     fma(code, scale, fma(scale, -8, zero)); on both the products summed by fma in input order from 0 and the sum
+     rounded to bfloat16 to nearest even. But each block's weights are dequantized once for all the rows instead of
+     once per 4: a verify block, a batched step or a prefill chunk reads them at a fraction of the cost.
 
    Built without reassociation (kernel_build.EXACT_FLAGS): the order written here is the order computed. */
 
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
 #define AVX512 1
 #else
 #define AVX512 0
+#endif
+#if !AVX512 && defined(__AVX2__) && defined(__FMA__)
+#define AVX2 1
+#else
+#define AVX2 0
 #endif
 #if AVX512 && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
@@ -34,8 +42,16 @@
 /* Whether this build computes the int8 sums (else every call returns -1). */
 int int8_rows_served(void) { return VNNI; }
 
-/* Whether this build computes int4 rows (else every call returns -1). */
-int int4_rows_served(void) { return AVX512; }
+/* Outputs of one packed block of int4 weights: PyTorch's `BLOCK_N` on this CPU (4 float vectors). */
+#if AVX512
+#define INT4_BLOCK 64
+#else
+#define INT4_BLOCK 32
+#endif
+
+/* The outputs of one packed block this build computes int4 rows in (64: AVX-512, 32: AVX2), or 0 where it computes
+   none (every call returns -1). */
+int int4_rows_served(void) { return AVX512 || AVX2 ? INT4_BLOCK : 0; }
 
 #if VNNI
 /* Sums of G shifted rows `x` (each `D` long, one after another) against one code row `c`, into out[0..G). */
@@ -86,11 +102,10 @@ int int8_row_sums(const int8_t *rows, int P, const int8_t *codes, int64_t O, int
 #endif
 }
 
-#define INT4_BLOCK 64        /* outputs of one packed block */
 #define INT4_MAX_ROWS 64     /* rows of one call at most */
 #define INT4_MAX_GROUP 256   /* inputs sharing a scale and zero point at most */
 
-#if AVX512
+#if AVX512 || AVX2
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -105,7 +120,9 @@ static inline uint16_t to_bf16(float f) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+#endif
 
+#if AVX512
 /* R rows' accumulators (64 outputs each) += their inputs `a` (G each) times the dequantized weights [G][64], the
    inputs in order. */
 static inline __attribute__((always_inline)) void int4_rows_fma(float *acc, const float *a, const float *weights,
@@ -160,13 +177,63 @@ static inline void int4_dequantize(const uint8_t *packed, const uint16_t *scales
 }
 #endif
 
-/* out [M, N] bfloat16 = rows [M, K] bfloat16 times the int4 weights `packed` ([N / 64][K][32] bytes) with their
-   scales and zero points `scales_zeros` ([K / G][N][2] bfloat16), on `threads` threads over the blocks of 64
-   outputs. Returns 0, or -1 when the shapes are beyond what the kernel serves or this build has no AVX-512 (nothing
-   is written then). */
+#if AVX2
+/* R rows' accumulators (32 outputs each) += their inputs `a` (G each) times the dequantized weights [G][32], the
+   inputs in order. */
+static inline __attribute__((always_inline)) void int4_rows_fma(float *acc, const float *a, const float *weights,
+                                                               int G, const int R) {
+    __m256 c[3][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) c[r][j] = _mm256_load_ps(acc + r * INT4_BLOCK + 8 * j);
+    for (int k = 0; k < G; k++) {
+        const float *w = weights + k * INT4_BLOCK;
+        for (int r = 0; r < R; r++) {
+            const __m256 x = _mm256_broadcast_ss(a + r * G + k);
+            for (int j = 0; j < 4; j++) c[r][j] = _mm256_fmadd_ps(x, _mm256_load_ps(w + 8 * j), c[r][j]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) _mm256_store_ps(acc + r * INT4_BLOCK + 8 * j, c[r][j]);
+}
+
+/* The G inputs' weights of one block, dequantized [G][32]: packed byte j of an input holds output j in its low
+   nibble and output j + 16 in its high one. */
+static inline void int4_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n0, int G,
+                                   float *weights) {
+    __m256 scale[4], zero[4];
+    const __m256 minus8 = _mm256_set1_ps(-8.0f);
+    for (int part = 0; part < 4; part++) {
+        float s[8], z[8];
+        for (int j = 0; j < 8; j++) {
+            s[j] = from_bf16(scales_zeros[(n0 + 8 * part + j) * 2]);
+            z[j] = from_bf16(scales_zeros[(n0 + 8 * part + j) * 2 + 1]);
+        }
+        scale[part] = _mm256_loadu_ps(s);
+        zero[part] = _mm256_fmadd_ps(scale[part], minus8, _mm256_loadu_ps(z)); /* the codes are read unsigned */
+    }
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    for (int k = 0; k < G; k++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + (int64_t)k * 16));
+        float *w = weights + k * INT4_BLOCK;
+        __m256i first = _mm256_cvtepu8_epi32(bytes);                                        /* outputs 0-7 | 16-23 */
+        __m256i second = _mm256_cvtepu8_epi32(_mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 2, 3, 2))); /* 8-15 | 24-31 */
+        _mm256_store_ps(w, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble)), scale[0], zero[0]));
+        _mm256_store_ps(w + 8,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble)), scale[1], zero[1]));
+        _mm256_store_ps(w + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), scale[2], zero[2]));
+        _mm256_store_ps(w + 24,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), scale[3], zero[3]));
+    }
+}
+#endif
+
+/* out [M, N] bfloat16 = rows [M, K] bfloat16 times the int4 weights `packed` ([N / INT4_BLOCK][K][INT4_BLOCK / 2]
+   bytes) with their scales and zero points `scales_zeros` ([K / G][N][2] bfloat16), on `threads` threads over the
+   blocks of INT4_BLOCK outputs. Returns 0, or -1 when the shapes are beyond what the kernel serves or this build has neither
+   AVX-512 nor AVX2 (nothing is written then). */
 int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t *scales_zeros, uint16_t *out,
               int64_t N, int K, int G, int threads) {
-#if AVX512
+#if AVX512 || AVX2
     if (M < 1 || M > INT4_MAX_ROWS || N < INT4_BLOCK || N % INT4_BLOCK || G < 1 || G > INT4_MAX_GROUP || K < G ||
         K % G)
         return -1;
@@ -178,13 +245,17 @@ int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t
         float inputs[INT4_MAX_ROWS * INT4_MAX_GROUP] __attribute__((aligned(64)));
         memset(acc, 0, sizeof(float) * INT4_BLOCK * M);
         for (int k0 = 0; k0 < K; k0 += G) {
-            int4_dequantize(packed + (b * K + k0) * 32, scales_zeros + (int64_t)(k0 / G) * N * 2, b * INT4_BLOCK, G,
+            int4_dequantize(packed + (b * K + k0) * (INT4_BLOCK / 2), scales_zeros + (int64_t)(k0 / G) * N * 2, b * INT4_BLOCK, G,
                             weights);
             for (int m = 0; m < M; m++)
                 for (int k = 0; k < G; k++) inputs[m * G + k] = from_bf16(rows[(int64_t)m * K + k0 + k]);
             int m = 0;
+#if AVX512
             for (; m + 6 <= M; m += 6) int4_rows_fma(acc + m * INT4_BLOCK, inputs + m * G, weights, G, 6);
             for (; m + 4 <= M; m += 4) int4_rows_fma(acc + m * INT4_BLOCK, inputs + m * G, weights, G, 4);
+#else
+            for (; m + 3 <= M; m += 3) int4_rows_fma(acc + m * INT4_BLOCK, inputs + m * G, weights, G, 3);
+#endif
             for (; m + 2 <= M; m += 2) int4_rows_fma(acc + m * INT4_BLOCK, inputs + m * G, weights, G, 2);
             for (; m < M; m++) int4_rows_fma(acc + m * INT4_BLOCK, inputs + m * G, weights, G, 1);
         }

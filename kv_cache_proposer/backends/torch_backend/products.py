@@ -9,9 +9,9 @@ kernel it stands in for, so a token's values are the same bit for bit whichever 
   for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
-(AVX512-VNNI for int8, AVX-512 for int4), PyTorch does not run its AVX-512 int4 kernel (whose layout and arithmetic
-the int4 path reproduces; checked against it once at load), or `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels
-compute every product. What runs is logged once, with the reason."""
+(AVX512-VNNI for int8, AVX-512 or AVX2 for int4), PyTorch does not run the int4 kernel of the build's instructions
+(whose layout and arithmetic the int4 path reproduces: AVX-512's or AVX2's; checked against it once at load), or
+`KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged once, with the reason."""
 
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ from 5, PyTorch's kernel dequantizes every weight twice or more (docs/models.md#
 INT4_MAX_ROWS = 64
 """Rows of one kernel call (`INT4_MAX_ROWS` of products.c); more are computed 64 at a time."""
 INT4_BLOCK = 64
-"""Outputs of one packed block of int4 weights (`INT4_BLOCK` of products.c; PyTorch's int4 kernel's `BLOCK_N`, whose
-blocks it computes alike, so layers whose outputs fill whole blocks can be stacked: `weights.stack_int4`)."""
+"""Outputs of the largest packed block of PyTorch's int4 kernel (its `BLOCK_N`: 64 on AVX-512, 32 on AVX2), whose
+blocks it computes alike, so layers whose outputs fill whole blocks of this many can be stacked on either
+(`weights.stack_int4`). The compiled kernel computes blocks of `ProductKernel.int4_block`."""
+_INT4_CAPABILITY = {64: "AVX512", 32: "AVX2"}
+"""The int4 kernel of PyTorch's whose layout and arithmetic a build of each block size reproduces."""
 INT4_MAX_GROUP = 256
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
@@ -58,6 +61,8 @@ class ProductKernel:
     library: Path
     serves_int8: bool
     serves_int4: bool
+    int4_block: int = INT4_BLOCK
+    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512, 32: AVX2)."""
 
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
@@ -124,17 +129,22 @@ def row_sums(rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor | No
     return kernel.sums(rows, codes, offsets, torch.get_num_threads())
 
 
-def int4_serves(weight: torch.Tensor, group: int, width: int) -> bool:
-    """Whether the kernel's int4 path reads a layer of packed `weight` [N, K / 2] and `group`."""
+def int4_serves(weight: torch.Tensor, group: int, width: int, block: int = INT4_BLOCK) -> bool:
+    """Whether the kernel's int4 path, in blocks of `block` outputs, reads a layer of packed `weight` [N, K / 2] and
+    `group`."""
     outputs = int(weight.shape[0])
-    return outputs >= INT4_BLOCK and outputs % INT4_BLOCK == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
+    return outputs >= block and outputs % block == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
 
 
 def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
     """`_weight_int4pack_mm_for_cpu(rows, weight, group, qparams)`, bit for bit: on the kernel where it serves this
     layer, else PyTorch's kernel."""
     kernel = product_kernel()
-    if kernel is None or not kernel.serves_int4 or not int4_serves(weight, group, int(rows.shape[-1])):
+    if (
+        kernel is None
+        or not kernel.serves_int4
+        or not int4_serves(weight, group, int(rows.shape[-1]), kernel.int4_block)
+    ):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
     return kernel.int4_product(rows, weight, group, qparams, torch.get_num_threads())
 
@@ -169,8 +179,11 @@ def product_kernel() -> ProductKernel | None:
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
     for served in (int8_served, int4_served):
         served.argtypes, served.restype = [], _I
-    kernel = ProductKernel(int8_sums, int4, library, bool(int8_served()), serves_int4=False)
-    why = _int4_unserved(kernel, bool(int4_served()))
+    block = int(int4_served())
+    kernel = ProductKernel(
+        int8_sums, int4, library, bool(int8_served()), serves_int4=False, int4_block=block or INT4_BLOCK
+    )
+    why = _int4_unserved(kernel, block)
     if why is None:
         kernel = replace(kernel, serves_int4=True)
     if not kernel.serves_int8 and not kernel.serves_int4:
@@ -182,12 +195,13 @@ def product_kernel() -> ProductKernel | None:
     return kernel
 
 
-def _int4_unserved(kernel: ProductKernel, built_with_avx512: bool) -> str | None:
-    """Why the kernel's int4 path must not stand in for PyTorch's here, or None where it gives its values."""
-    if not built_with_avx512:
-        return "no AVX-512"
+def _int4_unserved(kernel: ProductKernel, block: int) -> str | None:
+    """Why the kernel's int4 path (built for blocks of `block` outputs; 0: none) must not stand in for PyTorch's
+    here, or None where it gives its values."""
+    if block not in _INT4_CAPABILITY:
+        return "neither AVX-512 nor AVX2"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
+    if capability != _INT4_CAPABILITY[block]:
         return f"PyTorch runs its {capability} int4 kernel"
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (128, 96), generator=generator, dtype=torch.int32)

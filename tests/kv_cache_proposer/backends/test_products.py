@@ -37,9 +37,10 @@ def int8_kernel(kernel) -> products.ProductKernel:
 @pytest.fixture
 def int4_kernel(kernel) -> products.ProductKernel:
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != "AVX512":
+    if capability not in ("AVX512", "AVX2"):
         pytest.skip(f"PyTorch runs its {capability} int4 kernel here, which the kernel does not stand in for")
     assert kernel.serves_int4, "the kernel's int4 rows differ from PyTorch's (its self-check at load failed)"
+    assert kernel.int4_block == (64 if capability == "AVX512" else 32)
     return kernel
 
 
@@ -173,7 +174,9 @@ def _int4_layer(outputs: int, inputs: int, group: int, seed: int) -> tuple[torch
     return weight, qparams
 
 
-@pytest.mark.parametrize(("outputs", "inputs", "group"), [(64, 96, 32), (960, 576, 32), (192, 256, 64), (128, 64, 64)])
+@pytest.mark.parametrize(
+    ("outputs", "inputs", "group"), [(64, 96, 32), (960, 576, 32), (192, 256, 64), (128, 64, 64), (160, 128, 32)]
+)
 @pytest.mark.parametrize("rows", [1, 4, 5, 7, 12, 64, 65, 130])
 def test_int4_rows_are_pytorch_s_bit_for_bit_for_every_row_count_and_layer(int4_kernel, outputs, inputs, group, rows):
     weight, qparams = _int4_layer(outputs, inputs, group, rows)
@@ -187,7 +190,7 @@ def test_int4_rows_are_pytorch_s_bit_for_bit_for_every_row_count_and_layer(int4_
 def test_int4_rows_leave_layers_the_kernel_does_not_serve_to_pytorch(int4_kernel, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(products.ProductKernel, "int4_product", lambda *args: calls.append(1))
-    weight, qparams = _int4_layer(48, 64, 32, 0)  # 48 outputs: not whole blocks of 64
+    weight, qparams = _int4_layer(48, 64, 32, 0)  # 48 outputs: not whole blocks of 64 (AVX-512) or 32 (AVX2)
     x = torch.randn(9, 64).to(torch.bfloat16)
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, 32, qparams)
     assert torch.equal(torch.ops.kakeya.int4_rows(x, weight, 32, qparams), expected)
@@ -195,12 +198,13 @@ def test_int4_rows_leave_layers_the_kernel_does_not_serve_to_pytorch(int4_kernel
 
 
 def test_int4_rows_stay_pytorch_s_where_it_runs_another_int4_kernel(int4_kernel, monkeypatch, caplog):
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    other = "AVX2" if int4_kernel.int4_block == 64 else "AVX512"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other)
     products.product_kernel.cache_clear()
     with caplog.at_level("INFO", logger=products.__name__):
         kernel = products.product_kernel()
     assert kernel is None or not kernel.serves_int4
-    assert "PyTorch runs its AVX2 int4 kernel" in caplog.text
+    assert f"PyTorch runs its {other} int4 kernel" in caplog.text
 
 
 def test_a_verifier_s_blocks_run_their_int4_layers_on_the_kernel_with_the_same_logits(
