@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+
 def row_product(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     """`rows [P, in] @ weight [in, out]` in float32, each row's values independent of the other rows.
 
