@@ -229,8 +229,8 @@ static inline void int4_dequantize(const uint8_t *packed, const uint16_t *scales
 
 /* out [M, N] bfloat16 = rows [M, K] bfloat16 times the int4 weights `packed` ([N / INT4_BLOCK][K][INT4_BLOCK / 2]
    bytes) with their scales and zero points `scales_zeros` ([K / G][N][2] bfloat16), on `threads` threads over the
-   blocks of INT4_BLOCK outputs. Returns 0, or -1 when the shapes are beyond what the kernel serves or this build has neither
-   AVX-512 nor AVX2 (nothing is written then). */
+   blocks of INT4_BLOCK outputs. Returns 0, or -1 when the shapes are beyond what the kernel serves or this build
+   has neither AVX-512 nor AVX2 (nothing is written then). */
 int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t *scales_zeros, uint16_t *out,
               int64_t N, int K, int G, int threads) {
 #if AVX512 || AVX2
@@ -245,8 +245,8 @@ int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t
         float inputs[INT4_MAX_ROWS * INT4_MAX_GROUP] __attribute__((aligned(64)));
         memset(acc, 0, sizeof(float) * INT4_BLOCK * M);
         for (int k0 = 0; k0 < K; k0 += G) {
-            int4_dequantize(packed + (b * K + k0) * (INT4_BLOCK / 2), scales_zeros + (int64_t)(k0 / G) * N * 2, b * INT4_BLOCK, G,
-                            weights);
+            int4_dequantize(packed + (b * K + k0) * (INT4_BLOCK / 2), scales_zeros + (int64_t)(k0 / G) * N * 2,
+                            b * INT4_BLOCK, G, weights);
             for (int m = 0; m < M; m++)
                 for (int k = 0; k < G; k++) inputs[m * G + k] = from_bf16(rows[(int64_t)m * K + k0 + k]);
             int m = 0;
