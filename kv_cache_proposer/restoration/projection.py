@@ -27,8 +27,6 @@ def row_product(rows: np.ndarray, weight: np.ndarray) -> np.ndarray:
     1.4-3x one product of every row on the shapes of the default model's maps; the maps run on a forward's evicted
     positions, a few at a time."""
     count, width = rows.shape
-    if count == 0:
-        return np.zeros((0, weight.shape[1]), dtype=np.float32)
     stacked = np.ascontiguousarray(rows, dtype=np.float32).reshape(count, 1, width)
     return (stacked @ weight).reshape(count, weight.shape[1])
 
