@@ -19,8 +19,8 @@ log = logging.getLogger(__name__)
 
 DENSE_ENV: Final = "KAKEYA_DENSE_ATTENTION"
 """`auto` (the default): the compiled kernel (`dense_kernel`) for bfloat16 queries and K/V where the CPU multiplies
-them as bfloat16 (AVX512-BF16 dot products, or the tile unit, AMX) and for float32 ones where it has AVX-512,
-PyTorch's CPU flash kernel otherwise;
+them as bfloat16 (AVX512-BF16 dot products, or the tile unit, AMX) or has AVX2 but not AVX-512 (256-bit vectors),
+and for float32 ones where it has AVX-512 or AVX2; PyTorch's CPU flash kernel otherwise;
 `compiled`: the compiled kernel for every dtype; `flash`: PyTorch's flash kernel. Each gives a query the same values
 however its history was delivered; the two agree within float rounding (docs/operator-guide.md#the-attention-kernel)."""
 DENSE_SETTINGS: Final = ("auto", "compiled", "flash")
@@ -102,22 +102,28 @@ def dense_kernel() -> held_kernel.HeldKernel | None:
     elif kernel.bf16_products:
         unit = "the tile unit" if kernel.tiles else "bfloat16 dot products"
         log.info("dense attention: compiled kernel for bfloat16 K/V (on %s) and float32 K/V, flash otherwise", unit)
-    elif kernel.vectors:
+    elif kernel.vector_bits == 512:
         log.info("dense attention: compiled kernel for float32 K/V, flash for bfloat16 (no AVX512-BF16 products)")
+    elif kernel.vector_bits == 256:
+        log.info("dense attention: compiled kernel on 256-bit vectors (AVX2) for bfloat16 and float32 K/V")
     else:
-        log.info("dense attention: PyTorch's flash kernel (the CPU has no AVX-512 the compiled kernel uses)")
+        log.info("dense attention: PyTorch's flash kernel (the CPU has no AVX2 or AVX-512 the compiled kernel uses)")
     return kernel
 
 
 def _auto_compiled(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
     """Whether `auto` gives the kernel these queries and keys: bfloat16 ones it multiplies as bfloat16, float32 ones
     on its AVX-512 vector path (there it decoded and prefilled faster than PyTorch's flash kernel; for bfloat16 the
-    vector path without bfloat16 products prefilled slower, docs/benchmarks.md)."""
+    vector path without bfloat16 products prefilled slower, docs/benchmarks.md), and both on its AVX2 path, heads
+    of a multiple of 16 dimensions (on a CPU without AVX-512 it decoded 2–2.7× and prefilled 1.0–1.3× as fast as
+    flash, docs/operator-guide.md#the-attention-kernel)."""
     if q.dtype != keys.dtype:
         return False
+    if kernel.vector_bits == 256 and q.dtype in (torch.bfloat16, torch.float32):
+        return int(q.shape[3]) % 16 == 0
     if q.dtype == torch.bfloat16:
         return kernel.bf16_products and int(q.shape[3]) % 32 == 0
-    return kernel.vectors and q.dtype == torch.float32
+    return kernel.vector_bits == 512 and q.dtype == torch.float32
 
 
 def _attend_compiled(

@@ -13,7 +13,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__) || defined(__AVX512F__)
+#if defined(__F16C__) || defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -92,12 +92,25 @@ static inline void factors_of(const uint16_t *norms, const uint16_t *qmax, int64
 #define VECTORS 0
 #endif
 
+/* Without AVX-512, dense attention scores and sums on 256-bit vectors (AVX2 with FMA): its own arithmetic, which
+   like the wider one gives a row the same sums whatever rows are computed beside it. */
+#if !VECTORS && defined(__AVX2__) && defined(__FMA__)
+#define VECTORS8 1
+#define ROW_GROUP 6 /* query rows of dense attention scored and summed together: 12 sums and 3 operands in registers */
+#else
+#define VECTORS8 0
+#define ROW_GROUP 4
+#endif
+
 /* The tile unit (AMX) for bfloat16 products: attention on it where the caller asks (see dense_tiles_enable). */
 #if VECTORS && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
 #define TILES 1
 #else
 #define TILES 0
 #endif
+
+/* How the values of a tile are held where tile_values reads them. */
+enum { AS_FLOAT32 = 0, AS_BF16 = 1, AS_INT8 = 2 };
 
 #if VECTORS
 /* Scores of `rows` (1 to 4) query rows against a tile's 64 keys (`by_dim`: dimension-major), as vectors over the keys
@@ -123,9 +136,6 @@ static inline __attribute__((always_inline)) void tile_scores(const float *q, in
     for (int i = 0; i < rows; i++)
         for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + i * TILE + 16 * j, s[i][j]);
 }
-
-/* How the values of a tile are held where tile_values reads them. */
-enum { AS_FLOAT32 = 0, AS_BF16 = 1, AS_INT8 = 2 };
 
 /* Sixteen values at `at` (held as `kind`) as float32, each converted exactly. */
 static inline __attribute__((always_inline)) __m512 values16(const void *at, int kind) {
@@ -162,6 +172,67 @@ static inline __attribute__((always_inline)) void tile_values(float *acc, const 
         }
         for (int i = 0; i < rows; i++)
             for (int j = 0; j < parts; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
+    }
+}
+#endif
+
+#if VECTORS8
+/* Eight values at `at` (held as `kind`) as float32, each converted exactly. */
+static inline __attribute__((always_inline)) __m256 values8(const void *at, int kind) {
+    if (kind == AS_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)at)), 16));
+    if (kind == AS_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)at)));
+    return _mm256_loadu_ps((const float *)at);
+}
+
+/* tile_scores on 256-bit vectors: scores of `rows` (1 to ROW_GROUP) query rows against a tile's 64 keys (`by_dim`), 16
+   keys at a time with every row's sums in registers; each row's sum runs over the dimensions in order, whatever `rows`
+   is. */
+static inline __attribute__((always_inline)) void tile_scores8(const float *q, int rows, int D, const float *by_dim,
+                                                               float *out /* [rows][TILE] */) {
+    for (int k = 0; k < TILE; k += 16) {
+        __m256 s[ROW_GROUP][2];
+        for (int i = 0; i < ROW_GROUP; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
+        for (int d = 0; d < D; d++) {
+            const float *bd = by_dim + d * TILE + k;
+            __m256 k0 = _mm256_loadu_ps(bd), k1 = _mm256_loadu_ps(bd + 8);
+            for (int i = 0; i < ROW_GROUP; i++) {
+                if (i >= rows) break;
+                __m256 qi = _mm256_broadcast_ss(q + (int64_t)i * D + d);
+                s[i][0] = _mm256_fmadd_ps(qi, k0, s[i][0]);
+                s[i][1] = _mm256_fmadd_ps(qi, k1, s[i][1]);
+            }
+        }
+        for (int i = 0; i < rows; i++) {
+            _mm256_storeu_ps(out + i * TILE + k, s[i][0]);
+            _mm256_storeu_ps(out + i * TILE + k + 8, s[i][1]);
+        }
+    }
+}
+
+/* tile_values on 256-bit vectors: acc[i] += sum over the tile's nt keys of w[i][t] * value[t] for `rows` (1 to
+   ROW_GROUP) rows, 16 dimensions at a time with the sums in registers; each row's sum runs over the keys in order, whatever
+   `rows` is. The values are read as tile_values reads them. */
+static inline __attribute__((always_inline)) void tile_values8(float *acc, const float *w, int rows, int D, int nt,
+                                                               const void *base, int kind, int64_t s_pos,
+                                                               int64_t t0) {
+    const int64_t elem = kind == AS_FLOAT32 ? 4 : kind == AS_BF16 ? 2 : 1;
+    for (int d0 = 0; d0 < D; d0 += 16) {
+        __m256 a[ROW_GROUP][2];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < 2; j++) a[i][j] = _mm256_loadu_ps(acc + (int64_t)i * D + d0 + 8 * j);
+        for (int t = 0; t < nt; t++) {
+            const char *row = (const char *)base + ((t0 + t) * s_pos + d0) * elem;
+            __m256 c0 = values8(row, kind), c1 = values8(row + 8 * elem, kind);
+            for (int i = 0; i < ROW_GROUP; i++) {
+                if (i >= rows) break;
+                __m256 wi = _mm256_broadcast_ss(w + i * TILE + t);
+                a[i][0] = _mm256_fmadd_ps(wi, c0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(wi, c1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + (int64_t)i * D + d0 + 8 * j, a[i][j]);
     }
 }
 #endif
@@ -557,6 +628,26 @@ static inline __m512 exp_coarse16(__m512 x) {
 }
 #endif
 
+#if VECTORS8
+/* exp_nonpositive of 8 values at once (the same polynomial, its own rounding). */
+static inline __m256 exp_nonpositive8(__m256 x) {
+    __m256 c = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(c, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(k, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), c));
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 y = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    /* times 2^k (k from -125 up: a normal power of two, so the product is rounded once) */
+    __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+    return _mm256_and_ps(y, _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+}
+#endif
+
 /* A row's scores s[width] (a multiple of 16) over its running maximum m (not -inf) made its weights exp(s - m), in
    place (by exp_coarse16 where `coarse`); returns their sum, always summed in the same order. */
 static inline __attribute__((always_inline)) float tile_weights(float *s, int width, float m, int coarse) {
@@ -569,6 +660,17 @@ static inline __attribute__((always_inline)) float tile_weights(float *s, int wi
         total = _mm512_add_ps(total, e);
     }
     return _mm512_reduce_add_ps(total);
+#elif VECTORS8
+    (void)coarse; /* weights as exact as the scalar exp's, rounded or not next */
+    __m256 top = _mm256_set1_ps(m), total = _mm256_setzero_ps();
+    for (int t = 0; t < width; t += 8) {
+        __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top));
+        _mm256_storeu_ps(s + t, e);
+        total = _mm256_add_ps(total, e);
+    }
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
 #else
     float total = 0.0f;
     for (int t = 0; t < width; t++) {
@@ -647,8 +749,9 @@ static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32
    tile unit where it is granted): the kernel's fast path for them. */
 int dense_bf16_products(void) { return PAIRS; }
 
-/* 1 when dense attention scores and sums on the CPU's 512-bit vector units (AVX-512), float32 K/V included. */
-int dense_vectors(void) { return VECTORS; }
+/* The width in bits of the vectors dense attention scores and sums on, float32 K/V included: 512 (AVX-512), 256
+   (AVX2 with FMA), or 0 (plain C loops). */
+int dense_vectors(void) { return VECTORS ? 512 : VECTORS8 ? 256 : 0; }
 
 #if TILES
 #include <sys/syscall.h>
@@ -866,6 +969,50 @@ static inline __attribute__((always_inline)) void transpose16(const float *src, 
 }
 #endif
 
+#if VECTORS8
+/* Eight rows of eight float32 (r[i]: row i) transposed in registers: out[j] holds dimension j of the eight rows. */
+static inline __attribute__((always_inline)) void transpose8(__m256 r[8], __m256 out[8]) {
+    __m256 t[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);     /* a0 b0 a1 b1 | a4 b4 a5 b5 */
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]); /* a2 b2 a3 b3 | a6 b6 a7 b7 */
+    }
+    __m256 u[8];
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);         /* a0 b0 c0 d0 | a4 b4 c4 d4 */
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);     /* a1 b1 c1 d1 | a5 b5 c5 d5 */
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44); /* a2 b2 c2 d2 | a6 b6 c6 d6 */
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee); /* a3 b3 c3 d3 | a7 b7 c7 d7 */
+    }
+    for (int j = 0; j < 4; j++) {
+        out[j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x20);     /* dimension j of rows 0-3, then of rows 4-7 */
+        out[4 + j] = _mm256_permute2f128_ps(u[j], u[4 + j], 0x31); /* dimension 4 + j */
+    }
+}
+
+/* Keys [t0, t0 + TILE) of one head (float32 or bfloat16, rows s_pos elements apart) as float32 [D][TILE], zeros past
+   `count`: eight keys' eight dimensions at a time converted and transposed in registers. D a multiple of 8. */
+static inline __attribute__((always_inline)) void keys_by_dimension8(const void *base, int bf16, int64_t s_pos,
+                                                                     int64_t t0, int64_t count, int D,
+                                                                     float *by_dim) {
+    int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
+    for (int k0 = 0; k0 < TILE; k0 += 8)
+        for (int d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8], c[8];
+            for (int i = 0; i < 8; i++) {
+                if (k0 + i >= nt) {
+                    r[i] = _mm256_setzero_ps();
+                    continue;
+                }
+                int64_t at = (t0 + k0 + i) * s_pos + d0;
+                r[i] = bf16 ? values8((const uint16_t *)base + at, AS_BF16) : _mm256_loadu_ps((const float *)base + at);
+            }
+            transpose8(r, c);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(by_dim + (int64_t)(d0 + j) * TILE + k0, c[j]);
+        }
+}
+#endif
+
 /* [TILE][D] rows as [D][TILE]. */
 static inline __attribute__((always_inline)) void by_dimension(const float *by_key, int D, float *by_dim) {
 #if VECTORS
@@ -913,6 +1060,29 @@ static inline __attribute__((always_inline)) void dense_values(float *acc, const
 }
 #endif
 
+#if VECTORS8
+/* dense_values on 256-bit vectors (tile_values8). */
+static inline __attribute__((always_inline)) void dense_values8(float *acc, const float *scores, const int64_t *hi,
+                                                                int n, int row0, int G, int D, int64_t t0, int nt,
+                                                                const void *base, int kind, int64_t s_pos) {
+    for (int r = 0; r < G; r += ROW_GROUP) {
+        int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP, reads = 0;
+        for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
+        if (!reads) continue;
+        float *a = acc + (int64_t)r * D;
+        const float *w = scores + r * TILE;
+        switch (rows) { /* the rows' count known to the compiler: the sums stay in registers */
+        case 6: tile_values8(a, w, 6, D, nt, base, kind, s_pos, t0); break;
+        case 5: tile_values8(a, w, 5, D, nt, base, kind, s_pos, t0); break;
+        case 4: tile_values8(a, w, 4, D, nt, base, kind, s_pos, t0); break;
+        case 3: tile_values8(a, w, 3, D, nt, base, kind, s_pos, t0); break;
+        case 2: tile_values8(a, w, 2, D, nt, base, kind, s_pos, t0); break;
+        default: tile_values8(a, w, 1, D, nt, base, kind, s_pos, t0);
+        }
+    }
+}
+#endif
+
 /* Keys [start, end) of one (batch, K/V head) (K rows s_key apart, V rows s_value) for G of its query rows from
    row0 (row r: query r % n, which reads keys below hi[r % n] that `allowed` allows, or all of them where it is
    NULL): unnormalised output acc [G, D], running maximum top [G] and sum sums [G]. */
@@ -942,13 +1112,20 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 by_dimension(by_key, D / 2, by_dim);
             }
         } else {
-            dense_rows(keys, bf16, s_key, t0, count, D, by_key);
-            by_dimension(by_key, D, by_dim);
+#if VECTORS8
+            if (D % 16 == 0)
+                keys_by_dimension8(keys, bf16, s_key, t0, count, D, by_dim);
+            else
+#endif
+            {
+                dense_rows(keys, bf16, s_key, t0, count, D, by_key);
+                by_dimension(by_key, D, by_dim);
+            }
         }
-        /* A group of four rows none of which reads this tile skips it: for such a row the tile would change
+        /* A group of rows none of which reads this tile skips it: for such a row the tile would change
            nothing (its weights are 0, its correction exactly 1). */
-        for (int r = 0; r < G; r += 4) {
-            int rows = G - r < 4 ? G - r : 4, reads = 0;
+        for (int r = 0; r < G; r += ROW_GROUP) {
+            int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP, reads = 0;
             for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
             float *s = scores + r * TILE;
             if (!reads) {
@@ -971,6 +1148,20 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                     tile_scores(q + (int64_t)r * D, 4, D, by_dim, s);
                 else
                     tile_scores(q + (int64_t)r * D, rows, D, by_dim, s);
+                continue;
+            }
+#endif
+#if VECTORS8
+            if (D % 16 == 0) {
+                const float *qr = q + (int64_t)r * D;
+                switch (rows) { /* the rows' count known to the compiler: the sums stay in registers */
+                case 6: tile_scores8(qr, 6, D, by_dim, s); break;
+                case 5: tile_scores8(qr, 5, D, by_dim, s); break;
+                case 4: tile_scores8(qr, 4, D, by_dim, s); break;
+                case 3: tile_scores8(qr, 3, D, by_dim, s); break;
+                case 2: tile_scores8(qr, 2, D, by_dim, s); break;
+                default: tile_scores8(qr, 1, D, by_dim, s);
+                }
                 continue;
             }
 #endif
@@ -997,6 +1188,13 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 dense_rows(values, bf16, s_value, t0, count, D, by_key);
                 dense_values(acc, scores, hi, n, row0, G, D, t0, TILE, by_key, AS_FLOAT32, D, 0);
             }
+            continue;
+        }
+#endif
+#if VECTORS8
+        if (D % 16 == 0) { /* the values read where they are held, converted in registers */
+            dense_values8(acc, scores, hi, n, row0, G, D, t0, (int)(count - t0 < TILE ? count - t0 : TILE), values,
+                          bf16 ? AS_BF16 : AS_FLOAT32, s_value);
             continue;
         }
 #endif

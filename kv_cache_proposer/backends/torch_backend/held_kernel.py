@@ -2,7 +2,8 @@
 this CPU (`kernel_build`), and loaded with ctypes. Over held coordinates, a decode step or a speculative block
 reads the int8 coordinates in one pass, never writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it
 serves `exact_attention.attend_exact` as `KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU
-multiplies bfloat16, AVX512-BF16 or AMX, and float32 K/V where it has AVX-512).
+multiplies bfloat16, AVX512-BF16 or AMX, or has AVX2 but not AVX-512, and float32 K/V where it has AVX-512 or
+AVX2).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -24,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kv_cache_proposer.backends.torch_backend.kernel_build import built
+from kv_cache_proposer.backends.torch_backend.kernel_build import FLAGS, SOURCE, built
 from kv_cache_proposer.compression.codec import StagedCoding
 
 log = logging.getLogger(__name__)
@@ -137,9 +138,9 @@ class HeldKernel:
     bf16_products: bool = False
     """Whether dense attention multiplies bfloat16 queries and K/V as bfloat16 (the CPU has AVX512-BF16; true
     wherever `tiles` is)."""
-    vectors: bool = False
-    """Whether dense attention runs on the CPU's 512-bit vector units (AVX-512; true wherever `bf16_products` is),
-    float32 K/V included; without them its loops are plain C."""
+    vector_bits: int = 0
+    """The width of the vectors dense attention scores and sums on, float32 K/V included: 512 (AVX-512; wherever
+    `bf16_products` is), 256 (AVX2 with FMA, on a CPU without AVX-512), 0 (its loops are plain C)."""
 
     def attend(
         self,
@@ -375,15 +376,25 @@ def held_kernel() -> HeldKernel | None:
         log.info("held attention: TorchScript ops (%s=%s)", ENV, setting)
         return None
     try:
-        library = built()
-        loaded = ctypes.CDLL(str(library))
-        function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
-        dense_many = loaded.dense_attend_many
-        tiles_enable = loaded.dense_tiles_enable
-        bf16_products, vectors = loaded.dense_bf16_products, loaded.dense_vectors
+        kernel = load()
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("held attention: TorchScript ops, the compiled kernel is unavailable (%s)", exc)
         return None
+    unit = " (tile unit for bfloat16)" if kernel.tiles else ""
+    log.info("held attention: compiled kernel %s%s", kernel.library, unit)
+    return kernel
+
+
+def load(flags: tuple[str, ...] = FLAGS) -> HeldKernel:
+    """The kernel built with `flags` (by default for everything this CPU has) and loaded; raises where it cannot be
+    (no compiler, a failed build). A build for less than the CPU has (`-mno-avx512f`, say) runs another vector
+    path of the same kernel."""
+    library = built(SOURCE, flags)
+    loaded = ctypes.CDLL(str(library))
+    function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
+    dense_many = loaded.dense_attend_many
+    tiles_enable = loaded.dense_tiles_enable
+    bf16_products, vectors = loaded.dense_bf16_products, loaded.dense_vectors
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
     dense.argtypes, dense.restype = [_P], _I  # an array of `_DENSE_CALLS`
@@ -392,5 +403,4 @@ def held_kernel() -> HeldKernel | None:
     for flag in (bf16_products, vectors):
         flag.argtypes, flag.restype = [], _I
     tiles = bool(tiles_enable())
-    log.info("held attention: compiled kernel %s%s", library, " (tile unit for bfloat16)" if tiles else "")
-    return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()), bool(vectors()))
+    return HeldKernel(function, scratch_size, dense, dense_many, library, tiles, bool(bf16_products()), int(vectors()))

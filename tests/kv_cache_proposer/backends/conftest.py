@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel, kernel_build
 
 
 @pytest.fixture(params=["flash", "compiled"])
@@ -20,9 +20,10 @@ def attention_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
     yield from dense_attention(monkeypatch, request.param)
 
 
-@pytest.fixture(params=["tiles", "vectors"])
+@pytest.fixture(params=["tiles", "vectors", "avx2"])
 def compiled_attention(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The compiled kernel, its bfloat16 attention on the tile unit (where the CPU has one) and on the vector units."""
+    """The compiled kernel, its bfloat16 attention on the tile unit (where the CPU has one) and on the vector units;
+    and on a CPU with AVX-512, the kernel built without it, so that its AVX2 path is tested there too."""
     chosen = exact_attention.dense_kernel
     for path in dense_attention(monkeypatch, "compiled"):
         kernel = chosen()
@@ -31,6 +32,12 @@ def compiled_attention(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
             pytest.skip("this CPU has no tile unit (AMX) the kernel can use; its vector path is tested instead")
         if request.param == "vectors":
             monkeypatch.setattr(exact_attention, "dense_kernel", _always(dataclasses.replace(kernel, tiles=False)))
+        if request.param == "avx2":
+            if kernel.vector_bits != 512:
+                pytest.skip(f"the kernel's own build runs {kernel.vector_bits}-bit vectors here (tested as `vectors`)")
+            narrower = held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
+            assert narrower.vector_bits == 256 and not narrower.tiles and not narrower.bf16_products
+            monkeypatch.setattr(exact_attention, "dense_kernel", _always(narrower))
         try:
             yield path
         finally:  # the choice's own cache is cleared after the test (dense_attention)
