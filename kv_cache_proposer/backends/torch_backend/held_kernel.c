@@ -211,8 +211,8 @@ static inline __attribute__((always_inline)) void tile_scores8(const float *q, i
 }
 
 /* tile_values on 256-bit vectors: acc[i] += sum over the tile's nt keys of w[i][t] * value[t] for `rows` (1 to
-   ROW_GROUP) rows, 16 dimensions at a time with the sums in registers; each row's sum runs over the keys in order, whatever
-   `rows` is. The values are read as tile_values reads them. */
+   ROW_GROUP) rows, 16 dimensions at a time with the sums in registers; each row's sum runs over the keys in order,
+   whatever `rows` is. The values are read as tile_values reads them. */
 static inline __attribute__((always_inline)) void tile_values8(float *acc, const float *w, int rows, int D, int nt,
                                                                const void *base, int kind, int64_t s_pos,
                                                                int64_t t0) {
@@ -235,9 +235,38 @@ static inline __attribute__((always_inline)) void tile_values8(float *acc, const
             for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + (int64_t)i * D + d0 + 8 * j, a[i][j]);
     }
 }
+
+/* tile_scores8 and tile_values8 with the rows' count known to the compiler, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void scores8_of(const float *q, int rows, int D, const float *by_dim,
+                                                             float *out) {
+    switch (rows) {
+    case 6: tile_scores8(q, 6, D, by_dim, out); break;
+    case 5: tile_scores8(q, 5, D, by_dim, out); break;
+    case 4: tile_scores8(q, 4, D, by_dim, out); break;
+    case 3: tile_scores8(q, 3, D, by_dim, out); break;
+    case 2: tile_scores8(q, 2, D, by_dim, out); break;
+    default: tile_scores8(q, 1, D, by_dim, out);
+    }
+}
+
+static inline __attribute__((always_inline)) void values8_of(float *acc, const float *w, int rows, int D, int nt,
+                                                             const void *base, int kind, int64_t s_pos, int64_t t0) {
+    switch (rows) {
+    case 6: tile_values8(acc, w, 6, D, nt, base, kind, s_pos, t0); break;
+    case 5: tile_values8(acc, w, 5, D, nt, base, kind, s_pos, t0); break;
+    case 4: tile_values8(acc, w, 4, D, nt, base, kind, s_pos, t0); break;
+    case 3: tile_values8(acc, w, 3, D, nt, base, kind, s_pos, t0); break;
+    case 2: tile_values8(acc, w, 2, D, nt, base, kind, s_pos, t0); break;
+    default: tile_values8(acc, w, 1, D, nt, base, kind, s_pos, t0);
+    }
+}
 #endif
 
 static inline __attribute__((always_inline)) void by_dimension(const float *by_key, int D, float *by_dim);
+#if VECTORS8
+static inline __attribute__((always_inline)) void keys_by_dimension8(const void *base, int kind, int64_t s_pos,
+                                                                     int64_t t0, int64_t count, int D, float *by_dim);
+#endif
 
 /* Keys [start, end) of one (batch, K/V head) for its G query rows: unnormalised output acc [G, D], running maximum
    top [G] and sum sums [G]. Fewer than TRANSPOSE_ROWS rows score each key by its own dot products; more, a tile's
@@ -291,6 +320,11 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
                 by_dimension(converted, D, by_dim);
             } else
 #endif
+#if VECTORS8
+            if (D % 16 == 0)
+                keys_by_dimension8(keys, AS_INT8, s_pos, t0, t0 + nt, D, by_dim);
+            else
+#endif
             {
                 for (int t = 0; t < nt; t++) {
                     const int8_t *k = keys + (t0 + t) * s_pos;
@@ -303,6 +337,14 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             if (D % 16 == 0) {
                 for (int r = 0; r < G; r += 4)
                     tile_scores(q + (int64_t)r * D, G - r < 4 ? G - r : 4, D, by_dim, scores + r * TILE);
+                for (int r = 0; r < G; r++)
+                    for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
+            } else
+#endif
+#if VECTORS8
+            if (D % 16 == 0) {
+                for (int r = 0; r < G; r += ROW_GROUP)
+                    scores8_of(q + (int64_t)r * D, G - r < ROW_GROUP ? G - r : ROW_GROUP, D, by_dim, scores + r * TILE);
                 for (int r = 0; r < G; r++)
                     for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
             } else
@@ -353,6 +395,15 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             for (; r < G; r += 4)
                 tile_values(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt, values, AS_INT8,
                             s_pos, t0);
+            continue;
+        }
+#endif
+#if VECTORS8
+        if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
+            for (; r < G; r += ROW_GROUP) {
+                int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP;
+                values8_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, values, AS_INT8, s_pos, t0);
+            }
             continue;
         }
 #endif
@@ -990,11 +1041,12 @@ static inline __attribute__((always_inline)) void transpose8(__m256 r[8], __m256
     }
 }
 
-/* Keys [t0, t0 + TILE) of one head (float32 or bfloat16, rows s_pos elements apart) as float32 [D][TILE], zeros past
+/* Keys [t0, t0 + TILE) of one head (held as `kind`, rows s_pos elements apart) as float32 [D][TILE], zeros past
    `count`: eight keys' eight dimensions at a time converted and transposed in registers. D a multiple of 8. */
-static inline __attribute__((always_inline)) void keys_by_dimension8(const void *base, int bf16, int64_t s_pos,
+static inline __attribute__((always_inline)) void keys_by_dimension8(const void *base, int kind, int64_t s_pos,
                                                                      int64_t t0, int64_t count, int D,
                                                                      float *by_dim) {
+    const int64_t elem = kind == AS_FLOAT32 ? 4 : kind == AS_BF16 ? 2 : 1;
     int nt = (int)(count - t0 < TILE ? count - t0 : TILE);
     for (int k0 = 0; k0 < TILE; k0 += 8)
         for (int d0 = 0; d0 < D; d0 += 8) {
@@ -1004,8 +1056,7 @@ static inline __attribute__((always_inline)) void keys_by_dimension8(const void 
                     r[i] = _mm256_setzero_ps();
                     continue;
                 }
-                int64_t at = (t0 + k0 + i) * s_pos + d0;
-                r[i] = bf16 ? values8((const uint16_t *)base + at, AS_BF16) : _mm256_loadu_ps((const float *)base + at);
+                r[i] = values8((const char *)base + ((t0 + k0 + i) * s_pos + d0) * elem, kind);
             }
             transpose8(r, c);
             for (int j = 0; j < 8; j++) _mm256_storeu_ps(by_dim + (int64_t)(d0 + j) * TILE + k0, c[j]);
@@ -1069,16 +1120,7 @@ static inline __attribute__((always_inline)) void dense_values8(float *acc, cons
         int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP, reads = 0;
         for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
         if (!reads) continue;
-        float *a = acc + (int64_t)r * D;
-        const float *w = scores + r * TILE;
-        switch (rows) { /* the rows' count known to the compiler: the sums stay in registers */
-        case 6: tile_values8(a, w, 6, D, nt, base, kind, s_pos, t0); break;
-        case 5: tile_values8(a, w, 5, D, nt, base, kind, s_pos, t0); break;
-        case 4: tile_values8(a, w, 4, D, nt, base, kind, s_pos, t0); break;
-        case 3: tile_values8(a, w, 3, D, nt, base, kind, s_pos, t0); break;
-        case 2: tile_values8(a, w, 2, D, nt, base, kind, s_pos, t0); break;
-        default: tile_values8(a, w, 1, D, nt, base, kind, s_pos, t0);
-        }
+        values8_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, base, kind, s_pos, t0);
     }
 }
 #endif
@@ -1114,7 +1156,7 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
         } else {
 #if VECTORS8
             if (D % 16 == 0)
-                keys_by_dimension8(keys, bf16, s_key, t0, count, D, by_dim);
+                keys_by_dimension8(keys, bf16 ? AS_BF16 : AS_FLOAT32, s_key, t0, count, D, by_dim);
             else
 #endif
             {
@@ -1153,15 +1195,7 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
 #endif
 #if VECTORS8
             if (D % 16 == 0) {
-                const float *qr = q + (int64_t)r * D;
-                switch (rows) { /* the rows' count known to the compiler: the sums stay in registers */
-                case 6: tile_scores8(qr, 6, D, by_dim, s); break;
-                case 5: tile_scores8(qr, 5, D, by_dim, s); break;
-                case 4: tile_scores8(qr, 4, D, by_dim, s); break;
-                case 3: tile_scores8(qr, 3, D, by_dim, s); break;
-                case 2: tile_scores8(qr, 2, D, by_dim, s); break;
-                default: tile_scores8(qr, 1, D, by_dim, s);
-                }
+                scores8_of(q + (int64_t)r * D, rows, D, by_dim, s);
                 continue;
             }
 #endif
