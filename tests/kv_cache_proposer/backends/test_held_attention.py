@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache_proposer.backends.torch_backend import held_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend import held_attention, held_kernel, kernel_build
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 from kv_cache_proposer.compression.lattice import LatticeSpec
@@ -229,12 +229,12 @@ def test_a_compiler_that_fails_leaves_the_scripted_path_and_says_why(monkeypatch
 
 @pytest.mark.parametrize("dim", [8, 32, 64, 128])
 @pytest.mark.parametrize("queries", [1, 9])
-@pytest.mark.parametrize("unit", ["tiles", "vectors"])
+@pytest.mark.parametrize("unit", ["tiles", "vectors", "avx2"])
 def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monkeypatch, dim, queries, unit):
     # Head sizes 64 and 128 run code built for that size, 32 the general code, 8 no vector code (fewer than 16
     # values); a single query scores key by key, a block of nine (27 rows) a transposed tile at a time. On the tile
     # unit (head sizes that are multiples of 32, 8 rows or more), the rotated queries and the weights are rounded to
-    # bfloat16.
+    # bfloat16. `avx2`: on a CPU with AVX-512, the kernel built without it (its 256-bit path).
     _require_kernel()
     kernel = held_kernel.held_kernel()
     assert kernel is not None
@@ -243,6 +243,12 @@ def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monke
     if unit == "vectors":
         vectors = dataclasses.replace(kernel, tiles=False)
         monkeypatch.setattr(held_kernel, "held_kernel", lambda: vectors)
+    if unit == "avx2":
+        if kernel.vector_bits != 512:
+            pytest.skip(f"the kernel's own build runs {kernel.vector_bits}-bit vectors here (tested as `vectors`)")
+        narrower = held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
+        assert narrower.vector_bits == 256 and not narrower.tiles
+        monkeypatch.setattr(held_kernel, "held_kernel", lambda: narrower)
     rng = np.random.default_rng(dim + queries)
     q = torch.from_numpy(rng.standard_normal((1, 9, queries, dim)).astype(np.float32))
     keys, values = (torch.from_numpy(rng.standard_normal((1, 3, 700, dim)).astype(np.float32)) for _ in "kv")
