@@ -115,8 +115,8 @@ def _auto_compiled(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.
     """Whether `auto` gives the kernel these queries and keys: bfloat16 ones it multiplies as bfloat16, float32 ones
     on its AVX-512 vector path (there it decoded and prefilled faster than PyTorch's flash kernel; for bfloat16 the
     vector path without bfloat16 products prefilled slower, docs/benchmarks.md), and both on its AVX2 path, heads
-    of a multiple of 16 dimensions (on a CPU without AVX-512 it decoded 2–2.7× and prefilled 1.0–1.3× as fast as
-    flash, docs/operator-guide.md#the-attention-kernel)."""
+    of a multiple of 16 dimensions (on a CPU with AVX2 only, the default model decoded 1.16–1.40× as fast through
+    the daemon and prefilled as fast, within noise; docs/benchmarks.md#dense-attention-through-the-compiled-kernel)."""
     if q.dtype != keys.dtype:
         return False
     if kernel.vector_bits == 256 and q.dtype in (torch.bfloat16, torch.float32):

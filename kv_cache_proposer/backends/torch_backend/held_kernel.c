@@ -712,7 +712,7 @@ static inline __attribute__((always_inline)) float tile_weights(float *s, int wi
     }
     return _mm512_reduce_add_ps(total);
 #elif VECTORS8
-    (void)coarse; /* weights as exact as the scalar exp's, rounded or not next */
+    (void)coarse; /* the coarse exponential serves the tile unit, which a build without AVX-512 has not */
     __m256 top = _mm256_set1_ps(m), total = _mm256_setzero_ps();
     for (int t = 0; t < width; t += 8) {
         __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), top));
