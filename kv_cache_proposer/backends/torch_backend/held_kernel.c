@@ -235,10 +235,19 @@ static inline __attribute__((always_inline)) void tile_values8(float *acc, const
             for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + (int64_t)i * D + d0 + 8 * j, a[i][j]);
     }
 }
+#endif
 
-/* tile_scores8 and tile_values8 with the rows' count known to the compiler, so the sums stay in registers. */
-static inline __attribute__((always_inline)) void scores8_of(const float *q, int rows, int D, const float *by_dim,
-                                                             float *out) {
+#if VECTORS || VECTORS8
+/* A tile's scores (tile_scores, or tile_scores8) and value sums (tile_values, or tile_values8) of `rows` query rows,
+   1 to ROW_GROUP, with the rows' count known to the compiler, so the sums stay in registers. */
+static inline __attribute__((always_inline)) void scores_of(const float *q, int rows, int D, const float *by_dim,
+                                                            float *out) {
+#if VECTORS
+    if (rows == 4)
+        tile_scores(q, 4, D, by_dim, out);
+    else
+        tile_scores(q, rows, D, by_dim, out);
+#else
     switch (rows) {
     case 6: tile_scores8(q, 6, D, by_dim, out); break;
     case 5: tile_scores8(q, 5, D, by_dim, out); break;
@@ -247,10 +256,17 @@ static inline __attribute__((always_inline)) void scores8_of(const float *q, int
     case 2: tile_scores8(q, 2, D, by_dim, out); break;
     default: tile_scores8(q, 1, D, by_dim, out);
     }
+#endif
 }
 
-static inline __attribute__((always_inline)) void values8_of(float *acc, const float *w, int rows, int D, int nt,
-                                                             const void *base, int kind, int64_t s_pos, int64_t t0) {
+static inline __attribute__((always_inline)) void values_of(float *acc, const float *w, int rows, int D, int nt,
+                                                            const void *base, int kind, int64_t s_pos, int64_t t0) {
+#if VECTORS
+    if (rows == 4)
+        tile_values(acc, w, 4, D, nt, base, kind, s_pos, t0);
+    else
+        tile_values(acc, w, rows, D, nt, base, kind, s_pos, t0);
+#else
     switch (rows) {
     case 6: tile_values8(acc, w, 6, D, nt, base, kind, s_pos, t0); break;
     case 5: tile_values8(acc, w, 5, D, nt, base, kind, s_pos, t0); break;
@@ -259,6 +275,7 @@ static inline __attribute__((always_inline)) void values8_of(float *acc, const f
     case 2: tile_values8(acc, w, 2, D, nt, base, kind, s_pos, t0); break;
     default: tile_values8(acc, w, 1, D, nt, base, kind, s_pos, t0);
     }
+#endif
 }
 #endif
 
@@ -333,18 +350,10 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
                 for (int t = nt; t < TILE; t++)
                     for (int d = 0; d < D; d++) by_dim[d * TILE + t] = 0.0f;
             }
-#if VECTORS
-            if (D % 16 == 0) {
-                for (int r = 0; r < G; r += 4)
-                    tile_scores(q + (int64_t)r * D, G - r < 4 ? G - r : 4, D, by_dim, scores + r * TILE);
-                for (int r = 0; r < G; r++)
-                    for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
-            } else
-#endif
-#if VECTORS8
+#if VECTORS || VECTORS8
             if (D % 16 == 0) {
                 for (int r = 0; r < G; r += ROW_GROUP)
-                    scores8_of(q + (int64_t)r * D, G - r < ROW_GROUP ? G - r : ROW_GROUP, D, by_dim, scores + r * TILE);
+                    scores_of(q + (int64_t)r * D, G - r < ROW_GROUP ? G - r : ROW_GROUP, D, by_dim, scores + r * TILE);
                 for (int r = 0; r < G; r++)
                     for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
             } else
@@ -390,19 +399,11 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             for (int d = 0; d < D; d++) a[d] *= correction;
         }
         int r = 0;
-#if VECTORS
-        if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
-            for (; r < G; r += 4)
-                tile_values(acc + (int64_t)r * D, scores + r * TILE, G - r < 4 ? G - r : 4, D, nt, values, AS_INT8,
-                            s_pos, t0);
-            continue;
-        }
-#endif
-#if VECTORS8
+#if VECTORS || VECTORS8
         if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
             for (; r < G; r += ROW_GROUP) {
                 int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP;
-                values8_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, values, AS_INT8, s_pos, t0);
+                values_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, values, AS_INT8, s_pos, t0);
             }
             continue;
         }
@@ -1091,36 +1092,19 @@ static inline int64_t dense_start(const int64_t *hi, int n, int row0, int G, int
     return reach;
 }
 
-#if VECTORS
-/* tile_values for G query rows from row0, four at a time (the count known to the compiler for a whole group), over a
-   tile of keys from t0 whose values lie as tile_values reads them; a group of rows none of which reads the tile
-   skips it (for such a row the tile changes nothing). */
+#if VECTORS || VECTORS8
+/* values_of for G query rows from row0, ROW_GROUP at a time, over a tile of keys from t0 whose values lie as
+   tile_values reads them; a group of rows none of which reads the tile skips it (for such a row the tile changes
+   nothing). */
 static inline __attribute__((always_inline)) void dense_values(float *acc, const float *scores, const int64_t *hi,
                                                                int n, int row0, int G, int D, int64_t t0, int nt,
                                                                const void *base, int kind, int64_t s_pos,
                                                                int64_t origin) {
-    for (int r = 0; r < G; r += 4) {
-        int rows = G - r < 4 ? G - r : 4, reads = 0;
-        for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
-        if (!reads) continue;
-        if (rows == 4)
-            tile_values(acc + (int64_t)r * D, scores + r * TILE, 4, D, nt, base, kind, s_pos, origin);
-        else
-            tile_values(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, base, kind, s_pos, origin);
-    }
-}
-#endif
-
-#if VECTORS8
-/* dense_values on 256-bit vectors (tile_values8). */
-static inline __attribute__((always_inline)) void dense_values8(float *acc, const float *scores, const int64_t *hi,
-                                                                int n, int row0, int G, int D, int64_t t0, int nt,
-                                                                const void *base, int kind, int64_t s_pos) {
     for (int r = 0; r < G; r += ROW_GROUP) {
         int rows = G - r < ROW_GROUP ? G - r : ROW_GROUP, reads = 0;
         for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
         if (!reads) continue;
-        values8_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, base, kind, s_pos, t0);
+        values_of(acc + (int64_t)r * D, scores + r * TILE, rows, D, nt, base, kind, s_pos, origin);
     }
 }
 #endif
@@ -1184,18 +1168,9 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                 continue;
             }
 #endif
-#if VECTORS
+#if VECTORS || VECTORS8
             if (D % 16 == 0) {
-                if (rows == 4) /* the rows' count known to the compiler: no test in the loop */
-                    tile_scores(q + (int64_t)r * D, 4, D, by_dim, s);
-                else
-                    tile_scores(q + (int64_t)r * D, rows, D, by_dim, s);
-                continue;
-            }
-#endif
-#if VECTORS8
-            if (D % 16 == 0) {
-                scores8_of(q + (int64_t)r * D, rows, D, by_dim, s);
+                scores_of(q + (int64_t)r * D, rows, D, by_dim, s);
                 continue;
             }
 #endif
@@ -1213,22 +1188,15 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
         for (int r = 0; r < G; r++)
             row_weights(scores + r * TILE, TILE, 1.0f, 0, t0, hi, allowed, s_allowed, n, row0 + r, D,
                         acc + (int64_t)r * D, top + r, sums + r);
-#if VECTORS
+#if VECTORS || VECTORS8
         if (D % 16 == 0) {
-            if (bf16) /* the values read where they are held */
+            if (bf16 || VECTORS8) /* the values read where they are held (float32 ones copied first on AVX-512) */
                 dense_values(acc, scores, hi, n, row0, G, D, t0, (int)(count - t0 < TILE ? count - t0 : TILE), values,
-                             AS_BF16, s_value, t0);
+                             bf16 ? AS_BF16 : AS_FLOAT32, s_value, t0);
             else {
                 dense_rows(values, bf16, s_value, t0, count, D, by_key);
                 dense_values(acc, scores, hi, n, row0, G, D, t0, TILE, by_key, AS_FLOAT32, D, 0);
             }
-            continue;
-        }
-#endif
-#if VECTORS8
-        if (D % 16 == 0) { /* the values read where they are held, converted in registers */
-            dense_values8(acc, scores, hi, n, row0, G, D, t0, (int)(count - t0 < TILE ? count - t0 : TILE), values,
-                          bf16 ? AS_BF16 : AS_FLOAT32, s_value);
             continue;
         }
 #endif

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel, kernel_build
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from tests.support.compilers import kernel_without_avx512
 
 
 @pytest.fixture(params=["flash", "compiled"])
@@ -35,7 +36,7 @@ def compiled_attention(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         if request.param == "avx2":
             if kernel.vector_bits != 512:
                 pytest.skip(f"the kernel's own build runs {kernel.vector_bits}-bit vectors here (tested as `vectors`)")
-            narrower = held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
+            narrower = kernel_without_avx512()
             assert narrower.vector_bits == 256 and not narrower.tiles and not narrower.bf16_products
             monkeypatch.setattr(exact_attention, "dense_kernel", _always(narrower))
         try:

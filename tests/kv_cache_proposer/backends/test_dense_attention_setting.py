@@ -12,8 +12,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel, kernel_build
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
 from kv_cache_proposer.backends.torch_backend.direct import OVER_HISTORY
+from tests.support.compilers import kernel_without_avx512
 
 
 @pytest.fixture
@@ -71,7 +72,7 @@ def test_auto_attends_bfloat16_and_float32_with_the_compiled_kernel_on_an_avx2_c
     if kernel is None:
         pytest.skip("no C compiler here to build the attention kernel: auto is flash for every dtype")
     if kernel.vector_bits == 512:  # the kernel as it builds on a CPU with AVX2 but not AVX-512
-        kernel = held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
+        kernel = kernel_without_avx512()
     if kernel.vector_bits != 256:
         pytest.skip("this CPU has no AVX2 with FMA: the kernel's 256-bit vector path cannot run here")
     fresh.setattr(held_kernel, "held_kernel", lambda: kernel)

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from kv_cache_proposer.backends.torch_backend import held_attention, held_kernel, kernel_build
+from kv_cache_proposer.backends.torch_backend import held_attention, held_kernel
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.lattice_codec import TorchLatticeCodec
 from kv_cache_proposer.compression.lattice import LatticeSpec
 from tests.kv_cache_proposer.backends.test_chunked_attention import _reference
-from tests.support.compilers import use_broken_compiler
+from tests.support.compilers import kernel_without_avx512, use_broken_compiler
 
 HISTORY, QUERIES, DIM, KV_HEADS = 37, 5, 16, 2
 PATHS = ["kernel", "scripted", "decoded"]
@@ -246,7 +246,7 @@ def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monke
     if unit == "avx2":
         if kernel.vector_bits != 512:
             pytest.skip(f"the kernel's own build runs {kernel.vector_bits}-bit vectors here (tested as `vectors`)")
-        narrower = held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
+        narrower = kernel_without_avx512()
         assert narrower.vector_bits == 256 and not narrower.tiles
         monkeypatch.setattr(held_kernel, "held_kernel", lambda: narrower)
     rng = np.random.default_rng(dim + queries)
