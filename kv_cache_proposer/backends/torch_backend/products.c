@@ -13,6 +13,12 @@
      rounded to bfloat16 to nearest even. But each block's weights are dequantized once for all the rows instead of
      once per 4: a verify block, a batched step or a prefill chunk reads them at a fraction of the cost.
 
+   - int8_float_head: float32 rows times int8 codes with one float32 scale per code row, the codes widened to
+     float32 in the kernel: the int8 LM head's product on a CPU without int8 dot products (AVX2 or AVX-512 without
+     VNNI), reading a quarter of the bytes of the codes' float32 values. Its own arithmetic, not a PyTorch kernel's:
+     each sum runs over the inputs in order, 8 at a time in 8 lanes, its lanes added in one fixed order, then
+     scaled, the same instructions for a row whatever rows and threads share the call.
+
    Built without reassociation (kernel_build.EXACT_FLAGS): the order written here is the order computed. */
 
 #include <stdint.h>
@@ -266,6 +272,92 @@ int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t
     return 0;
 #else
     (void)rows, (void)M, (void)packed, (void)scales_zeros, (void)out, (void)N, (void)K, (void)G, (void)threads;
+    return -1;
+#endif
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define FLOAT_HEAD 1
+#else
+#define FLOAT_HEAD 0
+#endif
+
+#define HEAD_TILE 8            /* code rows widened to float32 together */
+#define HEAD_MAX_WIDTH 8192    /* inputs of a row at most */
+
+/* Whether this build computes int8_float_head (else every call returns -1). */
+int int8_float_head_served(void) { return FLOAT_HEAD; }
+
+#if FLOAT_HEAD
+/* v's 8 lanes added in one order: (0+4)+(2+6), (1+5)+(3+7), then those two. */
+static inline float lanes_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* One row `x` (D inputs) against HEAD_TILE code rows widened to float32 (`w`, D each): sums[j] for code row j. Every
+   sum has its own accumulator, fed the inputs in order 8 at a time from zero. */
+static inline void head_widened(const float *x, const float *w, int D, float *sums) {
+    __m256 acc[HEAD_TILE];
+    for (int j = 0; j < HEAD_TILE; j++) acc[j] = _mm256_setzero_ps();
+    for (int k = 0; k < D; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        for (int j = 0; j < HEAD_TILE; j++) acc[j] = _mm256_fmadd_ps(_mm256_load_ps(w + j * D + k), v, acc[j]);
+    }
+    for (int j = 0; j < HEAD_TILE; j++) sums[j] = lanes_sum(acc[j]);
+}
+
+/* head_widened's sums with the code rows read as int8 (`s_code` apart) and widened in registers: a row alone reads
+   each code once, so it skips the widened copy. */
+static inline void head_int8(const float *x, const int8_t *codes, int64_t s_code, int D, float *sums) {
+    __m256 acc[HEAD_TILE];
+    for (int j = 0; j < HEAD_TILE; j++) acc[j] = _mm256_setzero_ps();
+    for (int k = 0; k < D; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        for (int j = 0; j < HEAD_TILE; j++) {
+            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(codes + j * s_code + k));
+            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), v, acc[j]);
+        }
+    }
+    for (int j = 0; j < HEAD_TILE; j++) sums[j] = lanes_sum(acc[j]);
+}
+#endif
+
+/* out [M, O] = x [M, D] times the int8 `codes` [O, D] (rows `s_code` apart) each times its `scale` [O], float32,
+   on `threads` threads over tiles of HEAD_TILE code rows. Returns 0, or -1 when the shapes are beyond what the
+   kernel serves (D a multiple of 8, at most HEAD_MAX_WIDTH) or this build has no AVX2 (nothing is written then). */
+int int8_float_head(const float *x, int M, const int8_t *codes, int64_t O, int D, int64_t s_code, const float *scale,
+                    float *out, int threads) {
+#if FLOAT_HEAD
+    if (M < 1 || O < 1 || D < 8 || D % 8 || D > HEAD_MAX_WIDTH) return -1;
+    const int64_t tiles = (O + HEAD_TILE - 1) / HEAD_TILE;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t o0 = t * HEAD_TILE;
+        const int count = O - o0 < HEAD_TILE ? (int)(O - o0) : HEAD_TILE;
+        float sums[HEAD_TILE];
+        if (M == 1 && count == HEAD_TILE) {
+            head_int8(x, codes + o0 * s_code, s_code, D, sums);
+            for (int j = 0; j < count; j++) out[o0 + j] = sums[j] * scale[o0 + j];
+            continue;
+        }
+        float w[HEAD_TILE * D] __attribute__((aligned(32)));
+        for (int j = 0; j < HEAD_TILE; j++) {
+            const int8_t *c = codes + (o0 + (j < count ? j : 0)) * s_code;
+            for (int k = 0; k < D; k += 8) {
+                const __m128i bytes = _mm_loadl_epi64((const __m128i *)(c + k));
+                _mm256_store_ps(w + j * D + k, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)));
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            head_widened(x + (int64_t)m * D, w, D, sums);
+            for (int j = 0; j < count; j++) out[(int64_t)m * O + o0 + j] = sums[j] * scale[o0 + j];
+        }
+    }
+    return 0;
+#else
+    (void)x, (void)M, (void)codes, (void)O, (void)D, (void)s_code, (void)scale, (void)out, (void)threads;
     return -1;
 #endif
 }

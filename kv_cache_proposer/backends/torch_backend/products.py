@@ -4,14 +4,19 @@ kernel it stands in for, so a token's values are the same bit for bit whichever 
 - the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
   codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
   longer blocks keep `_int_mm`, whose packed product pays from there.
+- the int8 LM head on a CPU without int8 dot products (`int8_float_head`): float32 rows times its int8 codes widened
+  to float32 in the kernel, a quarter of the bytes of the codes' float32 values. This one is the kernel's own
+  arithmetic, not a PyTorch kernel's (every sum in one order for any row count and thread count), chosen when the
+  head is loaded (`weights.PackedLinear`); where the kernel is off the head holds the float32 values instead.
 - int4 layers over blocks of `INT4_ROWS_FROM` rows or more (`torch.ops.kakeya.int4_rows`: a verify block, a
   batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized once
   for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
-(AVX512-VNNI for int8, AVX-512 or AVX2 for int4), PyTorch does not run the int4 kernel of the build's instructions
-(whose layout and arithmetic the int4 path reproduces: AVX-512's or AVX2's; checked against it once at load), or
-`KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged once, with the reason."""
+(AVX512-VNNI for int8, AVX2 for the float head, AVX-512 or AVX2 for int4), PyTorch does not run the int4 kernel of
+the build's instructions (whose layout and arithmetic the int4 path reproduces: AVX-512's or AVX2's; checked against
+it once at load), or `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged
+once, with the reason."""
 
 from __future__ import annotations
 
@@ -48,6 +53,8 @@ blocks it computes alike, so layers whose outputs fill whole blocks of this many
 _INT4_CAPABILITY = {64: "AVX512", 32: "AVX2"}
 """The int4 kernel of PyTorch's whose layout and arithmetic a build of each block size reproduces."""
 INT4_MAX_GROUP = 256
+FLOAT_HEAD_MAX_WIDTH = 8192
+"""Inputs of a row the float head serves at most (`HEAD_MAX_WIDTH` of products.c); a multiple of 8."""
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -63,6 +70,8 @@ class ProductKernel:
     serves_int4: bool
     int4_block: int = INT4_BLOCK
     """Outputs of one packed block of the int4 rows the build computes (64: AVX-512, 32: AVX2)."""
+    float_head: Any = None
+    serves_float_head: bool = False
 
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
@@ -87,6 +96,32 @@ class ProductKernel:
         if status != 0:
             raise ValueError(f"the int8 row kernel does not serve {count} rows of {width} values")
         return out.t()
+
+    def float_head_product(
+        self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, threads: int
+    ) -> torch.Tensor:
+        """`x @ codes.T × scale` for float32 `x` [M, D], int8 `codes` [O, D] with contiguous rows and float32 `scale`
+        [O]: float32 [M, O], each sum over the inputs in the kernel's order, then scaled."""
+        x, scale = x.contiguous(), scale.contiguous()
+        count, width = (int(s) for s in x.shape)
+        outputs = int(codes.shape[0])
+        if codes.stride(1) != 1 or int(codes.shape[1]) != width or x.dtype != torch.float32:
+            raise ValueError("the float head reads float32 rows and code rows of contiguous values as long")
+        out = torch.empty(count, outputs, dtype=torch.float32)
+        status = self.float_head(
+            x.data_ptr(),
+            count,
+            codes.data_ptr(),
+            outputs,
+            width,
+            int(codes.stride(0)),
+            scale.data_ptr(),
+            out.data_ptr(),
+            threads,
+        )
+        if status != 0:
+            raise ValueError(f"the float head does not serve {count} rows of {width} values")
+        return out
 
     def int4_product(
         self, rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor, threads: int
@@ -129,6 +164,22 @@ def row_sums(rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor | No
     return kernel.sums(rows, codes, offsets, torch.get_num_threads())
 
 
+def float_head_serves(width: int) -> bool:
+    """Whether the kernel multiplies an int8 head of `width` inputs (`int8_float_head`) on this CPU."""
+    kernel = product_kernel()
+    served = kernel is not None and kernel.serves_float_head
+    return served and width % 8 == 0 and 8 <= width <= FLOAT_HEAD_MAX_WIDTH
+
+
+def int8_float_head(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x @ codes.T × scale` on the kernel (`ProductKernel.float_head_product`) for a head held for it
+    (`float_head_serves`)."""
+    kernel = product_kernel()
+    if kernel is None or not kernel.serves_float_head:
+        raise RuntimeError("an int8 head held for the product kernel's float product, which is not loaded")
+    return kernel.float_head_product(x, codes, scale, torch.get_num_threads())
+
+
 def int4_serves(weight: torch.Tensor, group: int, width: int, block: int = INT4_BLOCK) -> bool:
     """Whether the kernel's int4 path, in blocks of `block` outputs, reads a layer of packed `weight` [N, K / 2] and
     `group`."""
@@ -152,11 +203,18 @@ def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: tor
 _LIBRARY = torch.library.Library("kakeya", "DEF")
 _LIBRARY.define("int4_rows(Tensor rows, Tensor weight, int group, Tensor qparams) -> Tensor")
 _LIBRARY.impl("int4_rows", int4_rows, "CPU")
+_LIBRARY.define("int8_float_head(Tensor x, Tensor codes, Tensor scale) -> Tensor")
+_LIBRARY.impl("int8_float_head", int8_float_head, "CPU")
 
 
 @torch.library.register_fake("kakeya::int4_rows")
 def _int4_rows_shape(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("kakeya::int8_float_head")
+def _float_head_shape(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
 
 
 @cache
@@ -172,26 +230,40 @@ def product_kernel() -> ProductKernel | None:
         loaded = ctypes.CDLL(str(library))
         int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
         int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
+        float_head, float_head_served = loaded.int8_float_head, loaded.int8_float_head_served
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
         return None
     int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
-    for served in (int8_served, int4_served):
+    float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
+    for served in (int8_served, int4_served, float_head_served):
         served.argtypes, served.restype = [], _I
     block = int(int4_served())
     kernel = ProductKernel(
-        int8_sums, int4, library, bool(int8_served()), serves_int4=False, int4_block=block or INT4_BLOCK
+        int8_sums,
+        int4,
+        library,
+        bool(int8_served()),
+        serves_int4=False,
+        int4_block=block or INT4_BLOCK,
+        float_head=float_head,
+        serves_float_head=bool(float_head_served()),
     )
     why = _int4_unserved(kernel, block)
     if why is None:
         kernel = replace(kernel, serves_int4=True)
-    if not kernel.serves_int8 and not kernel.serves_int4:
-        log.info("product kernel: PyTorch's kernels (no AVX512-VNNI for int8; int4: %s)", why)
+    if not kernel.serves_int8 and not kernel.serves_int4 and not kernel.serves_float_head:
+        log.info("product kernel: PyTorch's kernels (no AVX512-VNNI for int8, no AVX2; int4: %s)", why)
         return None
-    int8_says = "the int8 head's sums" if kernel.serves_int8 else "not the int8 head's sums (no AVX512-VNNI)"
+    if kernel.serves_int8:
+        head_says = "the int8 head's sums"
+    elif kernel.serves_float_head:
+        head_says = "the int8 head's float product (no AVX512-VNNI)"
+    else:
+        head_says = "not the int8 head (neither AVX512-VNNI nor AVX2)"
     int4_says = f"int4 blocks of {INT4_ROWS_FROM}+ rows" if kernel.serves_int4 else f"not int4 ({why})"
-    log.info("product kernel: compiled kernel %s for %s, %s", library, int8_says, int4_says)
+    log.info("product kernel: compiled kernel %s for %s, %s", library, head_says, int4_says)
     return kernel
 
 

@@ -4,7 +4,8 @@ PyTorch's packed CPU kernels.
 A CPU decodes at the speed it reads weights, so these are its first lever; K/V, norms, attention and the residual
 stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
 path), except the int8 LM head's: its inputs meet its codes as integers (`INT8_SPLIT`) on a CPU with int8 dot
-products, and its codes in float32 elsewhere (`DENSE_EXACT`; `integer_head_product`). int8 holds one
+products, and its codes in float32 elsewhere (`INT8_FLOAT` on the product kernel, else `DENSE_EXACT`;
+`integer_head_product`). int8 holds one
 symmetric scale per output channel; int4 holds asymmetric 4-bit codes in groups of 32 inputs (a scale and a zero
 point per group), the layout of a GGUF Q4_1 block, whose dequantized weights it represents exactly up to the
 bfloat16 rounding of the block's scale and offset. The token embedding stays in the model's dtype
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends.torch_backend.products import INT4_BLOCK, code_offsets, row_sums
+from kv_cache_proposer.backends.torch_backend.products import INT4_BLOCK, code_offsets, float_head_serves, row_sums
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,11 @@ DENSE_EXACT = 4
 # packed product costs almost as much per row as for one) and costs more than the packed kernel on the narrower
 # layers of a transformer block; and only on a CPU with int8 dot products (`integer_head_product`).
 INT8_SPLIT = 5
+# int8 codes with one float32 scale per output, multiplied by float32 inputs on the product kernel, the codes widened
+# to float32 there (`products.int8_float_head`): every sum in one order whatever the rows beside it, reading the codes'
+# bytes rather than four times as many of their float32 values (`DENSE_EXACT`). An int8 head's product on a CPU
+# without int8 dot products where the kernel serves it (AVX2).
+INT8_FLOAT = 6
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
 
@@ -109,6 +115,10 @@ def linear(
     if kind == 5:  # INT8_SPLIT
         assert qparams is not None
         return split_int8_product(x, weight, bias, qparams)
+    if kind == 6:  # INT8_FLOAT
+        assert qparams is not None
+        y = torch.ops.kakeya.int8_float_head(x.reshape(-1, x.shape[-1]).float(), weight, qparams)
+        return _as_output(y, x, bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
     if kind == 1:  # BF16
         y = F.linear(rows, weight)
@@ -172,9 +182,7 @@ def _as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> t
 
 class PackedLinear(nn.Module):
     """A linear layer whose weight is held as bfloat16, int8 or int4 (`linear` computes it); `wide`: an int8 weight
-    is multiplied by `split_int8_product` (`INT8_SPLIT`) where this PyTorch has oneDNN and the CPU int8 dot
-    products, and held as the float32 values of its codes for oneDNN's float32 product (`DENSE_EXACT`, 4x the
-    bytes) where it has oneDNN only: both give a row the same values whatever rows share its forward."""
+    is multiplied as `_wide_int8` chooses, each way giving a row the same values whatever rows share its forward."""
 
     def __init__(self, source: nn.Linear, weights: str, *, wide: bool = False) -> None:
         super().__init__()
@@ -187,14 +195,8 @@ class PackedLinear(nn.Module):
             packed = dense.to(torch.bfloat16)
         elif self.kind == INT8:
             packed, qparams = quantize_int8(dense)
-            if wide and torch.backends.mkldnn.is_available():
-                reordered = None
-                if not integer_head_product():  # the codes' values: 7-bit codes times bfloat16 scales, exact
-                    reordered = exact_dense(packed.float() * qparams.float()[:, None])
-                if reordered is not None:
-                    self.kind, packed, qparams = DENSE_EXACT, reordered, None
-                else:
-                    self.kind, qparams = INT8_SPLIT, qparams.float()  # the same bfloat16-rounded scales
+            if wide:
+                self.kind, packed, qparams = _wide_int8(packed, qparams)
         else:
             packed, qparams = quantize_int4(dense)
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -212,6 +214,25 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kind={self.kind}"
+
+
+def _wide_int8(codes: torch.Tensor, scale: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """How a wide int8 layer's `codes` and bfloat16 `scale` (`quantize_int8`) are held and multiplied on this CPU, as
+    (kind, weight, qparams): by `split_int8_product` (`INT8_SPLIT`) where this PyTorch has oneDNN and the CPU int8
+    dot products; on the product kernel's float product (`INT8_FLOAT`) where it serves the layer; as the float32
+    values of the codes for oneDNN's float32 product (`DENSE_EXACT`, 4x the bytes) where there is oneDNN only; by
+    the packed int8 kernel (`INT8`) where there is none. The scales stay the same bfloat16-rounded values."""
+    mkldnn = torch.backends.mkldnn.is_available()
+    if mkldnn and integer_head_product():
+        return INT8_SPLIT, codes, scale.float()
+    if float_head_serves(int(codes.shape[1])):
+        return INT8_FLOAT, codes, scale.float()
+    if mkldnn:
+        reordered = exact_dense(codes.float() * scale.float()[:, None])  # 7-bit codes times bfloat16 scales: exact
+        if reordered is not None:
+            return DENSE_EXACT, reordered, None
+        return INT8_SPLIT, codes, scale.float()
+    return INT8, codes, scale
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -277,7 +298,7 @@ def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | N
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
     """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
     by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts; an int8 head as
-    `DENSE_EXACT`: none)."""
+    `DENSE_EXACT` and `INT8_FLOAT`: none)."""
     dense = weight.detach().float()
     if weights == "bfloat16":
         return dense.to(torch.bfloat16).float()
@@ -290,8 +311,8 @@ def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
 
 def pack_linears(model: nn.Module, weights: str) -> int:
     """Replace every linear layer of `model` (the LM head included, untied from the embedding) by a `PackedLinear`
-    holding `weights` (bfloat16, int8 or int4; the LM head int8 under int4, multiplied as `INT8_SPLIT` or held as
-    `DENSE_EXACT`, see `PackedLinear`); returns how many were replaced."""
+    holding `weights` (bfloat16, int8 or int4; the LM head int8 under int4, multiplied as `_wide_int8` chooses);
+    returns how many were replaced."""
     if weights not in _KINDS:
         raise ValueError(f"pack_linears takes bfloat16, int8 or int4, not {weights!r}")
     device = next(model.parameters()).device

@@ -1,7 +1,8 @@
 """Linear layers' products on the compiled kernel: the int8 head's integer sums are `_int_mm`'s for every width, row
 count and value, and int4 rows are `_weight_int4pack_mm_for_cpu`'s bit for bit for every row count and layer
-shape, so a token's logits are the same whichever computes them, through the verifier's forwards too; turned off
-or failing to build, PyTorch's kernels compute every product."""
+shape, so a token's logits are the same whichever computes them, through the verifier's forwards too; the float
+head (a CPU without int8 dot products) gives a row the same logits among any rows and threads, close to the values
+its codes stand for; turned off or failing to build, PyTorch's kernels compute every product."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ import pytest
 import torch
 
 from kv_cache_proposer.backends.torch_backend import products
+from kv_cache_proposer.backends.torch_backend import weights as weights_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.backends.torch_backend.weights import INT8_SPLIT, PackedLinear, integer_head_product
+from kv_cache_proposer.backends.torch_backend.weights import (
+    DENSE_EXACT,
+    INT8_FLOAT,
+    INT8_SPLIT,
+    PackedLinear,
+    integer_head_product,
+    quantize_int8,
+)
 from kv_cache_proposer.strategies import FullStrategy
 from tests.support.compilers import use_broken_compiler
 
@@ -41,6 +50,14 @@ def int4_kernel(kernel) -> products.ProductKernel:
         pytest.skip(f"PyTorch runs its {capability} int4 kernel here, which the kernel does not stand in for")
     assert kernel.serves_int4, "the kernel's int4 rows differ from PyTorch's (its self-check at load failed)"
     assert kernel.int4_block == (64 if capability == "AVX512" else 32)
+    return kernel
+
+
+@pytest.fixture
+def float_head(kernel) -> products.ProductKernel:
+    if not torch.cpu.get_capabilities().get("avx2", False):
+        pytest.skip("this CPU has no AVX2: an int8 head without int8 dot products holds its codes' float32 values")
+    assert kernel.serves_float_head
     return kernel
 
 
@@ -227,9 +244,70 @@ def test_a_verifier_s_blocks_run_their_int4_layers_on_the_kernel_with_the_same_l
         return out
 
     monkeypatch.setattr(products.ProductKernel, "int4_product", counting)
+    # the float head is the kernel's own arithmetic, not a PyTorch kernel's: both runs hold the head another way
+    monkeypatch.setattr(weights_module, "float_head_serves", lambda width: False)
     with_kernel = logits()
     assert sorted(set(calls)) == [6, 37]  # every block of 5 or more rows; no lone step
     monkeypatch.setenv(products.ENV, "off")
     products.product_kernel.cache_clear()
     for on, off in zip(with_kernel, logits(), strict=True):
         assert torch.equal(on, off)
+
+
+def _float_head_layer(outputs: int, width: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    codes, scale = quantize_int8(torch.randn(outputs, width, generator=generator))
+    codes[0] = 127  # the extreme codes
+    codes[1] = -127
+    return codes, scale.float()
+
+
+@pytest.mark.parametrize(("outputs", "width"), [(8, 8), (301, 96), (1000, 576), (17, 8192)])
+def test_the_float_head_gives_a_row_the_same_logits_among_any_rows_and_threads(float_head, outputs, width):
+    codes, scale = _float_head_layer(outputs, width, width)
+    x = torch.randn(70, width, generator=torch.Generator().manual_seed(outputs)) * 3
+    x[:, 5] *= 40  # an outlier input
+    x[4] = 0.0  # a row of zeros
+    logits = float_head.float_head_product(x, codes, scale, 2)
+    assert logits.dtype == torch.float32 and logits.shape == (70, outputs)
+    for start, count in ((0, 1), (3, 1), (3, 2), (5, 3), (9, 8), (20, 13), (0, 70)):
+        for threads in (1, 2):
+            rows = float_head.float_head_product(x[start : start + count], codes, scale, threads)
+            assert torch.equal(rows, logits[start : start + count]), (start, count, threads)
+    assert torch.equal(logits[4], torch.zeros(outputs))
+    exact = x.double() @ (codes.double() * scale.double()[:, None]).t()
+    assert float((logits.double() - exact).abs().max()) < 1e-5 * float(exact.abs().max())
+    assert torch.equal(torch.ops.kakeya.int8_float_head(x, codes, scale), logits)
+
+
+def test_the_float_head_serves_widths_of_whole_vectors_and_refuses_the_rest(float_head):
+    assert products.float_head_serves(576) and products.float_head_serves(products.FLOAT_HEAD_MAX_WIDTH)
+    for width in (4, 100, products.FLOAT_HEAD_MAX_WIDTH + 8):
+        assert not products.float_head_serves(width)
+    codes, scale = _float_head_layer(16, 100, 0)
+    with pytest.raises(ValueError, match="does not serve 2 rows of 100 values"):
+        float_head.float_head_product(torch.zeros(2, 100), codes, scale, 1)
+    codes, scale = _float_head_layer(16, 64, 0)
+    with pytest.raises(ValueError, match="float32 rows"):
+        float_head.float_head_product(torch.zeros(2, 64, dtype=torch.bfloat16), codes, scale, 1)
+    source = torch.nn.Linear(100, 40, bias=False)  # a width it does not serve: the float32 values of the codes
+    assert PackedLinear(source, "int8", wide=True).kind in (INT8_SPLIT, DENSE_EXACT)
+
+
+def test_an_int4_verifier_multiplies_its_head_on_the_float_kernel_with_the_same_logits_for_any_block(
+    checkpoints, float_head
+):
+    if integer_head_product():
+        pytest.skip("this CPU has int8 dot products: an int8 head multiplies its inputs as integers")
+    verifier = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4")
+    head = verifier.model.get_output_embeddings()
+    assert isinstance(head, PackedLinear) and head.kind == INT8_FLOAT and head.weight.dtype == torch.int8
+    tokens = list(range(3, 15))
+    whole = verifier.new_cache(FullStrategy())
+    block = verifier.verify(whole, tokens, len(tokens)).logits.clone()  # [12, V]
+    stepwise = verifier.new_cache(FullStrategy())
+    verifier.verify(stepwise, tokens[:5], 5)
+    verifier.commit(stepwise, 5)
+    for i, token in enumerate(tokens[5:], start=5):  # a decode step for each, then a verify block of 1
+        assert torch.equal(verifier.verify(stepwise, [token], 1).logits[-1], block[i]), i
+        verifier.commit(stepwise, 1)

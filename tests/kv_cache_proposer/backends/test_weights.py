@@ -20,6 +20,7 @@ from kv_cache_proposer.backends.torch_backend.weights import (
     DENSE_EXACT,
     INT4,
     INT8,
+    INT8_FLOAT,
     INT8_SPLIT,
     PackedLinear,
     held_values,
@@ -140,7 +141,8 @@ def test_a_q4_1_block_is_held_at_its_own_codes_scale_and_offset():
 def test_int4_holds_the_lm_head_at_int8(checkpoints):
     model = TorchVerifier.load(checkpoints["llama"], device="cpu", dtype="float32", weights="int4").model
     head = model.get_output_embeddings()
-    assert isinstance(head, PackedLinear) and head.kind == (INT8_SPLIT if integer_head_product() else DENSE_EXACT)
+    assert isinstance(head, PackedLinear) and head.kind in (INT8_SPLIT, INT8_FLOAT, DENSE_EXACT)
+    assert (head.kind == INT8_SPLIT) == integer_head_product()
     assert (
         isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
         and model.model.layers[0].mlp.down_proj.kind == INT4
@@ -167,17 +169,25 @@ def test_the_split_int8_product_gives_a_row_the_same_values_among_any_rows_and_m
     assert split_error * 10 < float((packed.double() - exact).abs().max())
 
 
-@pytest.mark.parametrize("integer", [True, False], ids=["int8-dot-products", "none"])
-def test_an_int8_head_holds_its_codes_and_gives_a_row_the_same_logits_among_any_rows_on_either_cpu(
-    monkeypatch, integer
+@pytest.mark.parametrize(
+    ("integer", "float_kernel", "kind"),
+    [(True, True, INT8_SPLIT), (False, True, INT8_FLOAT), (False, False, DENSE_EXACT)],
+    ids=["int8-dot-products", "float-kernel", "none"],
+)
+def test_an_int8_head_holds_its_codes_and_gives_a_row_the_same_logits_among_any_rows_on_every_cpu(
+    monkeypatch, integer, float_kernel, kind
 ):
+    if float_kernel and not integer and not weights_module.float_head_serves(96):
+        pytest.skip("no C compiler or no AVX2 here: the product kernel's float head is not built")
     monkeypatch.setattr(weights_module, "integer_head_product", lambda: integer)
+    monkeypatch.setattr(weights_module, "float_head_serves", lambda width: float_kernel)
     generator = torch.Generator().manual_seed(1)
     source = torch.nn.Linear(96, 300, bias=False)
     with torch.no_grad():
         source.weight.copy_(torch.randn(300, 96, generator=generator))
     head = PackedLinear(source, "int8", wide=True)
-    assert head.kind == (INT8_SPLIT if integer else DENSE_EXACT)
+    assert head.kind == kind
+    assert head.weight.dtype == (torch.float32 if kind == DENSE_EXACT else torch.int8)  # the codes' bytes held
     x = torch.randn(40, 96, generator=generator)
     x[:, 7] *= 40  # an outlier input
     logits = head(x)
