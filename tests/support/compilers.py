@@ -1,6 +1,6 @@
 """Builds of the compiled kernels the tests need besides the machine's own: one by a C compiler that fails (what the
-kernels do when they cannot be built), and the attention and product kernels built without AVX-512 (their AVX2
-paths, on a CPU that has AVX-512)."""
+kernels do when they cannot be built), and the attention kernel built without AVX-512 (its AVX2 path, on a CPU that
+has AVX-512)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kv_cache_proposer.backends.torch_backend import held_kernel, kernel_build, products
+from kv_cache_proposer.backends.torch_backend import held_kernel, kernel_build
 
 
 def kernel_without_avx512() -> held_kernel.HeldKernel:
     """The attention kernel built for this CPU less AVX-512 (`-mno-avx512f`): on a CPU with AVX-512, its AVX2 path."""
     return held_kernel.load((*kernel_build.FLAGS, "-mno-avx512f"))
-
-
-def products_without_avx512() -> products.ProductKernel:
-    """The product kernel built for this CPU less AVX-512 (`-mno-avx512f`): on a CPU with AVX-512, its AVX2 paths
-    (not checked against PyTorch's kernels, which run their AVX-512 ones there)."""
-    return products.load((*kernel_build.EXACT_FLAGS, "-mno-avx512f"))
 
 
 def use_broken_compiler(monkeypatch: pytest.MonkeyPatch, directory: Path, message: str) -> None:

@@ -11,8 +11,7 @@
      weight dequantized as fma(code - 8, scale, zero) in float32; on AVX2 blocks of 32, each weight dequantized as
      fma(code, scale, fma(scale, -8, zero)); on both the products summed by fma in input order from 0 and the sum
      rounded to bfloat16 to nearest even. But each block's weights are dequantized once for all the rows instead of
-     once per 4: a verify block, a batched step or a prefill chunk reads them at a fraction of the cost; and on AVX2
-     a lone row's weights are dequantized in registers, without the copy.
+     once per 4: a verify block, a batched step or a prefill chunk reads them at a fraction of the cost.
 
    - int8_float_head: float32 rows times int8 codes with one float32 scale per code row, the codes widened to
      float32 in the kernel: the int8 LM head's product on a CPU without int8 dot products (AVX2 or AVX-512 without
@@ -59,10 +58,6 @@ int int8_rows_served(void) { return VNNI; }
 /* The outputs of one packed block this build computes int4 rows in (64: AVX-512, 32: AVX2), or 0 where it computes
    none (every call returns -1). */
 int int4_rows_served(void) { return AVX512 || AVX2 ? INT4_BLOCK : 0; }
-
-/* Whether the build computes a lone row's int4 product without the dequantized copy (int4_row: AVX2), where it is
-   faster than PyTorch's kernel; on AVX-512 a lone row is left to PyTorch's. */
-int int4_lone_row_served(void) { return AVX2; }
 
 #if VNNI
 /* Sums of G shifted rows `x` (each `D` long, one after another) against one code row `c`, into out[0..G). */
@@ -209,57 +204,32 @@ static inline __attribute__((always_inline)) void int4_rows_fma(float *acc, cons
 
 /* The G inputs' weights of one block, dequantized [G][32]: packed byte j of an input holds output j in its low
    nibble and output j + 16 in its high one. */
-/* The scales and zero points of one group's block of 32 outputs at n0, zero points less 8 scales (the codes are read
-   unsigned). */
-static inline void int4_group(const uint16_t *scales_zeros, int64_t n0, __m256 *scale, __m256 *zero) {
-    const __m256 minus8 = _mm256_set1_ps(-8.0f);
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-    for (int part = 0; part < 4; part++) { /* 8 outputs' (scale, zero) pairs: a bfloat16 pair in each 32-bit lane */
-        const __m256i pairs = _mm256_loadu_si256((const __m256i *)(scales_zeros + (n0 + 8 * part) * 2));
-        scale[part] = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        zero[part] = _mm256_fmadd_ps(scale[part], minus8, _mm256_castsi256_ps(_mm256_and_si256(pairs, high)));
-    }
-}
-
-/* One input's 32 dequantized weights, w[0..3]: packed byte j holds output j in its low nibble and output j + 16 in
-   its high one. */
-static inline void int4_weights(const uint8_t *packed, const __m256 *scale, const __m256 *zero, __m256 *w) {
-    const __m256i nibble = _mm256_set1_epi32(0xF);
-    const __m128i bytes = _mm_loadu_si128((const __m128i *)packed);
-    const __m256i first = _mm256_cvtepu8_epi32(bytes);                                          /* 0-7 | 16-23 */
-    const __m256i second = _mm256_cvtepu8_epi32(_mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 2, 3, 2))); /* 8-15 | 24-31 */
-    w[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble)), scale[0], zero[0]);
-    w[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble)), scale[1], zero[1]);
-    w[2] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), scale[2], zero[2]);
-    w[3] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), scale[3], zero[3]);
-}
-
-/* The G inputs' weights of one block, dequantized [G][32]. */
 static inline void int4_dequantize(const uint8_t *packed, const uint16_t *scales_zeros, int64_t n0, int G,
                                    float *weights) {
-    __m256 scale[4], zero[4], w[4];
-    int4_group(scales_zeros, n0, scale, zero);
-    for (int k = 0; k < G; k++) {
-        int4_weights(packed + (int64_t)k * 16, scale, zero, w);
-        for (int j = 0; j < 4; j++) _mm256_store_ps(weights + k * INT4_BLOCK + 8 * j, w[j]);
-    }
-}
-
-/* One row's sums over a block of 32 outputs at n0 (`packed`: the block's K inputs), the weights dequantized in
-   registers as int4_dequantize gives them and multiplied as int4_rows_fma does: a row alone needs no copy. */
-static inline void int4_row(const uint16_t *row, const uint8_t *packed, const uint16_t *scales_zeros, int64_t n0,
-                            int64_t N, int K, int G, float *acc) {
-    __m256 c[4], scale[4], zero[4], w[4];
-    for (int j = 0; j < 4; j++) c[j] = _mm256_setzero_ps();
-    for (int k0 = 0; k0 < K; k0 += G) {
-        int4_group(scales_zeros + (int64_t)(k0 / G) * N * 2, n0, scale, zero);
-        for (int k = k0; k < k0 + G; k++) {
-            int4_weights(packed + (int64_t)k * 16, scale, zero, w);
-            const __m256 x = _mm256_set1_ps(from_bf16(row[k]));
-            for (int j = 0; j < 4; j++) c[j] = _mm256_fmadd_ps(x, w[j], c[j]);
+    __m256 scale[4], zero[4];
+    const __m256 minus8 = _mm256_set1_ps(-8.0f);
+    for (int part = 0; part < 4; part++) {
+        float s[8], z[8];
+        for (int j = 0; j < 8; j++) {
+            s[j] = from_bf16(scales_zeros[(n0 + 8 * part + j) * 2]);
+            z[j] = from_bf16(scales_zeros[(n0 + 8 * part + j) * 2 + 1]);
         }
+        scale[part] = _mm256_loadu_ps(s);
+        zero[part] = _mm256_fmadd_ps(scale[part], minus8, _mm256_loadu_ps(z)); /* the codes are read unsigned */
     }
-    for (int j = 0; j < 4; j++) _mm256_store_ps(acc + 8 * j, c[j]);
+    const __m256i nibble = _mm256_set1_epi32(0xF);
+    for (int k = 0; k < G; k++) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + (int64_t)k * 16));
+        float *w = weights + k * INT4_BLOCK;
+        __m256i first = _mm256_cvtepu8_epi32(bytes);                                        /* outputs 0-7 | 16-23 */
+        __m256i second = _mm256_cvtepu8_epi32(_mm_shuffle_epi32(bytes, _MM_SHUFFLE(3, 2, 3, 2))); /* 8-15 | 24-31 */
+        _mm256_store_ps(w, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(first, nibble)), scale[0], zero[0]));
+        _mm256_store_ps(w + 8,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(second, nibble)), scale[1], zero[1]));
+        _mm256_store_ps(w + 16, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(first, 4)), scale[2], zero[2]));
+        _mm256_store_ps(w + 24,
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(second, 4)), scale[3], zero[3]));
+    }
 }
 #endif
 
@@ -280,12 +250,7 @@ int int4_rows(const uint16_t *rows, int M, const uint8_t *packed, const uint16_t
         float acc[INT4_MAX_ROWS * INT4_BLOCK] __attribute__((aligned(64)));
         float inputs[INT4_MAX_ROWS * INT4_MAX_GROUP] __attribute__((aligned(64)));
         memset(acc, 0, sizeof(float) * INT4_BLOCK * M);
-#if AVX2
-        if (M == 1) int4_row(rows, packed + b * K * (INT4_BLOCK / 2), scales_zeros, b * INT4_BLOCK, N, K, G, acc);
-        for (int k0 = 0; k0 < K && M > 1; k0 += G) {
-#else
         for (int k0 = 0; k0 < K; k0 += G) {
-#endif
             int4_dequantize(packed + (b * K + k0) * (INT4_BLOCK / 2), scales_zeros + (int64_t)(k0 / G) * N * 2,
                             b * INT4_BLOCK, G, weights);
             for (int m = 0; m < M; m++)

@@ -10,8 +10,7 @@ kernel it stands in for, so a token's values are the same bit for bit whichever 
   head is loaded (`weights.PackedLinear`); where the kernel is off the head holds the float32 values instead.
 - int4 layers over blocks of `INT4_ROWS_FROM` rows or more (`torch.ops.kakeya.int4_rows`: a verify block, a
   batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized once
-  for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel, except on the
-  AVX2 build, which dequantizes its weights in registers (`int4_lone_rows`; `weights.INT4_LONE`)
+  for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
 (AVX512-VNNI for int8, AVX2 for the float head, AVX-512 or AVX2 for int4), PyTorch does not run the int4 kernel of
@@ -70,11 +69,9 @@ class ProductKernel:
     serves_int8: bool
     serves_int4: bool
     int4_block: int = INT4_BLOCK
-    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512, 32: AVX2; 0: none)."""
+    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512, 32: AVX2)."""
     float_head: Any = None
     serves_float_head: bool = False
-    int4_lone_row: bool = False
-    """Whether the int4 rows compute a lone row without the dequantized copy (the AVX2 build)."""
 
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
@@ -190,13 +187,6 @@ def int4_serves(weight: torch.Tensor, group: int, width: int, block: int = INT4_
     return outputs >= block and outputs % block == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
 
 
-def int4_lone_rows() -> bool:
-    """Whether an int4 layer's lone rows (decode steps) run on the kernel too (`weights.INT4_LONE`): on its AVX2
-    build, 1.1–1.4× PyTorch's kernel on the default model's layers (docs/models.md#products-on-the-compiled-kernel)."""
-    kernel = product_kernel()
-    return kernel is not None and kernel.serves_int4 and kernel.int4_lone_row
-
-
 def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
     """`_weight_int4pack_mm_for_cpu(rows, weight, group, qparams)`, bit for bit: on the kernel where it serves this
     layer, else PyTorch's kernel."""
@@ -236,11 +226,31 @@ def product_kernel() -> ProductKernel | None:
         log.info("product kernel: PyTorch's kernels (%s=%s)", ENV, setting)
         return None
     try:
-        kernel = load(EXACT_FLAGS)
+        library = built(SOURCE, EXACT_FLAGS)
+        loaded = ctypes.CDLL(str(library))
+        int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
+        int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
+        float_head, float_head_served = loaded.int8_float_head, loaded.int8_float_head_served
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
         return None
-    why = _int4_unserved(kernel, kernel.int4_block)
+    int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
+    int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
+    float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
+    for served in (int8_served, int4_served, float_head_served):
+        served.argtypes, served.restype = [], _I
+    block = int(int4_served())
+    kernel = ProductKernel(
+        int8_sums,
+        int4,
+        library,
+        bool(int8_served()),
+        serves_int4=False,
+        int4_block=block or INT4_BLOCK,
+        float_head=float_head,
+        serves_float_head=bool(float_head_served()),
+    )
+    why = _int4_unserved(kernel, block)
     if why is None:
         kernel = replace(kernel, serves_int4=True)
     if not kernel.serves_int8 and not kernel.serves_int4 and not kernel.serves_float_head:
@@ -253,38 +263,8 @@ def product_kernel() -> ProductKernel | None:
     else:
         head_says = "not the int8 head (neither AVX512-VNNI nor AVX2)"
     int4_says = f"int4 blocks of {INT4_ROWS_FROM}+ rows" if kernel.serves_int4 else f"not int4 ({why})"
-    if kernel.serves_int4 and kernel.int4_lone_row:
-        int4_says += " and lone rows"
-    log.info("product kernel: compiled kernel %s for %s, %s", kernel.library, head_says, int4_says)
+    log.info("product kernel: compiled kernel %s for %s, %s", library, head_says, int4_says)
     return kernel
-
-
-def load(flags: tuple[str, ...]) -> ProductKernel:
-    """The kernel built with `flags` (built if needed, not cached: `product_kernel` caches the machine's own), with
-    what its build computes; `serves_int4` stays False until checked against PyTorch's kernel. Raises what building
-    or loading raises."""
-    library = built(SOURCE, flags)
-    loaded = ctypes.CDLL(str(library))
-    int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
-    int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
-    float_head, float_head_served = loaded.int8_float_head, loaded.int8_float_head_served
-    lone_row_served = loaded.int4_lone_row_served
-    int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
-    int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
-    float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
-    for served in (int8_served, int4_served, float_head_served, lone_row_served):
-        served.argtypes, served.restype = [], _I
-    return ProductKernel(
-        int8_sums,
-        int4,
-        library,
-        bool(int8_served()),
-        serves_int4=False,
-        int4_block=int(int4_served()),
-        float_head=float_head,
-        serves_float_head=bool(float_head_served()),
-        int4_lone_row=bool(lone_row_served()),
-    )
 
 
 def _int4_unserved(kernel: ProductKernel, block: int) -> str | None:
@@ -301,10 +281,7 @@ def _int4_unserved(kernel: ProductKernel, block: int) -> str | None:
     qparams = torch.randn(3, 128, 2, generator=generator).to(torch.bfloat16)
     rows = torch.randn(7, 96, generator=generator).to(torch.bfloat16)
     expected = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, 32, qparams)
-    lone = torch.ops.aten._weight_int4pack_mm_for_cpu(rows[:1], weight, 32, qparams)
-    if not torch.equal(kernel.int4_product(rows, weight, 32, qparams, 1), expected) or not torch.equal(
-        kernel.int4_product(rows[:1], weight, 32, qparams, 1), lone
-    ):
+    if not torch.equal(kernel.int4_product(rows, weight, 32, qparams, 1), expected):
         log.warning("product kernel: int4 rows differ from PyTorch's kernel here; PyTorch's computes them")
         return "its values differ from PyTorch's kernel here"
     return None

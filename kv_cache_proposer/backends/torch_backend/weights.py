@@ -25,13 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends.torch_backend.products import (
-    INT4_BLOCK,
-    code_offsets,
-    float_head_serves,
-    int4_lone_rows,
-    row_sums,
-)
+from kv_cache_proposer.backends.torch_backend.products import INT4_BLOCK, code_offsets, float_head_serves, row_sums
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -55,10 +49,6 @@ INT8_SPLIT = 5
 # bytes rather than four times as many of their float32 values (`DENSE_EXACT`). An int8 head's product on a CPU
 # without int8 dot products where the kernel serves it (AVX2).
 INT8_FLOAT = 6
-# int4 codes as `INT4`, whose lone rows (decode steps) run on the product kernel too, with the same values
-# (`products.int4_lone_rows`: its AVX2 build); INT4's keep PyTorch's kernel, the faster there on AVX-512.
-INT4_LONE = 7
-INT4_KINDS: Final = (INT4, INT4_LONE)
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
 
@@ -137,7 +127,7 @@ def linear(
         y = torch.ops.aten._weight_int8pack_mm(rows, weight, qparams)
     else:
         assert qparams is not None
-        if rows.shape[0] >= 5 or (kind == 7 and rows.shape[0] == 1):  # products.INT4_ROWS_FROM; INT4_LONE
+        if rows.shape[0] >= 5:  # products.INT4_ROWS_FROM: the same values, each weight dequantized once
             y = torch.ops.kakeya.int4_rows(rows, weight, group, qparams)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
@@ -209,7 +199,6 @@ class PackedLinear(nn.Module):
                 self.kind, packed, qparams = _wide_int8(packed, qparams)
         else:
             packed, qparams = quantize_int4(dense)
-            self.kind = INT4_LONE if int4_lone_rows() else INT4
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.qparams = None if qparams is None else nn.Parameter(qparams, requires_grad=False)
         self.bias = None if source.bias is None else nn.Parameter(source.bias.detach(), requires_grad=False)
@@ -290,8 +279,8 @@ def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | N
     own layer, since the kernel computes blocks of `INT4_BLOCK` outputs alike; None (nothing changed) unless
     every module is an int4 `PackedLinear` of one group size whose outputs fill whole blocks, all with biases or
     none."""
-    packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind in INT4_KINDS]
-    if len(packed) != len(modules) or len(packed) < 2 or len({(m.group, m.kind) for m in packed}) != 1:
+    packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind == INT4]
+    if len(packed) != len(modules) or len(packed) < 2 or len({m.group for m in packed}) != 1:
         return None
     if any(m.out_features % INT4_BLOCK for m in packed) or len({m.bias is None for m in packed}) != 1:
         return None
@@ -303,7 +292,7 @@ def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | N
     qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=1)
     biases: list[torch.Tensor] = [m.bias for m in packed if m.bias is not None]
     bias = torch.cat(biases) if biases else None
-    return weight, bias, qparams, packed[0].kind, packed[0].group
+    return weight, bias, qparams, INT4, packed[0].group
 
 
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:

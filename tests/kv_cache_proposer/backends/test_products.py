@@ -21,7 +21,7 @@ from kv_cache_proposer.backends.torch_backend.weights import (
     quantize_int8,
 )
 from kv_cache_proposer.strategies import FullStrategy
-from tests.support.compilers import products_without_avx512, use_broken_compiler
+from tests.support.compilers import use_broken_compiler
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -204,35 +204,6 @@ def test_int4_rows_are_pytorch_s_bit_for_bit_for_every_row_count_and_layer(int4_
     assert torch.equal(torch.ops.kakeya.int4_rows(x, weight, group, qparams), expected)
 
 
-@pytest.mark.parametrize("build", ["this cpu", "avx2"])
-def test_a_lone_int4_row_gets_the_values_it_gets_among_other_rows_on_every_build(int4_kernel, build):
-    kernel = int4_kernel
-    if build == "avx2":
-        if int4_kernel.int4_block == 32:
-            pytest.skip("this CPU has no AVX-512: its own build is the AVX2 one")
-        kernel = products_without_avx512()
-        assert kernel.int4_block == 32 and kernel.int4_lone_row  # dequantized in registers, without the copy
-    for outputs, inputs, group in ((64, 96, 32), (960, 576, 32), (192, 256, 64)):
-        weight, qparams = _int4_layer(outputs, inputs, group, outputs)
-        if build == "avx2":  # the AVX2 build reads PyTorch's AVX2 layout: blocks of 32 outputs, 16 bytes per input
-            codes = torch.randint(0, 16, (outputs, inputs), generator=torch.Generator().manual_seed(inputs))
-            weight = _avx2_packed(codes.to(torch.int32))
-        x = (torch.randn(5, inputs, generator=torch.Generator().manual_seed(group)) * 4).to(torch.bfloat16)
-        together = kernel.int4_product(x, weight, group, qparams, 2)
-        for row in range(5):
-            alone = kernel.int4_product(x[row : row + 1], weight, group, qparams, 1)
-            assert torch.equal(alone, together[row : row + 1]), (outputs, row)
-
-
-def _avx2_packed(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K] packed as PyTorch's AVX2 kernel reads them: per block of 32 outputs and input k, 16 bytes,
-    byte j holding output j in its low nibble and output j + 16 in its high one."""
-    outputs, inputs = codes.shape
-    blocks = codes.reshape(outputs // 32, 32, inputs).permute(0, 2, 1)  # [N / 32, K, 32]
-    packed = (blocks[..., :16] | (blocks[..., 16:] << 4)).to(torch.uint8)  # [N / 32, K, 16]
-    return packed.reshape(outputs, inputs // 2)
-
-
 def test_int4_rows_leave_layers_the_kernel_does_not_serve_to_pytorch(int4_kernel, monkeypatch):
     calls: list[int] = []
     monkeypatch.setattr(products.ProductKernel, "int4_product", lambda *args: calls.append(1))
@@ -276,8 +247,7 @@ def test_a_verifier_s_blocks_run_their_int4_layers_on_the_kernel_with_the_same_l
     # the float head is the kernel's own arithmetic, not a PyTorch kernel's: both runs hold the head another way
     monkeypatch.setattr(weights_module, "float_head_serves", lambda width: False)
     with_kernel = logits()
-    # every block of 5 or more rows; a lone step too where the build computes it without the dequantized copy (AVX2)
-    assert sorted(set(calls)) == ([1, 6, 37] if int4_kernel.int4_lone_row else [6, 37])
+    assert sorted(set(calls)) == [6, 37]  # every block of 5 or more rows; no lone step
     monkeypatch.setenv(products.ENV, "off")
     products.product_kernel.cache_clear()
     for on, off in zip(with_kernel, logits(), strict=True):

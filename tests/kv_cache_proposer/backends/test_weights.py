@@ -18,7 +18,7 @@ from kv_cache_proposer.backends.torch_backend import weights as weights_module
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
     DENSE_EXACT,
-    INT4_KINDS,
+    INT4,
     INT8,
     INT8_FLOAT,
     INT8_SPLIT,
@@ -145,7 +145,7 @@ def test_int4_holds_the_lm_head_at_int8(checkpoints):
     assert (head.kind == INT8_SPLIT) == integer_head_product()
     assert (
         isinstance(model.model.layers[0].mlp.down_proj, PackedLinear)
-        and model.model.layers[0].mlp.down_proj.kind in INT4_KINDS
+        and model.model.layers[0].mlp.down_proj.kind == INT4
     )
 
 
@@ -213,7 +213,7 @@ def test_a_q4_1_gguf_at_int4_gives_its_dequantized_logits_within_rounding(checkp
     directory = resolve_model(str(gguf_file), tmp_path / "cache").directory  # the file's weights, dequantized
     dequantized = _logits(TorchVerifier.load(directory, device="cpu", dtype="float32"))
     held = TorchVerifier.load(directory, device="cpu", dtype="float32", weights="int4")
-    blocks = [m for m in held.model.modules() if isinstance(m, PackedLinear) and m.kind in INT4_KINDS]
+    blocks = [m for m in held.model.modules() if isinstance(m, PackedLinear) and m.kind == INT4]
     assert blocks, "the block layers are held at int4"
     # the layers' codes are the file's own; what is left is bfloat16 rounding (inputs, block scales and offsets)
     # and the LM head's int8
