@@ -76,25 +76,8 @@ class ProductKernel:
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
         rows are contiguous, `offsets` from `code_offsets(codes)`: int32 [M, out] (a transposed view)."""
-        rows = rows.contiguous()
-        count, width = (int(s) for s in rows.shape)
-        outputs = int(codes.shape[0])
-        if codes.stride(1) != 1 or int(codes.shape[1]) != width:
-            raise ValueError("the int8 row kernel reads code rows of contiguous values as long as the input rows")
-        out = torch.empty(outputs, count, dtype=torch.int32)
-        status = self.int8_sums(
-            rows.data_ptr(),
-            count,
-            codes.data_ptr(),
-            outputs,
-            width,
-            int(codes.stride(0)),
-            offsets.data_ptr(),
-            out.data_ptr(),
-            threads,
-        )
-        if status != 0:
-            raise ValueError(f"the int8 row kernel does not serve {count} rows of {width} values")
+        out = torch.empty(int(codes.shape[0]), int(rows.shape[0]), dtype=torch.int32)
+        _over_code_rows(self.int8_sums, "int8 row kernel", rows.contiguous(), codes, offsets, out, threads)
         return out.t()
 
     def float_head_product(
@@ -102,25 +85,10 @@ class ProductKernel:
     ) -> torch.Tensor:
         """`x @ codes.T × scale` for float32 `x` [M, D], int8 `codes` [O, D] with contiguous rows and float32 `scale`
         [O]: float32 [M, O], each sum over the inputs in the kernel's order, then scaled."""
-        x, scale = x.contiguous(), scale.contiguous()
-        count, width = (int(s) for s in x.shape)
-        outputs = int(codes.shape[0])
-        if codes.stride(1) != 1 or int(codes.shape[1]) != width or x.dtype != torch.float32:
-            raise ValueError("the float head reads float32 rows and code rows of contiguous values as long")
-        out = torch.empty(count, outputs, dtype=torch.float32)
-        status = self.float_head(
-            x.data_ptr(),
-            count,
-            codes.data_ptr(),
-            outputs,
-            width,
-            int(codes.stride(0)),
-            scale.data_ptr(),
-            out.data_ptr(),
-            threads,
-        )
-        if status != 0:
-            raise ValueError(f"the float head does not serve {count} rows of {width} values")
+        if x.dtype != torch.float32:
+            raise ValueError("the float head reads float32 rows")
+        out = torch.empty(int(x.shape[0]), int(codes.shape[0]), dtype=torch.float32)
+        _over_code_rows(self.float_head, "float head", x.contiguous(), codes, scale.contiguous(), out, threads)
         return out
 
     def int4_product(
@@ -147,6 +115,35 @@ class ProductKernel:
             if status != 0:
                 raise ValueError(f"the int4 row kernel does not serve {outputs} outputs of {width} inputs")
         return out
+
+
+def _over_code_rows(
+    function: Any,
+    name: str,
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    per_code: torch.Tensor,
+    out: torch.Tensor,
+    threads: int,
+) -> None:
+    """Run a kernel function over contiguous input rows `x` [M, D] and code rows `codes` [O, D] (each of contiguous
+    values) with one value per code row `per_code` [O], into `out`; raises where the kernel declines the shapes."""
+    count, width = (int(s) for s in x.shape)
+    if codes.stride(1) != 1 or int(codes.shape[1]) != width:
+        raise ValueError(f"the {name} reads code rows of contiguous values as long as the input rows")
+    status = function(
+        x.data_ptr(),
+        count,
+        codes.data_ptr(),
+        int(codes.shape[0]),
+        width,
+        int(codes.stride(0)),
+        per_code.data_ptr(),
+        out.data_ptr(),
+        threads,
+    )
+    if status != 0:
+        raise ValueError(f"the {name} does not serve {count} rows of {width} values")
 
 
 def code_offsets(codes: torch.Tensor) -> torch.Tensor:

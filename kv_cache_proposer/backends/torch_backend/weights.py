@@ -5,13 +5,12 @@ A CPU decodes at the speed it reads weights, so these are its first lever; K/V, 
 stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
 path), except the int8 LM head's: its inputs meet its codes as integers (`INT8_SPLIT`) on a CPU with int8 dot
 products, and its codes in float32 elsewhere (`INT8_FLOAT` on the product kernel, else `DENSE_EXACT`;
-`integer_head_product`). int8 holds one
-symmetric scale per output channel; int4 holds asymmetric 4-bit codes in groups of 32 inputs (a scale and a zero
-point per group), the layout of a GGUF Q4_1 block, whose dequantized weights it represents exactly up to the
-bfloat16 rounding of the block's scale and offset. The token embedding stays in the model's dtype
-(a lookup reads one row); a tied LM head gets its own quantized copy, held as int8 under int4: a 4-bit head moves a
-small model's answers (SmolLM2 answers the capital of France wrongly with one) where every 4-bit block layer does
-not, which is also why GGUF files keep the head at 8 bits.
+`integer_head_product`). int8 holds one symmetric scale per output channel; int4 holds asymmetric 4-bit codes in
+groups of 32 inputs (a scale and a zero point per group), the layout of a GGUF Q4_1 block, whose dequantized weights
+it represents exactly up to the bfloat16 rounding of the block's scale and offset. The token embedding stays in the
+model's dtype (a lookup reads one row); a tied LM head gets its own quantized copy, held as int8 under int4: a 4-bit
+head moves a small model's answers (SmolLM2 answers the capital of France wrongly with one) where every 4-bit block
+layer does not, which is also why GGUF files keep the head at 8 bits.
 """
 
 from __future__ import annotations

@@ -288,7 +288,7 @@ def test_the_float_head_serves_widths_of_whole_vectors_and_refuses_the_rest(floa
     with pytest.raises(ValueError, match="does not serve 2 rows of 100 values"):
         float_head.float_head_product(torch.zeros(2, 100), codes, scale, 1)
     codes, scale = _float_head_layer(16, 64, 0)
-    with pytest.raises(ValueError, match="float32 rows"):
+    with pytest.raises(ValueError, match="reads float32 rows"):
         float_head.float_head_product(torch.zeros(2, 64, dtype=torch.bfloat16), codes, scale, 1)
     source = torch.nn.Linear(100, 40, bias=False)  # a width it does not serve: the float32 values of the codes
     assert PackedLinear(source, "int8", wide=True).kind in (INT8_SPLIT, DENSE_EXACT)
