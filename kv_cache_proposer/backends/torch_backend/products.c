@@ -1,5 +1,5 @@
-/* Linear layers' products for the torch backend on a CPU, each giving exactly the values of the PyTorch kernel it
-   stands in for, so a token's values are the same whichever computes them (products.py):
+/* Linear layers' products for the torch backend on a CPU, each but the last giving exactly the values of the
+   PyTorch kernel it stands in for, so a token's values are the same whichever computes them (products.py):
 
    - int8_row_sums: integer sums of a few int8 rows against a matrix of int8 codes, on the CPU's 512-bit integer dot
      products (AVX512-VNNI), reading the codes once, in place: the int8 LM head's product for a decode step or a

@@ -1,5 +1,5 @@
-"""Linear layers' products on the compiled kernel (`products.c`), each giving exactly the values of the PyTorch
-kernel it stands in for, so a token's values are the same bit for bit whichever computes them:
+"""Linear layers' products on the compiled kernel (`products.c`), each but the float head giving exactly the values
+of the PyTorch kernel it stands in for, so a token's values are the same bit for bit whichever computes them:
 
 - the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
   codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
