@@ -307,21 +307,6 @@ static inline void head_widened(const float *x, const float *w, int D, float *su
     }
     for (int j = 0; j < HEAD_TILE; j++) sums[j] = lanes_sum(acc[j]);
 }
-
-/* head_widened's sums with the code rows read as int8 (`s_code` apart) and widened in registers: a row alone reads
-   each code once, so it skips the widened copy. */
-static inline void head_int8(const float *x, const int8_t *codes, int64_t s_code, int D, float *sums) {
-    __m256 acc[HEAD_TILE];
-    for (int j = 0; j < HEAD_TILE; j++) acc[j] = _mm256_setzero_ps();
-    for (int k = 0; k < D; k += 8) {
-        const __m256 v = _mm256_loadu_ps(x + k);
-        for (int j = 0; j < HEAD_TILE; j++) {
-            const __m128i bytes = _mm_loadl_epi64((const __m128i *)(codes + j * s_code + k));
-            acc[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), v, acc[j]);
-        }
-    }
-    for (int j = 0; j < HEAD_TILE; j++) sums[j] = lanes_sum(acc[j]);
-}
 #endif
 
 /* out [M, O] = x [M, D] times the int8 `codes` [O, D] (rows `s_code` apart) each times its `scale` [O], float32,
@@ -337,11 +322,6 @@ int int8_float_head(const float *x, int M, const int8_t *codes, int64_t O, int D
         const int64_t o0 = t * HEAD_TILE;
         const int count = O - o0 < HEAD_TILE ? (int)(O - o0) : HEAD_TILE;
         float sums[HEAD_TILE];
-        if (M == 1 && count == HEAD_TILE) {
-            head_int8(x, codes + o0 * s_code, s_code, D, sums);
-            for (int j = 0; j < count; j++) out[o0 + j] = sums[j] * scale[o0 + j];
-            continue;
-        }
         float w[HEAD_TILE * D] __attribute__((aligned(32)));
         for (int j = 0; j < HEAD_TILE; j++) {
             const int8_t *c = codes + (o0 + (j < count ? j : 0)) * s_code;
