@@ -1,5 +1,6 @@
-"""Linear layers' products on the compiled kernel (`products.c`), each but the float head giving exactly the values
-of the PyTorch kernel it stands in for, so a token's values are the same bit for bit whichever computes them:
+"""Linear layers' products on the compiled kernel (`products.c`), each but the float head and int4 over quantized rows
+giving exactly the values of the PyTorch kernel it stands in for, so a token's values are the same bit for bit
+whichever computes them:
 
 - the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
   codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
@@ -8,15 +9,18 @@ of the PyTorch kernel it stands in for, so a token's values are the same bit for
   to float32 in the kernel, a quarter of the bytes of the codes' float32 values. This one is the kernel's own
   arithmetic, not a PyTorch kernel's (every sum in one order for any row count and thread count), chosen when the
   head is loaded (`weights.PackedLinear`); where the kernel is off the head holds the float32 values instead.
-- int4 layers over blocks of `INT4_ROWS_FROM` rows or more (`torch.ops.kakeya.int4_rows`: a verify block, a
-  batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized once
-  for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
+- int4 layers on a CPU without AVX-512 (`int4_qrows`): every row quantized per group of 32 inputs to integers of 8
+  bits of magnitude and a sign, multiplied by the codes with byte products (AVX2), exact integer sums per group
+  scaled in float32: the kernel's own arithmetic again (close to a GGUF Q4_1 product's), chosen at load
+  (`weights.INT4_QROWS`), for every row count alike.
+- int4 layers over blocks of `INT4_ROWS_FROM` rows or more on AVX-512 (`torch.ops.kakeya.int4_rows`: a verify
+  block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized
+  once for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
-(AVX512-VNNI for int8, AVX2 for the float head, AVX-512 or AVX2 for int4), PyTorch does not run the int4 kernel of
-the build's instructions (whose layout and arithmetic the int4 path reproduces: AVX-512's or AVX2's; checked against
-it once at load), or `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged
-once, with the reason."""
+(AVX512-VNNI for int8, AVX2 for the float head and quantized rows, AVX-512 for int4 blocks), PyTorch does not run its
+AVX-512 int4 kernel (whose layout and arithmetic the int4 blocks reproduce; checked against it once at load), or
+`KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged once, with the reason."""
 
 from __future__ import annotations
 
@@ -50,9 +54,11 @@ INT4_BLOCK = 64
 """Outputs of the largest packed block of PyTorch's int4 kernel (its `BLOCK_N`: 64 on AVX-512, 32 on AVX2), whose
 blocks it computes alike, so layers whose outputs fill whole blocks of this many can be stacked on either
 (`weights.stack_int4`). The compiled kernel computes blocks of `ProductKernel.int4_block`."""
-_INT4_CAPABILITY = {64: "AVX512", 32: "AVX2"}
+_INT4_CAPABILITY = {64: "AVX512"}
 """The int4 kernel of PyTorch's whose layout and arithmetic a build of each block size reproduces."""
 INT4_MAX_GROUP = 256
+QROWS_TILE = 8
+"""Outputs whose int4 codes the kernel's product over quantized rows holds interleaved (`Q_TILE` of products.c)."""
 FLOAT_HEAD_MAX_WIDTH = 8192
 """Inputs of a row the float head serves at most (`HEAD_MAX_WIDTH` of products.c); a multiple of 8."""
 
@@ -69,9 +75,11 @@ class ProductKernel:
     serves_int8: bool
     serves_int4: bool
     int4_block: int = INT4_BLOCK
-    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512, 32: AVX2)."""
+    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512)."""
     float_head: Any = None
     serves_float_head: bool = False
+    int4_qrows: Any = None
+    serves_int4_qrows: bool = False
 
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
@@ -114,6 +122,34 @@ class ProductKernel:
             )
             if status != 0:
                 raise ValueError(f"the int4 row kernel does not serve {outputs} outputs of {width} inputs")
+        return out
+
+    def int4_qrows_product(
+        self, x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor, threads: int
+    ) -> torch.Tensor:
+        """float32 `x` [M, K] times int4 weights held for the kernel's product over quantized rows
+        (`weights.quantize_int4_qrows`: `codes` [N / 8, 4K] uint8, `qparams` [N / 8, K / 32, 2, 8] bfloat16): float32
+        [M, N]."""
+        if x.dtype != torch.float32 or codes.dtype != torch.uint8 or qparams.dtype != torch.bfloat16:
+            raise ValueError("the int4 quantized-row kernel reads float32 rows, uint8 codes and bfloat16 qparams")
+        x, codes, qparams = x.contiguous(), codes.contiguous(), qparams.contiguous()
+        count, width = (int(s) for s in x.shape)
+        outputs = int(codes.shape[0]) * QROWS_TILE
+        if int(codes.shape[1]) != 4 * width or tuple(qparams.shape) != (
+            outputs // QROWS_TILE,
+            width // 32,
+            2,
+            QROWS_TILE,
+        ):
+            raise ValueError(f"int4 codes of shape {tuple(codes.shape)} do not take rows of {width} inputs")
+        out = torch.empty(count, outputs, dtype=torch.float32)
+        status = self.int4_qrows(
+            x.data_ptr(), count, codes.data_ptr(), qparams.data_ptr(), out.data_ptr(), outputs, width, threads
+        )
+        if status == -2:
+            raise MemoryError(f"the int4 quantized-row kernel could not hold {count} rows of {width} inputs")
+        if status != 0:
+            raise ValueError(f"the int4 quantized-row kernel does not serve {outputs} outputs of {width} inputs")
         return out
 
 
@@ -197,16 +233,40 @@ def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: tor
     return kernel.int4_product(rows, weight, group, qparams, torch.get_num_threads())
 
 
+def int4_qrows_serves(outputs: int, width: int) -> bool:
+    """Whether the kernel's int4 product over quantized rows (`int4_qrows`) serves a layer of `outputs` x `width`
+    on this CPU (the kernel's AVX2 build)."""
+    kernel = product_kernel()
+    served = kernel is not None and kernel.serves_int4_qrows
+    return served and outputs >= QROWS_TILE and outputs % QROWS_TILE == 0 and width >= 32 and width % 32 == 0
+
+
+def int4_qrows(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
+    """`x` [M, K] times int4 weights held for the kernel's product over quantized rows
+    (`ProductKernel.int4_qrows_product`)."""
+    kernel = product_kernel()
+    if kernel is None or not kernel.serves_int4_qrows:
+        raise RuntimeError("int4 weights held for the product kernel's quantized rows, which it does not compute")
+    return kernel.int4_qrows_product(x, codes, qparams, torch.get_num_threads())
+
+
 _LIBRARY = torch.library.Library("kakeya", "DEF")
 _LIBRARY.define("int4_rows(Tensor rows, Tensor weight, int group, Tensor qparams) -> Tensor")
 _LIBRARY.impl("int4_rows", int4_rows, "CPU")
 _LIBRARY.define("int8_float_head(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _LIBRARY.impl("int8_float_head", int8_float_head, "CPU")
+_LIBRARY.define("int4_qrows(Tensor x, Tensor codes, Tensor qparams) -> Tensor")
+_LIBRARY.impl("int4_qrows", int4_qrows, "CPU")
 
 
 @torch.library.register_fake("kakeya::int4_rows")
 def _int4_rows_shape(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+@torch.library.register_fake("kakeya::int4_qrows")
+def _int4_qrows_shape(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0] * QROWS_TILE), dtype=torch.float32)
 
 
 @torch.library.register_fake("kakeya::int8_float_head")
@@ -228,13 +288,15 @@ def product_kernel() -> ProductKernel | None:
         int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
         int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
         float_head, float_head_served = loaded.int8_float_head, loaded.int8_float_head_served
+        int4_qrows, int4_qrows_served = loaded.int4_qrows, loaded.int4_qrows_served
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
         return None
     int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
     float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
-    for served in (int8_served, int4_served, float_head_served):
+    int4_qrows.argtypes, int4_qrows.restype = [_P, _I, _P, _P, _P, _I64, _I, _I], _I
+    for served in (int8_served, int4_served, float_head_served, int4_qrows_served):
         served.argtypes, served.restype = [], _I
     block = int(int4_served())
     kernel = ProductKernel(
@@ -246,11 +308,13 @@ def product_kernel() -> ProductKernel | None:
         int4_block=block or INT4_BLOCK,
         float_head=float_head,
         serves_float_head=bool(float_head_served()),
+        int4_qrows=int4_qrows,
+        serves_int4_qrows=bool(int4_qrows_served()),
     )
     why = _int4_unserved(kernel, block)
     if why is None:
         kernel = replace(kernel, serves_int4=True)
-    if not kernel.serves_int8 and not kernel.serves_int4 and not kernel.serves_float_head:
+    if not (kernel.serves_int8 or kernel.serves_int4 or kernel.serves_float_head or kernel.serves_int4_qrows):
         log.info("product kernel: PyTorch's kernels (no AVX512-VNNI for int8, no AVX2; int4: %s)", why)
         return None
     if kernel.serves_int8:
@@ -260,6 +324,8 @@ def product_kernel() -> ProductKernel | None:
     else:
         head_says = "not the int8 head (neither AVX512-VNNI nor AVX2)"
     int4_says = f"int4 blocks of {INT4_ROWS_FROM}+ rows" if kernel.serves_int4 else f"not int4 ({why})"
+    if kernel.serves_int4_qrows:
+        int4_says = "int4 layers over rows quantized to 9 bits (AVX2)"
     log.info("product kernel: compiled kernel %s for %s, %s", library, head_says, int4_says)
     return kernel
 
@@ -268,7 +334,7 @@ def _int4_unserved(kernel: ProductKernel, block: int) -> str | None:
     """Why the kernel's int4 path (built for blocks of `block` outputs; 0: none) must not stand in for PyTorch's
     here, or None where it gives its values."""
     if block not in _INT4_CAPABILITY:
-        return "neither AVX-512 nor AVX2"
+        return "no AVX-512"
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != _INT4_CAPABILITY[block]:
         return f"PyTorch runs its {capability} int4 kernel"

@@ -3,14 +3,15 @@ PyTorch's packed CPU kernels.
 
 A CPU decodes at the speed it reads weights, so these are its first lever; K/V, norms, attention and the residual
 stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
-path), except the int8 LM head's: its inputs meet its codes as integers (`INT8_SPLIT`) on a CPU with int8 dot
-products, and its codes in float32 elsewhere (`INT8_FLOAT` on the product kernel, else `DENSE_EXACT`;
-`integer_head_product`). int8 holds one symmetric scale per output channel; int4 holds asymmetric 4-bit codes in
-groups of 32 inputs (a scale and a zero point per group), the layout of a GGUF Q4_1 block, whose dequantized weights
-it represents exactly up to the bfloat16 rounding of the block's scale and offset. The token embedding stays in the
-model's dtype (a lookup reads one row); a tied LM head gets its own quantized copy, held as int8 under int4: a 4-bit
-head moves a small model's answers (SmolLM2 answers the capital of France wrongly with one) where every 4-bit block
-layer does not, which is also why GGUF files keep the head at 8 bits.
+path), except on a CPU with AVX2 but not AVX-512, whose int4 layers multiply inputs quantized to 9-bit integers per
+group of 32 on the product kernel (`INT4_QROWS`), and the int8 LM head's: its inputs meet its codes as integers
+(`INT8_SPLIT`) on a CPU with int8 dot products, and its codes in float32 elsewhere (`INT8_FLOAT` on the product
+kernel, else `DENSE_EXACT`; `integer_head_product`). int8 holds one symmetric scale per output channel; int4 holds
+asymmetric 4-bit codes in groups of 32 inputs (a scale and a zero point per group), the layout of a GGUF Q4_1 block,
+whose dequantized weights it represents exactly up to the bfloat16 rounding of the block's scale and offset. The token
+embedding stays in the model's dtype (a lookup reads one row); a tied LM head gets its own quantized copy, held as int8
+under int4: a 4-bit head moves a small model's answers (SmolLM2 answers the capital of France wrongly with one) where
+every 4-bit block layer does not, which is also why GGUF files keep the head at 8 bits.
 """
 
 from __future__ import annotations
@@ -24,7 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from kv_cache_proposer.backends.torch_backend.products import INT4_BLOCK, code_offsets, float_head_serves, row_sums
+from kv_cache_proposer.backends.torch_backend.products import (
+    INT4_BLOCK,
+    QROWS_TILE,
+    code_offsets,
+    float_head_serves,
+    int4_qrows_serves,
+    row_sums,
+)
 from kv_cache_proposer.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -48,6 +56,14 @@ INT8_SPLIT = 5
 # bytes rather than four times as many of their float32 values (`DENSE_EXACT`). An int8 head's product on a CPU
 # without int8 dot products where the kernel serves it (AVX2).
 INT8_FLOAT = 6
+# int4 codes (`quantize_int4_qrows`) multiplied on the product kernel by each row quantized per group of 32 inputs to
+# integers of 8 bits of magnitude and a sign (`products.int4_qrows`): exact integer sums of (code - 8) × input per
+# group, then scaled in float32 group by group, the zero points meeting each group's float32 input sum. Close to a GGUF
+# Q4_1 product as llama.cpp computes it (whose inputs have 8 bits per group), on the CPU's byte products (AVX2): every
+# row's values the same whatever rows share the call, and several times as fast as bfloat16 inputs against
+# dequantized weights for a block of rows. The int4 layers' product where the kernel's AVX2 build serves them (a CPU
+# without AVX-512).
+INT4_QROWS = 7
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}
 
@@ -118,6 +134,10 @@ def linear(
         assert qparams is not None
         y = torch.ops.kakeya.int8_float_head(x.reshape(-1, x.shape[-1]).float(), weight, qparams)
         return _as_output(y, x, bias)
+    if kind == 7:  # INT4_QROWS
+        assert qparams is not None
+        y = torch.ops.kakeya.int4_qrows(x.reshape(-1, x.shape[-1]).float(), weight, qparams)
+        return _as_output(y, x, bias)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
     if kind == 1:  # BF16
         y = F.linear(rows, weight)
@@ -187,6 +207,8 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.kind = _KINDS[weights]
         self.group = INT4_GROUP if self.kind == INT4 else 0
+        if self.kind == INT4 and int4_qrows_serves(source.out_features, source.in_features):
+            self.kind = INT4_QROWS
         self.in_features, self.out_features = source.in_features, source.out_features
         dense = source.weight.detach().float()  # [out, in]
         qparams: torch.Tensor | None = None
@@ -196,6 +218,8 @@ class PackedLinear(nn.Module):
             packed, qparams = quantize_int8(dense)
             if wide:
                 self.kind, packed, qparams = _wide_int8(packed, qparams)
+        elif self.kind == INT4_QROWS:
+            packed, qparams = quantize_int4_qrows(dense)
         else:
             packed, qparams = quantize_int4(dense)
         self.weight = nn.Parameter(packed, requires_grad=False)
@@ -271,33 +295,52 @@ def quantize_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, qparams
 
 
+def quantize_int4_qrows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int4 codes of `weight` [out, in] as the kernel's product over quantized rows reads them (`INT4_QROWS`): uint8
+    [out / 8, 4 × in], each tile of 8 outputs' codes for 4 inputs in 16 bytes (byte i: element i in its low nibble,
+    element 16 + i in its high one; element e: output e / 4, input e % 4), and the tiles' bfloat16 scales and zero
+    points [out / 8, in / 32, 2, 8]: the values `quantize_int4` holds, in another layout."""
+    codes, scale, zero = int4_codes(weight)
+    out_features, in_features = codes.shape
+    tiles = out_features // QROWS_TILE
+    quads = codes.reshape(tiles, QROWS_TILE, in_features // 4, 4).permute(0, 2, 1, 3).reshape(tiles, -1, 32)
+    packed = (quads[..., :16] | (quads[..., 16:] << 4)).to(torch.uint8).reshape(tiles, 4 * in_features)
+    groups = in_features // INT4_GROUP
+    held = torch.stack([scale, zero]).to(torch.bfloat16)  # [2, out, groups]
+    qparams = held.reshape(2, tiles, QROWS_TILE, groups).permute(1, 3, 0, 2).contiguous()  # [tiles, groups, 2, 8]
+    return packed.contiguous(), qparams
+
+
 def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, int, int] | None:
     """One product for int4 layers that read the same input (a layer's Q/K/V projections; its gate and up), as
     `linear` takes it (weight, bias, qparams, kind, group): their codes stacked along the outputs, and each module's
     own weight made a view of the stack (no second copy). Every output gets the same values bit for bit as from its
-    own layer, since the kernel computes blocks of `INT4_BLOCK` outputs alike; None (nothing changed) unless
-    every module is an int4 `PackedLinear` of one group size whose outputs fill whole blocks, all with biases or
-    none."""
-    packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind == INT4]
-    if len(packed) != len(modules) or len(packed) < 2 or len({m.group for m in packed}) != 1:
+    own layer, since the kernel computes blocks of `INT4_BLOCK` outputs alike (`INT4_QROWS`: tiles of
+    `QROWS_TILE`); None (nothing changed) unless every module is an int4 `PackedLinear` of one kind and group size
+    whose outputs fill whole blocks, all with biases or none."""
+    packed = [m for m in modules if isinstance(m, PackedLinear) and m.kind in (INT4, INT4_QROWS)]
+    if len(packed) != len(modules) or len(packed) < 2 or len({(m.kind, m.group) for m in packed}) != 1:
         return None
-    if any(m.out_features % INT4_BLOCK for m in packed) or len({m.bias is None for m in packed}) != 1:
+    kind = packed[0].kind
+    block = INT4_BLOCK if kind == INT4 else QROWS_TILE  # an INT4_QROWS weight's rows are tiles of 8 outputs
+    if any(m.out_features % block for m in packed) or len({m.bias is None for m in packed}) != 1:
         return None
     weight = torch.cat([m.weight for m in packed])
     start = 0
     for module in packed:
-        module.weight = nn.Parameter(weight[start : start + module.out_features], requires_grad=False)
-        start += module.out_features
-    qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=1)
+        rows = module.out_features // (1 if kind == INT4 else QROWS_TILE)
+        module.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        start += rows
+    qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=1 if kind == INT4 else 0)
     biases: list[torch.Tensor] = [m.bias for m in packed if m.bias is not None]
     bias = torch.cat(biases) if biases else None
-    return weight, bias, qparams, INT4, packed[0].group
+    return weight, bias, qparams, kind, packed[0].group
 
 
 def held_values(weight: torch.Tensor, weights: str) -> torch.Tensor:
     """The float32 weights a `PackedLinear` of `weights` holds for `weight` [out, in]: what its kernel multiplies
-    by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts; an int8 head as
-    `DENSE_EXACT` and `INT8_FLOAT`: none)."""
+    by, up to the rounding of its inputs (to bfloat16; `INT8_SPLIT`: to two int8 parts; `INT4_QROWS`: to 9-bit
+    integers per group of 32; an int8 head as `DENSE_EXACT` and `INT8_FLOAT`: none)."""
     dense = weight.detach().float()
     if weights == "bfloat16":
         return dense.to(torch.bfloat16).float()
