@@ -1,5 +1,5 @@
-"""How the compiled CPU kernels (`held_kernel.c`: attention; `products.c`: linear layers' products) are built: with
-the machine's C compiler, for this CPU (`-march=native`), once per source, flags, compiler and CPU, into
+"""How the compiled CPU kernels (`held_kernel.c`: attention; `products.c`, `avx2_products.c`: linear layers' products)
+are built: with the machine's C compiler, for this CPU (`-march=native`), once per source, flags, compiler and CPU, into
 `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`); `held_kernel` and `products` load what this
 builds."""
 
@@ -17,7 +17,7 @@ SOURCE = Path(__file__).with_name("held_kernel.c")
 EXACT_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared") + (
     ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
 )
-"""Flags of a kernel whose float arithmetic is written out operation by operation (`products.c`)."""
+"""Flags of a kernel whose float arithmetic is written out operation by operation (`products.c`, `avx2_products.c`)."""
 FLAGS = (
     *EXACT_FLAGS,
     # Sums may be reassociated (vectorised reductions); infinities and NaNs keep their meaning (masked keys are -inf).

@@ -1,6 +1,6 @@
-"""Linear layers' products on the compiled kernel (`products.c`), each but the float head and int4 over quantized rows
-giving exactly the values of the PyTorch kernel it stands in for, so a token's values are the same bit for bit
-whichever computes them:
+"""Linear layers' products on the compiled kernel (`products.c`, `avx2_products.c`), each but the float head and int4
+over quantized rows giving exactly the values of the PyTorch kernel it stands in for, so a token's values are the same
+bit for bit whichever computes them:
 
 - the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
   codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
@@ -17,7 +17,8 @@ whichever computes them:
   block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized
   once for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
 
-Built with the machine's C compiler on first use (`kernel_build`). Where that fails, the CPU lacks the instructions
+Built with the machine's C compiler on first use (`kernel_build`): `products.c` the exact stand-ins,
+`avx2_products.c` the kernel's own arithmetic. Where that fails, the CPU lacks the instructions
 (AVX512-VNNI for int8, AVX2 for the float head and quantized rows, AVX-512 for int4 blocks), PyTorch does not run its
 AVX-512 int4 kernel (whose layout and arithmetic the int4 blocks reproduce; checked against it once at load), or
 `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged once, with the reason."""
@@ -40,6 +41,8 @@ from kv_cache_proposer.backends.torch_backend.kernel_build import EXACT_FLAGS, b
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("products.c")
+AVX2_SOURCE = Path(__file__).with_name("avx2_products.c")
+"""The products in the kernel's own arithmetic (the float head, int4 over quantized rows)."""
 ENV = "KAKEYA_PRODUCT_KERNEL"
 MAX_INT8_ROWS = 6
 """Input rows (a split product's parts: two per token) up to which the kernel computes the int8 head's sums:
@@ -58,9 +61,9 @@ _INT4_CAPABILITY = {64: "AVX512"}
 """The int4 kernel of PyTorch's whose layout and arithmetic a build of each block size reproduces."""
 INT4_MAX_GROUP = 256
 QROWS_TILE = 8
-"""Outputs whose int4 codes the kernel's product over quantized rows holds interleaved (`Q_TILE` of products.c)."""
+"""Outputs whose int4 codes the kernel's product over quantized rows holds interleaved (`Q_TILE` of avx2_products.c)."""
 FLOAT_HEAD_MAX_WIDTH = 8192
-"""Inputs of a row the float head serves at most (`HEAD_MAX_WIDTH` of products.c); a multiple of 8."""
+"""Inputs of a row the float head serves at most (`HEAD_MAX_WIDTH` of avx2_products.c); a multiple of 8."""
 
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -284,11 +287,11 @@ def product_kernel() -> ProductKernel | None:
         return None
     try:
         library = built(SOURCE, EXACT_FLAGS)
-        loaded = ctypes.CDLL(str(library))
+        loaded, own = ctypes.CDLL(str(library)), ctypes.CDLL(str(built(AVX2_SOURCE, EXACT_FLAGS)))
         int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
         int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
-        float_head, float_head_served = loaded.int8_float_head, loaded.int8_float_head_served
-        int4_qrows, int4_qrows_served = loaded.int4_qrows, loaded.int4_qrows_served
+        float_head, float_head_served = own.int8_float_head, own.int8_float_head_served
+        int4_qrows, int4_qrows_served = own.int4_qrows, own.int4_qrows_served
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
         return None

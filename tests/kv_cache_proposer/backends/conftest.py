@@ -1,7 +1,7 @@
 """Which way the torch backend's dense attention runs in a test: through PyTorch's flash kernel
 (`KAKEYA_DENSE_ATTENTION=flash`), or through the compiled kernel (held_kernel.c, `compiled`), whose bfloat16 path runs
 on the CPU's tile unit where it has one and on its vector units otherwise. A test that names neither runs the
-default, `auto`."""
+default, `auto`. And the product kernel (products.c, avx2_products.c) as a test finds it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel
+from kv_cache_proposer.backends.torch_backend import exact_attention, held_kernel, products
 from tests.support.compilers import kernel_without_avx512
 
 
@@ -66,3 +66,20 @@ def _always(kernel: held_kernel.HeldKernel) -> Callable[[], held_kernel.HeldKern
         return kernel
 
     return dense_kernel
+
+
+@pytest.fixture
+def fresh_product_kernel() -> Iterator[None]:
+    """The product kernel loaded afresh in the test (as its settings and CPU stand there) and forgotten after."""
+    products.product_kernel.cache_clear()
+    yield
+    products.product_kernel.cache_clear()
+
+
+@pytest.fixture
+def kernel(fresh_product_kernel: None) -> products.ProductKernel:
+    """The loaded product kernel, or a skip where there is none (no compiler, or nothing it serves on this CPU)."""
+    loaded = products.product_kernel()
+    if loaded is None:
+        pytest.skip("no C compiler, or neither AVX2 nor AVX-512 on this CPU: PyTorch's kernels run")
+    return loaded
