@@ -104,6 +104,11 @@ static inline __m256i tile_codes(const uint8_t *packed) {
     return _mm256_sub_epi8(_mm256_set_m128i(high, low), _mm256_set1_epi8(8));
 }
 
+/* 8 bfloat16 values as float32. */
+static inline __m256 bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
 /* R quantized rows (`q`, `steps` of rows m0..) against one tile of Q_TILE outputs: out[m][t * Q_TILE + j]. Per group,
    each output's exact integer sum of (code - 8) × the signed inputs, then in float32 from 0, group by group:
    acc = fma(sum, scale × step, acc), acc = fma(zero, the group's input sum, acc). A row's instructions are the same
@@ -132,10 +137,7 @@ static inline __attribute__((always_inline)) void qrows_tile(const uint8_t *code
             }
         }
         const uint16_t *p = qparams + (t * groups + g) * 2 * Q_TILE;
-        const __m256 scale = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-        const __m256 zero = _mm256_castsi256_ps(
-            _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + Q_TILE))), 16));
+        const __m256 scale = bf16x8(p), zero = bf16x8(p + Q_TILE);
         for (int r = 0; r < R; r++) {
             const float *group = steps + ((int64_t)(m0 + r) * groups + g) * 2;
             const __m256 whole = _mm256_cvtepi32_ps(_mm256_madd_epi16(sums[r], ones));

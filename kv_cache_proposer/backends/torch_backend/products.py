@@ -56,9 +56,7 @@ INT4_MAX_ROWS = 64
 INT4_BLOCK = 64
 """Outputs of the largest packed block of PyTorch's int4 kernel (its `BLOCK_N`: 64 on AVX-512, 32 on AVX2), whose
 blocks it computes alike, so layers whose outputs fill whole blocks of this many can be stacked on either
-(`weights.stack_int4`). The compiled kernel computes blocks of `ProductKernel.int4_block`."""
-_INT4_CAPABILITY = {64: "AVX512"}
-"""The int4 kernel of PyTorch's whose layout and arithmetic a build of each block size reproduces."""
+(`weights.stack_int4`). The compiled kernel reproduces PyTorch's AVX-512 kernel, in blocks of this many."""
 INT4_MAX_GROUP = 256
 QROWS_TILE = 8
 """Outputs whose int4 codes the kernel's product over quantized rows holds interleaved (`Q_TILE` of avx2_products.c)."""
@@ -77,8 +75,6 @@ class ProductKernel:
     library: Path
     serves_int8: bool
     serves_int4: bool
-    int4_block: int = INT4_BLOCK
-    """Outputs of one packed block of the int4 rows the build computes (64: AVX-512)."""
     float_head: Any = None
     serves_float_head: bool = False
     int4_qrows: Any = None
@@ -137,13 +133,9 @@ class ProductKernel:
             raise ValueError("the int4 quantized-row kernel reads float32 rows, uint8 codes and bfloat16 qparams")
         x, codes, qparams = x.contiguous(), codes.contiguous(), qparams.contiguous()
         count, width = (int(s) for s in x.shape)
-        outputs = int(codes.shape[0]) * QROWS_TILE
-        if int(codes.shape[1]) != 4 * width or tuple(qparams.shape) != (
-            outputs // QROWS_TILE,
-            width // 32,
-            2,
-            QROWS_TILE,
-        ):
+        tiles = int(codes.shape[0])
+        outputs = tiles * QROWS_TILE
+        if int(codes.shape[1]) != 4 * width or tuple(qparams.shape) != (tiles, width // 32, 2, QROWS_TILE):
             raise ValueError(f"int4 codes of shape {tuple(codes.shape)} do not take rows of {width} inputs")
         out = torch.empty(count, outputs, dtype=torch.float32)
         status = self.int4_qrows(
@@ -216,22 +208,18 @@ def int8_float_head(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     return kernel.float_head_product(x, codes, scale, torch.get_num_threads())
 
 
-def int4_serves(weight: torch.Tensor, group: int, width: int, block: int = INT4_BLOCK) -> bool:
-    """Whether the kernel's int4 path, in blocks of `block` outputs, reads a layer of packed `weight` [N, K / 2] and
-    `group`."""
+def int4_serves(weight: torch.Tensor, group: int, width: int) -> bool:
+    """Whether the kernel's int4 path, in blocks of `INT4_BLOCK` outputs, reads a layer of packed `weight`
+    [N, K / 2] and `group`."""
     outputs = int(weight.shape[0])
-    return outputs >= block and outputs % block == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
+    return outputs >= INT4_BLOCK and outputs % INT4_BLOCK == 0 and 0 < group <= INT4_MAX_GROUP and width % group == 0
 
 
 def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: torch.Tensor) -> torch.Tensor:
     """`_weight_int4pack_mm_for_cpu(rows, weight, group, qparams)`, bit for bit: on the kernel where it serves this
     layer, else PyTorch's kernel."""
     kernel = product_kernel()
-    if (
-        kernel is None
-        or not kernel.serves_int4
-        or not int4_serves(weight, group, int(rows.shape[-1]), kernel.int4_block)
-    ):
+    if kernel is None or not kernel.serves_int4 or not int4_serves(weight, group, int(rows.shape[-1])):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
     return kernel.int4_product(rows, weight, group, qparams, torch.get_num_threads())
 
@@ -301,20 +289,18 @@ def product_kernel() -> ProductKernel | None:
     int4_qrows.argtypes, int4_qrows.restype = [_P, _I, _P, _P, _P, _I64, _I, _I], _I
     for served in (int8_served, int4_served, float_head_served, int4_qrows_served):
         served.argtypes, served.restype = [], _I
-    block = int(int4_served())
     kernel = ProductKernel(
         int8_sums,
         int4,
         library,
         bool(int8_served()),
         serves_int4=False,
-        int4_block=block or INT4_BLOCK,
         float_head=float_head,
         serves_float_head=bool(float_head_served()),
         int4_qrows=int4_qrows,
         serves_int4_qrows=bool(int4_qrows_served()),
     )
-    why = _int4_unserved(kernel, block)
+    why = _int4_unserved(kernel, int(int4_served()))
     if why is None:
         kernel = replace(kernel, serves_int4=True)
     if not (kernel.serves_int8 or kernel.serves_int4 or kernel.serves_float_head or kernel.serves_int4_qrows):
@@ -334,12 +320,12 @@ def product_kernel() -> ProductKernel | None:
 
 
 def _int4_unserved(kernel: ProductKernel, block: int) -> str | None:
-    """Why the kernel's int4 path (built for blocks of `block` outputs; 0: none) must not stand in for PyTorch's
-    here, or None where it gives its values."""
-    if block not in _INT4_CAPABILITY:
+    """Why the kernel's int4 path (built for blocks of `block` outputs: `INT4_BLOCK` on AVX-512, else 0) must not
+    stand in for PyTorch's here, or None where it gives its values."""
+    if block != INT4_BLOCK:
         return "no AVX-512"
     capability = torch.backends.cpu.get_cpu_capability()
-    if capability != _INT4_CAPABILITY[block]:
+    if capability != "AVX512":
         return f"PyTorch runs its {capability} int4 kernel"
     generator = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 16, (128, 96), generator=generator, dtype=torch.int32)

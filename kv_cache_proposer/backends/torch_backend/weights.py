@@ -322,16 +322,17 @@ def stack_int4(modules: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor | N
     if len(packed) != len(modules) or len(packed) < 2 or len({(m.kind, m.group) for m in packed}) != 1:
         return None
     kind = packed[0].kind
-    block = INT4_BLOCK if kind == INT4 else QROWS_TILE  # an INT4_QROWS weight's rows are tiles of 8 outputs
+    # how the kind holds outputs: whole blocks of how many stack, outputs per weight row, the qparams' output dim
+    block, per_row, dim = (INT4_BLOCK, 1, 1) if kind == INT4 else (QROWS_TILE, QROWS_TILE, 0)
     if any(m.out_features % block for m in packed) or len({m.bias is None for m in packed}) != 1:
         return None
     weight = torch.cat([m.weight for m in packed])
     start = 0
     for module in packed:
-        rows = module.out_features // (1 if kind == INT4 else QROWS_TILE)
+        rows = module.out_features // per_row
         module.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
         start += rows
-    qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=1 if kind == INT4 else 0)
+    qparams = torch.cat([m.qparams for m in packed if m.qparams is not None], dim=dim)
     biases: list[torch.Tensor] = [m.bias for m in packed if m.bias is not None]
     bias = torch.cat(biases) if biases else None
     return weight, bias, qparams, kind, packed[0].group
