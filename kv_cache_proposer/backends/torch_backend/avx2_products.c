@@ -10,7 +10,8 @@
      magnitude and a sign, multiplied by the codes with the CPU's byte products: the int4 layers' product for every
      row count on a CPU without AVX-512 (close to a GGUF Q4_1 product's as llama.cpp computes it, with a bit more
      for each input and the zero points meeting the float32 input sums): exact integer sums per group, then one
-     float32 order per output, whatever rows and threads share the call.
+     float32 order per output, whatever rows and threads share the call. Given the RMS norm's weight, it first
+     normalises each row itself (`normed_row`), the norm before the stacked Q/K/V or gate/up product.
 
    Built without reassociation (kernel_build.EXACT_FLAGS): the order written here is the order computed. */
 
@@ -95,6 +96,22 @@ static void quantized_row(const float *x, int K, uint8_t *q, float *steps) {
     }
 }
 
+/* Row `x` (K inputs, a multiple of 8) under the RMS norm, into `y`: y = weight × (x × r), r = 1 / sqrt(s / K + eps),
+   s the sum of the squares in 8 lanes over the inputs in order (fma), then `lanes_sum`. The norm before a layer's
+   products, computed as the kernel reads the rows (int4_qrows' `norm`), so a row's values do not depend on the rows
+   beside it. */
+static void normed_row(const float *x, int K, const float *weight, float eps, float *y) {
+    __m256 squares = _mm256_setzero_ps();
+    for (int k = 0; k < K; k += 8) {
+        const __m256 v = _mm256_loadu_ps(x + k);
+        squares = _mm256_fmadd_ps(v, v, squares);
+    }
+    const float mean = lanes_sum(squares) / (float)K + eps;
+    const __m256 r = _mm256_set1_ps(1.0f / _mm_cvtss_f32(_mm_sqrt_ss(_mm_set_ss(mean))));
+    for (int k = 0; k < K; k += 8)
+        _mm256_storeu_ps(y + k, _mm256_mul_ps(_mm256_loadu_ps(weight + k), _mm256_mul_ps(_mm256_loadu_ps(x + k), r)));
+}
+
 /* The codes of Q_TILE outputs for 4 inputs as signed bytes (code - 8): byte i of `packed` holds element i in its
    low nibble and element 16 + i in its high one; element e is output e / 4's code for input e % 4. */
 static inline __m256i tile_codes(const uint8_t *packed) {
@@ -150,21 +167,30 @@ static inline __attribute__((always_inline)) void qrows_tile(const uint8_t *code
 #endif
 
 /* out [M, N] float32 = x [M, K] float32 times int4 weights (code - 8) × scale + zero, with each row's inputs
-   quantized per group of Q_GROUP (`quantized_row`). `codes`: [N / Q_TILE][K / 4][16] bytes (`tile_codes`);
-   `qparams`: bfloat16 [N / Q_TILE][K / Q_GROUP][2][Q_TILE] (the tile's scales, then its zero points). On `threads`
-   threads over tiles. Returns 0; -1 when the shapes are beyond what the kernel serves or this build has no AVX2, -2
-   when its row buffer cannot be allocated (nothing is written then). */
-int int4_qrows(const float *x, int M, const uint8_t *codes, const uint16_t *qparams, float *out, int64_t N, int K,
-               int threads) {
+   quantized per group of Q_GROUP (`quantized_row`); where `norm` (float32 [K]) is given, of the rows under the RMS
+   norm of that weight and `eps` (`normed_row`). `codes`: [N / Q_TILE][K / 4][16] bytes (`tile_codes`); `qparams`:
+   bfloat16 [N / Q_TILE][K / Q_GROUP][2][Q_TILE] (the tile's scales, then its zero points). On `threads` threads over
+   tiles. Returns 0; -1 when the shapes are beyond what the kernel serves or this build has no AVX2, -2 when its row
+   buffer cannot be allocated (nothing is written then). */
+int int4_qrows(const float *x, int M, const float *norm, float eps, const uint8_t *codes, const uint16_t *qparams,
+               float *out, int64_t N, int K, int threads) {
 #if AVX2
     if (M < 1 || N < Q_TILE || N % Q_TILE || K < Q_GROUP || K % Q_GROUP) return -1;
     const int groups = K / Q_GROUP;
-    float *steps = malloc((size_t)M * groups * 2 * sizeof(float) + (size_t)M * K * 2);
+    const size_t normed = norm != NULL ? (size_t)M * K : 0;
+    float *steps = malloc(((size_t)M * groups * 2 + normed) * sizeof(float) + (size_t)M * K * 2);
     if (steps == NULL) return -2;
-    uint8_t *q = (uint8_t *)(steps + (size_t)M * groups * 2);
+    float *rows = steps + (size_t)M * groups * 2;
+    uint8_t *q = (uint8_t *)(rows + normed);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
-    for (int m = 0; m < M; m++)
-        quantized_row(x + (int64_t)m * K, K, q + (int64_t)m * 2 * K, steps + (int64_t)m * groups * 2);
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (int64_t)m * K;
+        if (norm != NULL) {
+            normed_row(row, K, norm, eps, rows + (int64_t)m * K);
+            row = rows + (int64_t)m * K;
+        }
+        quantized_row(row, K, q + (int64_t)m * 2 * K, steps + (int64_t)m * groups * 2);
+    }
     const int64_t tiles = N / Q_TILE;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {
@@ -176,7 +202,7 @@ int int4_qrows(const float *x, int M, const uint8_t *codes, const uint16_t *qpar
     free(steps);
     return 0;
 #else
-    (void)x, (void)M, (void)codes, (void)qparams, (void)out, (void)N, (void)K, (void)threads;
+    (void)x, (void)M, (void)norm, (void)eps, (void)codes, (void)qparams, (void)out, (void)N, (void)K, (void)threads;
     return -1;
 #endif
 }

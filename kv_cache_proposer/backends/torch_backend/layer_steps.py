@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kv_cache_proposer.backends.torch_backend.weights import linear
+from kv_cache_proposer.backends.torch_backend.weights import as_output, linear
 
 # A linear layer as `weights.linear` takes it: (weight, bias, qparams, kind, group).
 Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
@@ -47,6 +47,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     variance = h.pow(2).mean(-1, keepdim=True)
     h = h * torch.rsqrt(variance + eps)
     return weight * h.to(dtype)
+
+
+def normed_products(
+    hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections: list[Linear]
+) -> list[torch.Tensor]:
+    """The products of `projections` over `hidden` [B, n, H] under the RMS norm (weight `norm`, `eps`), each [B, n,
+    out]. Products held for the kernel's quantized rows (`weights.INT4_QROWS`: a CPU with AVX2 but not AVX-512)
+    compute the norm themselves as they read the rows, in the kernel's own order (`products.int4_qrows_normed`):
+    one call where the norm takes seven, the same values stacked or not, and a row's values still do not depend on
+    the rows beside it."""
+    if all(w[3] == 7 for w in projections):  # weights.INT4_QROWS
+        rows = hidden.reshape(-1, hidden.shape[-1]).float()
+        outputs: list[torch.Tensor] = []
+        for w in projections:
+            qparams = w[2]
+            assert qparams is not None
+            outputs.append(as_output(torch.ops.kakeya.int4_qrows_normed(rows, norm, eps, w[0], qparams), hidden, w[1]))
+        return outputs
+    x = rms_norm(hidden, norm, eps)
+    return [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in projections]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +90,7 @@ def attention_inputs(
     """A layer's Q, K and V [B, heads, n, D] from its input [B, n, H]: input norm, projections, the Q/K norms
     where the model has them (Qwen3), rotary embedding."""
     batch, n = hidden.shape[0], hidden.shape[1]
-    x = rms_norm(hidden, norm, eps)
-    outputs = [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in projections]
+    outputs = normed_products(hidden, norm, eps, projections)
     if len(outputs) == 1:
         outputs = list(outputs[0].split(sizes, dim=-1))
     q = outputs[0].view(batch, n, -1, head_dim)
@@ -103,8 +122,7 @@ def layer_output(
     batch, n = hidden.shape[0], hidden.shape[1]
     attended = attended.reshape(batch, -1, n, head_dim).transpose(1, 2).contiguous()
     hidden = hidden + linear(attended.reshape(batch, n, -1).contiguous(), wo[0], wo[1], wo[2], wo[3], wo[4])
-    x = rms_norm(hidden, norm, eps)
-    outputs = [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in gate_up]
+    outputs = normed_products(hidden, norm, eps, gate_up)
     if len(outputs) == 1:
         outputs = list(outputs[0].chunk(2, dim=-1))
     x = linear(F.silu(outputs[0]) * outputs[1], w_down[0], w_down[1], w_down[2], w_down[3], w_down[4])

@@ -12,7 +12,8 @@ bit for bit whichever computes them:
 - int4 layers on a CPU without AVX-512 (`int4_qrows`): every row quantized per group of 32 inputs to integers of 8
   bits of magnitude and a sign, multiplied by the codes with byte products (AVX2), exact integer sums per group
   scaled in float32: the kernel's own arithmetic again (close to a GGUF Q4_1 product's), chosen at load
-  (`weights.INT4_QROWS`), for every row count alike.
+  (`weights.INT4_QROWS`), for every row count alike; `int4_qrows_normed` also computes the RMS norm before the
+  product, row by row in its own order (`layer_steps.normed_products`).
 - int4 layers over blocks of `INT4_ROWS_FROM` rows or more on AVX-512 (`torch.ops.kakeya.int4_rows`: a verify
   block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized
   once for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
@@ -63,7 +64,7 @@ QROWS_TILE = 8
 FLOAT_HEAD_MAX_WIDTH = 8192
 """Inputs of a row the float head serves at most (`HEAD_MAX_WIDTH` of avx2_products.c); a multiple of 8."""
 
-_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+_P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +125,18 @@ class ProductKernel:
         return out
 
     def int4_qrows_product(
-        self, x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor, threads: int
+        self,
+        x: torch.Tensor,
+        codes: torch.Tensor,
+        qparams: torch.Tensor,
+        threads: int,
+        norm: torch.Tensor | None = None,
+        eps: float = 0.0,
     ) -> torch.Tensor:
         """float32 `x` [M, K] times int4 weights held for the kernel's product over quantized rows
         (`weights.quantize_int4_qrows`: `codes` [N / 8, 4K] uint8, `qparams` [N / 8, K / 32, 2, 8] bfloat16): float32
-        [M, N]."""
+        [M, N]. With `norm` (float32 [K]), of the rows under the RMS norm of that weight and `eps`, computed by the
+        kernel as it reads them."""
         if x.dtype != torch.float32 or codes.dtype != torch.uint8 or qparams.dtype != torch.bfloat16:
             raise ValueError("the int4 quantized-row kernel reads float32 rows, uint8 codes and bfloat16 qparams")
         x, codes, qparams = x.contiguous(), codes.contiguous(), qparams.contiguous()
@@ -137,9 +145,21 @@ class ProductKernel:
         outputs = tiles * QROWS_TILE
         if int(codes.shape[1]) != 4 * width or tuple(qparams.shape) != (tiles, width // 32, 2, QROWS_TILE):
             raise ValueError(f"int4 codes of shape {tuple(codes.shape)} do not take rows of {width} inputs")
+        if norm is not None and (norm.dtype != torch.float32 or tuple(norm.shape) != (width,)):
+            raise ValueError(f"the norm before an int4 product of rows of {width} inputs is float32 [{width}]")
+        norm = None if norm is None else norm.contiguous()
         out = torch.empty(count, outputs, dtype=torch.float32)
         status = self.int4_qrows(
-            x.data_ptr(), count, codes.data_ptr(), qparams.data_ptr(), out.data_ptr(), outputs, width, threads
+            x.data_ptr(),
+            count,
+            None if norm is None else norm.data_ptr(),
+            eps,
+            codes.data_ptr(),
+            qparams.data_ptr(),
+            out.data_ptr(),
+            outputs,
+            width,
+            threads,
         )
         if status == -2:
             raise MemoryError(f"the int4 quantized-row kernel could not hold {count} rows of {width} inputs")
@@ -235,10 +255,22 @@ def int4_qrows_serves(outputs: int, width: int) -> bool:
 def int4_qrows(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
     """`x` [M, K] times int4 weights held for the kernel's product over quantized rows
     (`ProductKernel.int4_qrows_product`)."""
+    return _qrows_kernel().int4_qrows_product(x, codes, qparams, torch.get_num_threads())
+
+
+def int4_qrows_normed(
+    x: torch.Tensor, norm: torch.Tensor, eps: float, codes: torch.Tensor, qparams: torch.Tensor
+) -> torch.Tensor:
+    """`int4_qrows` of the rows of `x` under the RMS norm of weight `norm` and `eps`, the norm computed by the
+    kernel as it reads them (one call where PyTorch runs seven operations before the product)."""
+    return _qrows_kernel().int4_qrows_product(x, codes, qparams, torch.get_num_threads(), norm, eps)
+
+
+def _qrows_kernel() -> ProductKernel:
     kernel = product_kernel()
     if kernel is None or not kernel.serves_int4_qrows:
         raise RuntimeError("int4 weights held for the product kernel's quantized rows, which it does not compute")
-    return kernel.int4_qrows_product(x, codes, qparams, torch.get_num_threads())
+    return kernel
 
 
 _LIBRARY = torch.library.Library("kakeya", "DEF")
@@ -248,6 +280,8 @@ _LIBRARY.define("int8_float_head(Tensor x, Tensor codes, Tensor scale) -> Tensor
 _LIBRARY.impl("int8_float_head", int8_float_head, "CPU")
 _LIBRARY.define("int4_qrows(Tensor x, Tensor codes, Tensor qparams) -> Tensor")
 _LIBRARY.impl("int4_qrows", int4_qrows, "CPU")
+_LIBRARY.define("int4_qrows_normed(Tensor x, Tensor norm, float eps, Tensor codes, Tensor qparams) -> Tensor")
+_LIBRARY.impl("int4_qrows_normed", int4_qrows_normed, "CPU")
 
 
 @torch.library.register_fake("kakeya::int4_rows")
@@ -257,6 +291,13 @@ def _int4_rows_shape(rows: torch.Tensor, weight: torch.Tensor, group: int, qpara
 
 @torch.library.register_fake("kakeya::int4_qrows")
 def _int4_qrows_shape(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], codes.shape[0] * QROWS_TILE), dtype=torch.float32)
+
+
+@torch.library.register_fake("kakeya::int4_qrows_normed")
+def _int4_qrows_normed_shape(
+    x: torch.Tensor, norm: torch.Tensor, eps: float, codes: torch.Tensor, qparams: torch.Tensor
+) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0] * QROWS_TILE), dtype=torch.float32)
 
 
@@ -286,7 +327,7 @@ def product_kernel() -> ProductKernel | None:
     int8_sums.argtypes, int8_sums.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
     float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
-    int4_qrows.argtypes, int4_qrows.restype = [_P, _I, _P, _P, _P, _I64, _I, _I], _I
+    int4_qrows.argtypes, int4_qrows.restype = [_P, _I, _P, _F, _P, _P, _P, _I64, _I, _I], _I
     for served in (int8_served, int4_served, float_head_served, int4_qrows_served):
         served.argtypes, served.restype = [], _I
     kernel = ProductKernel(

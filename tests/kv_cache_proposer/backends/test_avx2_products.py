@@ -159,6 +159,32 @@ def test_int4_over_quantized_rows_gives_a_row_the_same_values_among_any_rows_and
     assert torch.equal(torch.ops.kakeya.int4_qrows(x, codes, qparams), values)
 
 
+@pytest.mark.parametrize(("outputs", "inputs"), [(40, 96), (960, 576)])
+def test_int4_over_quantized_rows_under_the_rms_norm_normalises_each_row_on_its_own(int4_qrows, outputs, inputs):
+    generator = torch.Generator().manual_seed(inputs)
+    weight = torch.randn(outputs, inputs, generator=generator) * 0.05
+    codes, qparams = quantize_int4_qrows(weight)
+    norm, eps = torch.rand(inputs, generator=generator) + 0.5, 1e-5
+    x = _test_rows(inputs, generator)
+    values = int4_qrows.int4_qrows_product(x, codes, qparams, 2, norm, eps)
+    assert values.dtype == torch.float32 and values.shape == (70, outputs)
+    _assert_rows_alike(
+        lambda rows, threads: int4_qrows.int4_qrows_product(rows, codes, qparams, threads, norm, eps), x, values
+    )
+    assert torch.equal(values[4], torch.zeros(outputs))  # a row of zeros stays zeros
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps) * norm.double()
+    # the float32 norm rounds a few inputs across a step of their group's quantization
+    expected = _qrows_reference(normed.float(), weight)
+    assert float((values.double() - expected).norm() / expected.norm()) < 1e-4
+    unnormed = int4_qrows.int4_qrows_product(x, codes, qparams, 2)
+    assert not torch.equal(values, unnormed)
+    assert torch.equal(torch.ops.kakeya.int4_qrows_normed(x, norm, eps, codes, qparams), values)
+    with pytest.raises(ValueError, match=f"is float32 \\[{inputs}\\]"):
+        int4_qrows.int4_qrows_product(x, codes, qparams, 1, norm[:-1], eps)
+    with pytest.raises(ValueError, match=f"is float32 \\[{inputs}\\]"):
+        int4_qrows.int4_qrows_product(x, codes, qparams, 1, norm.double(), eps)
+
+
 def test_int4_over_quantized_rows_serves_whole_tiles_and_groups_and_refuses_the_rest(int4_qrows):
     assert products.int4_qrows_serves(576, 1536) and products.int4_qrows_serves(8, 32)
     for outputs, width in ((12, 96), (4, 96), (16, 48), (16, 0)):
@@ -181,4 +207,8 @@ def test_an_int4_verifier_holds_its_block_layers_for_quantized_rows_with_the_sam
     head = verifier.model.get_output_embeddings()
     blocks = [m for m in verifier.model.modules() if isinstance(m, PackedLinear) and m is not head]
     assert blocks and all(m.kind == INT4_QROWS for m in blocks)
+    direct = verifier._direct
+    assert direct is not None
+    for layer in direct._layers:  # Q/K/V and gate/up stacked, the kernel computing the norm before each
+        assert len(layer.inputs[2]) == 1 and len(layer.output[3]) == 1
     _assert_steps_meet_the_block(verifier)
