@@ -3,7 +3,8 @@
 Between two layers' attentions a decoder runs the earlier layer's output projection, residual, norm and SiLU MLP,
 then the next layer's input norm, Q/K/V projections, Q/K norms and rotary embedding; before the first attention only
 the latter, after the last only the former and the final norm. `ScriptedSteps` runs these as TorchScript functions,
-two per layer, with the kernels of transformers' modules in their order (the same values bit for bit).
+two per layer, with the kernels of transformers' modules in their order (the same values bit for bit), except
+where int4 layers over quantized rows compute the norm before them themselves (`normed_products`).
 `CompiledSteps` runs each span as one graph compiled by `torch.compile` (inductor: C++ on a CPU, Triton on CUDA),
 which fuses the element-wise work around the matrix products and calls the graph once per layer. Neither touches
 the K/V staging, the masks or the attention, so every cache strategy runs either way. A compiled graph depends on
