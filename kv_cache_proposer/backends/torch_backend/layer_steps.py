@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from kv_cache_proposer.backends.torch_backend.weights import as_output, linear
+from kv_cache_proposer.backends.torch_backend.weights import linear, qrows_linear
 
 # A linear layer as `weights.linear` takes it: (weight, bias, qparams, kind, group).
 Linear = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, int, int]
@@ -55,16 +55,15 @@ def normed_products(
 ) -> list[torch.Tensor]:
     """The products of `projections` over `hidden` [B, n, H] under the RMS norm (weight `norm`, `eps`), each [B, n,
     out]. Products held for the kernel's quantized rows (`weights.INT4_QROWS`: a CPU with AVX2 but not AVX-512)
-    compute the norm themselves as they read the rows, in the kernel's own order (`products.int4_qrows_normed`):
-    one call where the norm takes seven, the same values stacked or not, and a row's values still do not depend on
-    the rows beside it."""
+    compute the norm themselves as they read the rows, in the kernel's own order (`weights.qrows_linear`): one call
+    where the norm takes seven, the same values stacked or not (unstacked, each product normalises the rows again),
+    and a row's values still do not depend on the rows beside it."""
     if all(w[3] == 7 for w in projections):  # weights.INT4_QROWS
-        rows = hidden.reshape(-1, hidden.shape[-1]).float()
         outputs: list[torch.Tensor] = []
         for w in projections:
             qparams = w[2]
             assert qparams is not None
-            outputs.append(as_output(torch.ops.kakeya.int4_qrows_normed(rows, norm, eps, w[0], qparams), hidden, w[1]))
+            outputs.append(qrows_linear(hidden, w[0], w[1], qparams, norm, eps))
         return outputs
     x = rms_norm(hidden, norm, eps)
     return [linear(x, w[0], w[1], w[2], w[3], w[4]) for w in projections]

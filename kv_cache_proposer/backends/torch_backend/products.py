@@ -12,8 +12,8 @@ bit for bit whichever computes them:
 - int4 layers on a CPU without AVX-512 (`int4_qrows`): every row quantized per group of 32 inputs to integers of 8
   bits of magnitude and a sign, multiplied by the codes with byte products (AVX2), exact integer sums per group
   scaled in float32: the kernel's own arithmetic again (close to a GGUF Q4_1 product's), chosen at load
-  (`weights.INT4_QROWS`), for every row count alike; `int4_qrows_normed` also computes the RMS norm before the
-  product, row by row in its own order (`layer_steps.normed_products`).
+  (`weights.INT4_QROWS`), for every row count alike; given the RMS norm before the product, it computes that too,
+  row by row in its own order (`layer_steps.normed_products`).
 - int4 layers over blocks of `INT4_ROWS_FROM` rows or more on AVX-512 (`torch.ops.kakeya.int4_rows`: a verify
   block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized
   once for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
@@ -252,25 +252,16 @@ def int4_qrows_serves(outputs: int, width: int) -> bool:
     return served and outputs >= QROWS_TILE and outputs % QROWS_TILE == 0 and width >= 32 and width % 32 == 0
 
 
-def int4_qrows(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
-    """`x` [M, K] times int4 weights held for the kernel's product over quantized rows
-    (`ProductKernel.int4_qrows_product`)."""
-    return _qrows_kernel().int4_qrows_product(x, codes, qparams, torch.get_num_threads())
-
-
-def int4_qrows_normed(
-    x: torch.Tensor, norm: torch.Tensor, eps: float, codes: torch.Tensor, qparams: torch.Tensor
+def int4_qrows(
+    x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
 ) -> torch.Tensor:
-    """`int4_qrows` of the rows of `x` under the RMS norm of weight `norm` and `eps`, the norm computed by the
-    kernel as it reads them (one call where PyTorch runs seven operations before the product)."""
-    return _qrows_kernel().int4_qrows_product(x, codes, qparams, torch.get_num_threads(), norm, eps)
-
-
-def _qrows_kernel() -> ProductKernel:
+    """`x` [M, K] times int4 weights held for the kernel's product over quantized rows, with `norm`: of the rows
+    under the RMS norm of that weight and `eps`, computed by the kernel as it reads them
+    (`ProductKernel.int4_qrows_product`)."""
     kernel = product_kernel()
     if kernel is None or not kernel.serves_int4_qrows:
         raise RuntimeError("int4 weights held for the product kernel's quantized rows, which it does not compute")
-    return kernel
+    return kernel.int4_qrows_product(x, codes, qparams, torch.get_num_threads(), norm, eps)
 
 
 _LIBRARY = torch.library.Library("kakeya", "DEF")
@@ -278,10 +269,8 @@ _LIBRARY.define("int4_rows(Tensor rows, Tensor weight, int group, Tensor qparams
 _LIBRARY.impl("int4_rows", int4_rows, "CPU")
 _LIBRARY.define("int8_float_head(Tensor x, Tensor codes, Tensor scale) -> Tensor")
 _LIBRARY.impl("int8_float_head", int8_float_head, "CPU")
-_LIBRARY.define("int4_qrows(Tensor x, Tensor codes, Tensor qparams) -> Tensor")
+_LIBRARY.define("int4_qrows(Tensor x, Tensor codes, Tensor qparams, Tensor? norm=None, float eps=0.0) -> Tensor")
 _LIBRARY.impl("int4_qrows", int4_qrows, "CPU")
-_LIBRARY.define("int4_qrows_normed(Tensor x, Tensor norm, float eps, Tensor codes, Tensor qparams) -> Tensor")
-_LIBRARY.impl("int4_qrows_normed", int4_qrows_normed, "CPU")
 
 
 @torch.library.register_fake("kakeya::int4_rows")
@@ -290,13 +279,8 @@ def _int4_rows_shape(rows: torch.Tensor, weight: torch.Tensor, group: int, qpara
 
 
 @torch.library.register_fake("kakeya::int4_qrows")
-def _int4_qrows_shape(x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((x.shape[0], codes.shape[0] * QROWS_TILE), dtype=torch.float32)
-
-
-@torch.library.register_fake("kakeya::int4_qrows_normed")
-def _int4_qrows_normed_shape(
-    x: torch.Tensor, norm: torch.Tensor, eps: float, codes: torch.Tensor, qparams: torch.Tensor
+def _int4_qrows_shape(
+    x: torch.Tensor, codes: torch.Tensor, qparams: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0
 ) -> torch.Tensor:
     return x.new_empty((x.shape[0], codes.shape[0] * QROWS_TILE), dtype=torch.float32)
 

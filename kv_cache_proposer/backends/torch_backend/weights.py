@@ -133,11 +133,10 @@ def linear(
     if kind == 6:  # INT8_FLOAT
         assert qparams is not None
         y = torch.ops.kakeya.int8_float_head(x.reshape(-1, x.shape[-1]).float(), weight, qparams)
-        return as_output(y, x, bias)
+        return _as_output(y, x, bias)
     if kind == 7:  # INT4_QROWS
         assert qparams is not None
-        y = torch.ops.kakeya.int4_qrows(x.reshape(-1, x.shape[-1]).float(), weight, qparams)
-        return as_output(y, x, bias)
+        return qrows_linear(x, weight, bias, qparams, None, 0.0)
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M, in]
     if kind == 1:  # BF16
         y = F.linear(rows, weight)
@@ -150,7 +149,21 @@ def linear(
             y = torch.ops.kakeya.int4_rows(rows, weight, group, qparams)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, weight, group, qparams)
-    return as_output(y, x, bias)
+    return _as_output(y, x, bias)
+
+
+def qrows_linear(
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    bias: torch.Tensor | None,
+    qparams: torch.Tensor,
+    norm: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """`linear` of an `INT4_QROWS` weight; with `norm`, of `x` under the RMS norm of that weight and `eps`, which
+    the product kernel computes as it reads the rows (`products.int4_qrows`)."""
+    y = torch.ops.kakeya.int4_qrows(x.reshape(-1, x.shape[-1]).float(), codes, qparams, norm, eps)
+    return _as_output(y, x, bias)
 
 
 def split_int8_product(
@@ -186,10 +199,10 @@ def split_output(
     """The split product's output from the integer sums [2M, out] of its parts (`int8_parts`) with the codes."""
     count = high_scale.shape[0]
     totals = sums.float()
-    return as_output((totals[:count] * high_scale + totals[count:] * low_scale) * scale, x, bias)
+    return _as_output((totals[:count] * high_scale + totals[count:] * low_scale) * scale, x, bias)
 
 
-def as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _as_output(y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """A product's rows `y` [M, out] in `x`'s shape [..., out] and dtype, plus `bias`."""
     shape = list(x.shape[:-1])
     shape.append(y.shape[-1])

@@ -178,7 +178,7 @@ def test_int4_over_quantized_rows_under_the_rms_norm_normalises_each_row_on_its_
     assert float((values.double() - expected).norm() / expected.norm()) < 1e-4
     unnormed = int4_qrows.int4_qrows_product(x, codes, qparams, 2)
     assert not torch.equal(values, unnormed)
-    assert torch.equal(torch.ops.kakeya.int4_qrows_normed(x, norm, eps, codes, qparams), values)
+    assert torch.equal(torch.ops.kakeya.int4_qrows(x, codes, qparams, norm, eps), values)
     with pytest.raises(ValueError, match=f"is float32 \\[{inputs}\\]"):
         int4_qrows.int4_qrows_product(x, codes, qparams, 1, norm[:-1], eps)
     with pytest.raises(ValueError, match=f"is float32 \\[{inputs}\\]"):
