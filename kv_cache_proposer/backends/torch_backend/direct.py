@@ -24,6 +24,8 @@ from transformers.modeling_utils import slice_logits_to_keep
 from kv_cache_proposer.backends.batching import RowKeys
 from kv_cache_proposer.backends.torch_backend.chunked_attention import attend_parts
 from kv_cache_proposer.backends.torch_backend.exact_attention import Memo, attend_exact, attend_exact_rows, joined
+from kv_cache_proposer.backends.torch_backend.kernel_steps import KernelSteps
+from kv_cache_proposer.backends.torch_backend.kernel_steps import serves as kernel_serves
 from kv_cache_proposer.backends.torch_backend.layer_steps import (
     CompiledSteps,
     Inputs,
@@ -112,7 +114,10 @@ class DirectForward:
         self._layers = [
             _read_layer(layer, kind, self._exact) for layer, kind in zip(decoder.layers, layer_types, strict=True)
         ]
-        self._scripted = ScriptedSteps()
+        spans = [(layer.inputs, layer.output, layer.head_dim) for layer in self._layers]
+        hidden_size = int(decoder.norm.weight.shape[0])
+        # int4 layers over quantized rows: each span in one kernel call; else TorchScript's
+        self._scripted: LayerSteps = KernelSteps() if kernel_serves(spans, hidden_size) else ScriptedSteps()
         self._compiled: CompiledSteps | None = None
 
     def implies_mask(self, queries: int) -> bool:

@@ -80,6 +80,10 @@ class ProductKernel:
     serves_float_head: bool = False
     int4_qrows: Any = None
     serves_int4_qrows: bool = False
+    int4_span: Any = None
+    """A decoder layer's work between attentions over int4 layers of quantized rows (`kernel_steps.KernelSteps`)."""
+    silu_times: Any = None
+    """SiLU(gate) × up as that work computes it."""
 
     def sums(self, rows: torch.Tensor, codes: torch.Tensor, offsets: torch.Tensor, threads: int) -> torch.Tensor:
         """`rows @ codes.T` for int8 `rows` [M, in] (each value in [-127, 127]) and int8 `codes` [out, in] whose
@@ -305,6 +309,7 @@ def product_kernel() -> ProductKernel | None:
         int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
         float_head, float_head_served = own.int8_float_head, own.int8_float_head_served
         int4_qrows, int4_qrows_served = own.int4_qrows, own.int4_qrows_served
+        int4_span, silu_times = own.int4_span, own.silu_times
     except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
         log.warning("product kernel: PyTorch's kernels, the compiled kernel is unavailable (%s)", exc)
         return None
@@ -312,6 +317,8 @@ def product_kernel() -> ProductKernel | None:
     int4.argtypes, int4.restype = [_P, _I, _P, _P, _P, _I64, _I, _I, _I], _I
     float_head.argtypes, float_head.restype = [_P, _I, _P, _I64, _I, _I64, _P, _P, _I], _I
     int4_qrows.argtypes, int4_qrows.restype = [_P, _I, _P, _F, _P, _P, _P, _I64, _I, _I], _I
+    int4_span.argtypes, int4_span.restype = [_P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I], _I
+    silu_times.argtypes, silu_times.restype = [_P, _P, _I64, _P], _I
     for served in (int8_served, int4_served, float_head_served, int4_qrows_served):
         served.argtypes, served.restype = [], _I
     kernel = ProductKernel(
@@ -324,6 +331,8 @@ def product_kernel() -> ProductKernel | None:
         serves_float_head=bool(float_head_served()),
         int4_qrows=int4_qrows,
         serves_int4_qrows=bool(int4_qrows_served()),
+        int4_span=int4_span,
+        silu_times=silu_times,
     )
     why = _int4_unserved(kernel, int(int4_served()))
     if why is None:
