@@ -301,10 +301,10 @@ def _attend(
     transformers' choice of how grouped K/V heads meet the query heads, except that a masked block of several
     queries on a CPU reads the grouped heads in place (PyTorch's CPU flash kernel takes a mask and grouped heads
     together, and repeating the K/V of a long history costs a copy of it per layer)."""
+    if memo is not None:  # K/V at another precision than the queries included (`attend_exact` meets them there)
+        return attend_exact(q, keys, values, mask, layer.groups, layer.scaling, memo)
     if keys.dtype != q.dtype:  # K/V held at another precision (bfloat16): the queries meet them at theirs
         return _attend(q.to(keys.dtype), keys, values, mask, layer, memo).to(q.dtype)
-    if memo is not None:
-        return attend_exact(q, keys, values, mask, layer.groups, layer.scaling, memo)
     if isinstance(mask, str):
         raise ValueError("a block over its history is handed its mask without shape-invariant attention")
     n = q.shape[2]

@@ -55,11 +55,19 @@ def attend_exact(
     head's query heads are rows of one query block (a grouped K/V head is never repeated), padded to a multiple of
     `ROW_MULTIPLE`; keys are read up to a multiple of `KEY_BLOCK` (from the cache's own room where it has some),
     the ones beyond the block's masked out. With `KAKEYA_DENSE_ATTENTION=compiled`, the compiled kernel
-    (held_kernel.py) attends instead (`_attend_compiled`)."""
+    (held_kernel.py) attends instead (`_attend_compiled`). Queries of another dtype than the K/V (float32 over
+    bfloat16 K/V) meet them at the K/V's and the output returns at the queries': cast before and after, or, where
+    the compiled kernel attends and `rounds_queries`, rounded by it as it reads and writes (the same values)."""
     if q.device.type == "cpu" and int(q.shape[3]) <= held_kernel.MAX_DIM:
         kernel = dense_kernel()
-        if kernel is not None and (dense_setting() == "compiled" or _auto_compiled(kernel, q, keys)):
-            return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
+        compiled = dense_setting() == "compiled"
+        if kernel is not None and (compiled or _auto_compiled(kernel, keys.dtype, keys, int(q.shape[3]))):
+            if q.dtype == keys.dtype:
+                return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
+            if _rounds(kernel, q, keys):
+                return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo, rounded=True)
+    if q.dtype != keys.dtype:
+        return attend_exact(q.to(keys.dtype), keys, values, mask, groups, scale, memo).to(q.dtype)
     batch, heads, n, dim = q.shape
     kv_heads = heads // groups
     rows = groups * n
@@ -111,19 +119,29 @@ def dense_kernel() -> held_kernel.HeldKernel | None:
     return kernel
 
 
-def _auto_compiled(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
+def _rounds(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether the kernel takes these float32 queries over bfloat16 K/V with the casts folded in."""
+    return (
+        kernel.rounds_queries
+        and q.dtype == torch.float32
+        and keys.dtype == torch.bfloat16
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _auto_compiled(kernel: held_kernel.HeldKernel, dtype: torch.dtype, keys: torch.Tensor, dim: int) -> bool:
     """Whether `auto` gives the kernel these queries and keys: bfloat16 ones it multiplies as bfloat16, float32 ones
     on its AVX-512 vector path (there it decoded and prefilled faster than PyTorch's flash kernel; for bfloat16 the
     vector path without bfloat16 products prefilled slower, docs/benchmarks.md), and both on its AVX2 path, heads
     of a multiple of 16 dimensions (on a CPU with AVX2 only, the default model decoded 1.16–1.40× as fast through
     the daemon and prefilled as fast, within noise; docs/benchmarks.md#dense-attention-through-the-compiled-kernel)."""
-    if q.dtype != keys.dtype:
+    if dtype != keys.dtype:
         return False
-    if kernel.vector_bits == 256 and q.dtype in (torch.bfloat16, torch.float32):
-        return int(q.shape[3]) % 16 == 0
-    if q.dtype == torch.bfloat16:
-        return kernel.bf16_products and int(q.shape[3]) % 32 == 0
-    return kernel.vector_bits == 512 and q.dtype == torch.float32
+    if kernel.vector_bits == 256 and dtype in (torch.bfloat16, torch.float32):
+        return dim % 16 == 0
+    if dtype == torch.bfloat16:
+        return kernel.bf16_products and dim % 32 == 0
+    return kernel.vector_bits == 512 and dtype == torch.float32
 
 
 def _attend_compiled(
@@ -135,16 +153,18 @@ def _attend_compiled(
     groups: int,
     scale: float,
     memo: Memo,
+    rounded: bool = False,
 ) -> torch.Tensor:
     """`attend_exact` through the compiled kernel (`HeldKernel.attend_dense`): every key tile whole and at fixed
     boundaries, every query row's arithmetic its own, so a query's values depend on the keys it reads alone. A block
-    of more rows than the kernel takes at once is attended in parts of whole queries (which changes nothing)."""
+    of more rows than the kernel takes at once is attended in parts of whole queries (which changes nothing).
+    `rounded`: float32 queries over bfloat16 K/V, the casts in the kernel (`attend_exact`)."""
     batch, heads, n, dim = (int(s) for s in q.shape)
     hi, allowed = _memo_limits(memo, mask, n, int(keys.shape[2]))
     per = max(1, DENSE_ROWS // groups)
     threads = torch.get_num_threads()
     if n <= per and not torch.compiler.is_compiling():  # a decode step, a speculative block: one call
-        out = kernel.attend_dense(q, keys, values, hi, allowed, scale, threads, with_lse=False)[0]
+        out = kernel.attend_dense(q, keys, values, hi, allowed, scale, threads, with_lse=False, rounded=rounded)[0]
         return out.view(batch, heads, n, dim).to(q.dtype)
     outputs = []
     for start in range(0, n, per):
@@ -153,7 +173,7 @@ def _attend_compiled(
         if torch.compiler.is_compiling():
             out = _dense_attention(*part, scale, threads)
         else:
-            out = kernel.attend_dense(*part, scale, threads, with_lse=False)[0]
+            out = kernel.attend_dense(*part, scale, threads, with_lse=False, rounded=rounded)[0]
         outputs.append(out.view(batch, heads, end - start, dim))
     out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
     return out.to(q.dtype)
@@ -183,18 +203,19 @@ def attend_exact_rows(
     ):
         return None
     dtype = rows[0][2].dtype
-    read = q.to(dtype) if dtype != q.dtype else q  # as `_attend` hands them to `attend_exact`
+    rounded = dtype != q.dtype and _rounds(kernel, q, rows[0][2])  # the casts `attend_exact` makes, in the kernel
+    read = q.to(dtype) if dtype != q.dtype and not rounded else q
     compiled = dense_setting() == "compiled"
     per = max(1, DENSE_ROWS // groups)
-    if not (compiled or _auto_compiled(kernel, read, rows[0][2])):
+    if not (compiled or _auto_compiled(kernel, dtype, rows[0][2], int(q.shape[3]))):
         return None
     calls = []
     for start, end, keys, values, mask in rows:
         if end - start > per:
             return None
         calls.append((start, end, keys, values, *_memo_limits(memo, mask, end - start, int(keys.shape[2]))))
-    out = kernel.attend_dense_rows(read, calls, scale, torch.get_num_threads())
-    return out.to(read.dtype).to(q.dtype)
+    out = kernel.attend_dense_rows(read, calls, scale, torch.get_num_threads(), rounded=rounded)
+    return out if rounded else out.to(read.dtype).to(q.dtype)
 
 
 def _memo_limits(

@@ -1407,7 +1407,19 @@ typedef struct {
     float *out;     /* [B, H*g, n, D] at o_strides */
     int64_t o_strides[3]; /* batch, query head, query (of a contiguous output: H*g*n*D, n*D, D) */
     float *lse;     /* [B, H, g*n] (-inf: no readable key), or NULL */
+    int rounded;    /* float32 queries read rounded to bfloat16 and the output rounded to bfloat16 (as float32), as
+                       casting the queries to the K/V's bfloat16 and the output back would (not with bfloat16
+                       products: those read bfloat16 queries) */
 } DenseCall;
+
+/* x rounded to the nearest bfloat16 (ties to even; a NaN stays a NaN), as float32: PyTorch's cast to bfloat16. */
+static inline float bf16_rounded(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    bits = x != x ? 0x7fc00000u : ((bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u);
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
 
 /* Whether the kernel serves a call's shapes. */
 static int dense_serves(const DenseCall *call) {
@@ -1417,6 +1429,7 @@ static int dense_serves(const DenseCall *call) {
 #if TILES
     if (call->tiles && call->seg % STEP != 0) return 0;
 #endif
+    if (call->rounded && (call->q_bf16 || PAIRS || call->tiles)) return 0; /* bfloat16 products read bfloat16 */
     return 1;
 }
 
@@ -1447,7 +1460,10 @@ static void dense_prepare(const DenseCall *call) {
             if (pairs)
                 memcpy(into, (const uint16_t *)call->q + base, sizeof(uint16_t) * (size_t)D);
             else
-                for (int d = 0; d < D; d++) into[d] = value_at(call->q, call->q_bf16, base + d) * call->scale;
+                for (int d = 0; d < D; d++) {
+                    const float x = value_at(call->q, call->q_bf16, base + d);
+                    into[d] = (call->rounded ? bf16_rounded(x) : x) * call->scale;
+                }
         }
     }
 }
@@ -1501,7 +1517,7 @@ static void dense_finish(const DenseCall *call) {
             merge_segments(parts + bh * segments * stride, stride, segments, G, D, r, &m, &total, acc);
             float divisor = total > 1.1754943508222875e-38f ? total : 1.1754943508222875e-38f;
             float *o = call->out + b * os[0] + (h * call->g + r / call->n) * os[1] + (int64_t)(r % call->n) * os[2];
-            for (int d = 0; d < D; d++) o[d] = acc[d] / divisor;
+            for (int d = 0; d < D; d++) o[d] = call->rounded ? bf16_rounded(acc[d] / divisor) : acc[d] / divisor;
             if (call->lse) call->lse[bh * G + r] = m == -INFINITY ? -INFINITY : m + logf(total);
         }
     }

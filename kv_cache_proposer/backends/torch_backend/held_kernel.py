@@ -84,6 +84,7 @@ class _Call(ctypes.Structure):
         ("scratch", _P),
         ("out", _P),
         ("lse", _P),
+        ("rounded", _I),
     ]
 
 
@@ -116,6 +117,7 @@ class _DenseCall(ctypes.Structure):
         ("out", _P),
         ("o_strides", _I64 * 3),
         ("lse", _P),
+        ("rounded", _I),
     ]
 
 
@@ -141,6 +143,12 @@ class HeldKernel:
     vector_bits: int = 0
     """The width of the vectors dense attention scores and sums on, float32 K/V included: 512 (AVX-512; wherever
     `bf16_products` is), 256 (AVX2 with FMA, on a CPU without AVX-512), 0 (its loops are plain C)."""
+
+    @property
+    def rounds_queries(self) -> bool:
+        """Whether dense attention takes float32 queries over bfloat16 K/V with the casts to bfloat16 folded in
+        (`rounded`): wherever it multiplies bfloat16 as float32 (without bfloat16 products, which read bfloat16)."""
+        return not self.bf16_products and not self.tiles
 
     def attend(
         self,
@@ -220,13 +228,16 @@ class HeldKernel:
         scale: float,
         threads: int,
         with_lse: bool = True,
+        rounded: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of the queries `q` `[B, H, n, D]` over dense K/V `[B, H_kv, c, D]` (float32 or bfloat16),
         query i reading keys below `hi[i]` (int64 `[n]`) that `allowed` (uint8 `[n, c]`, None: all)
         allows, on `threads` threads: output `[B, H_kv, g·n, D]` and log-sum-exp `[B, H_kv, g·n, 1]` (None unless
         `with_lse`), float32. A query's values do not depend on the queries beside it, the batch or the thread
-        count. Where `self.tiles`, bfloat16 runs on the tile unit."""
-        dense = _DenseRow(q, keys, values, hi, allowed, with_lse)
+        count. Where `self.tiles`, bfloat16 runs on the tile unit. `rounded` (float32 queries over bfloat16 K/V,
+        where `rounds_queries`): the values of the queries cast to bfloat16 and the output cast to bfloat16 and
+        back, the casts done by the kernel as it reads and writes."""
+        dense = _DenseRow(q, keys, values, hi, allowed, with_lse, rounded=rounded)
         scratch = _scratch(dense.scratch_floats(self))
         call = np.array([dense.fields(self, scratch.data_ptr(), scale, threads)], dtype=_DENSE_CALLS)
         if self.dense(call.ctypes.data) != 0:
@@ -240,16 +251,25 @@ class HeldKernel:
         rows: Sequence[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
         scale: float,
         threads: int,
+        rounded: bool = False,
     ) -> torch.Tensor:
         """`attend_dense` of several independent rows of a packed batched forward in one parallel region, their
         work shared by the threads: the queries `q` `[1, H, T, D]` hold every row's, row `(start, end, keys, values,
         hi, allowed)` its queries `[start, end)` over its own K/V. Returns the output `[1, H, T, D]`, float32, each
-        row's queries holding what `attend_dense` gives that row alone, bit for bit (each writes its own span)."""
+        row's queries holding what `attend_dense` gives that row alone, bit for bit (each writes its own span);
+        `rounded` as `attend_dense` takes it."""
         out = torch.empty(q.shape, dtype=torch.float32)
         q = _readable(q)
         dense = [
             _DenseRow(
-                q.narrow(2, start, end - start), keys, values, hi, allowed, False, out.narrow(2, start, end - start)
+                q.narrow(2, start, end - start),
+                keys,
+                values,
+                hi,
+                allowed,
+                False,
+                out.narrow(2, start, end - start),
+                rounded=rounded,
             )
             for start, end, keys, values, hi, allowed in rows
         ]
@@ -277,6 +297,8 @@ class _DenseRow:
         allowed: torch.Tensor | None,
         with_lse: bool,
         out: torch.Tensor | None = None,
+        *,
+        rounded: bool = False,
     ) -> None:
         self.batch, heads, self.n, self.dim = (int(s) for s in q.shape)
         self.kv_heads, self.count = int(keys.shape[1]), int(keys.shape[2])
@@ -285,7 +307,9 @@ class _DenseRow:
         self.q, self.keys, self.values = (_readable(x) for x in (q, keys, values))
         if self.keys.dtype != self.values.dtype:
             self.values = self.values.to(self.keys.dtype)
-        self.hi, self.allowed = hi, allowed
+        self.hi, self.allowed, self.rounded = hi, allowed, rounded
+        if rounded and (self.q.dtype != torch.float32 or self.keys.dtype != torch.bfloat16):
+            raise ValueError("rounded attention reads float32 queries over bfloat16 K/V")
         # [B, H_kv, g·n, D] (viewed as [B, H, n, D]) unless the caller's `[B, H, n, D]` float32 view, rows contiguous
         self.out = torch.empty(self.batch, self.kv_heads, self.rows, self.dim) if out is None else out
         self.lse = torch.empty(self.batch, self.kv_heads, self.rows, 1) if with_lse else None
@@ -322,6 +346,7 @@ class _DenseRow:
             self.out.data_ptr(),
             self._out_strides(),
             0 if lse is None else lse.data_ptr(),
+            int(self.rounded),
         )
 
     def _out_strides(self) -> tuple[int, int, int]:

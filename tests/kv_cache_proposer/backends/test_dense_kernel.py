@@ -113,6 +113,30 @@ def test_rows_attended_together_get_the_bits_each_gets_alone(dtype):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize(("n", "count"), [(1, 1), (1, 900), (5, 1300), (1400, 1400)])
+def test_float32_queries_over_bfloat16_kv_get_the_values_of_the_casts_bit_for_bit(n, count):
+    """The forward's float32 queries over K/V held at bfloat16: the values of the queries cast to bfloat16 and the
+    output cast to bfloat16 and back (what `attend_exact` computes by casting, and where the kernel `rounds_queries`
+    computes as it reads and writes), for one query, a block and a block attended in parts; queries on a rounding
+    tie (between two bfloat16 values: to even) and a NaN-free output."""
+    groups, dim = 3, 64
+    q, keys, values = _inputs(torch.float32, groups, n, count, dim, seed=n + count)
+    q[0, 0, 0, :4] = torch.tensor([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, -(2.0 + 2.0**-7), 0.0])  # ties, and zero
+    keys, values = keys.to(torch.bfloat16), values.to(torch.bfloat16)
+    visible = torch.arange(count)[None, :] <= torch.arange(count - n, count)[:, None]
+    for mask in (OVER_HISTORY, visible[None, None]):
+        got = exact_attention.attend_exact(q, keys, values, mask, groups, 0.125, {})
+        cast = exact_attention.attend_exact(q.to(torch.bfloat16), keys, values, mask, groups, 0.125, {})
+        assert got.dtype == torch.float32 and cast.dtype == torch.bfloat16
+        assert torch.equal(got, cast.float())
+    kernel = exact_attention.dense_kernel()
+    assert kernel is not None
+    if kernel.rounds_queries:
+        hi = torch.arange(count - n + 1, count + 1, dtype=torch.int64)
+        with pytest.raises(ValueError, match="float32 queries over bfloat16"):
+            kernel.attend_dense(q, keys.float(), values.float(), hi, None, 0.125, 1, rounded=True)
+
+
 def test_keys_and_values_may_lie_apart_and_a_query_that_reads_nothing_gets_zeros():
     q, keys, _ = _inputs(torch.float32, 2, 3, 40, 16, seed=1)
     values = torch.randn(1, 40, 2, 16).transpose(1, 2)  # another layout than the keys'
