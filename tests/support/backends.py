@@ -16,7 +16,7 @@ from kv_cache_proposer.verifier import Verifier
 
 ROOT = Path(__file__).resolve().parents[2]
 
-__all__ = ["BACKENDS", "VerifierPool", "convert_script", "to_numpy"]
+__all__ = ["BACKENDS", "VerifierPool", "assert_steps_meet_the_block", "convert_script", "to_numpy"]
 
 
 @cache
@@ -78,3 +78,19 @@ def to_numpy(array: Any) -> np.ndarray:
     if hasattr(array, "detach"):
         array = array.detach().cpu().double().numpy()
     return np.asarray(array, dtype=np.float64)
+
+
+def assert_steps_meet_the_block(verifier: Any, tokens: list[int], prefill: int) -> None:
+    """A torch verifier gives each token after a `prefill`-token prefill the same logits, bit for bit, in decode
+    steps as in one block of all `tokens`."""
+    import torch
+
+    from kv_cache_proposer.strategies import FullStrategy
+
+    block = verifier.verify(verifier.new_cache(FullStrategy()), tokens, len(tokens)).logits.clone()
+    stepwise = verifier.new_cache(FullStrategy())
+    verifier.verify(stepwise, tokens[:prefill], prefill)
+    verifier.commit(stepwise, prefill)
+    for i, token in enumerate(tokens[prefill:], start=prefill):
+        assert torch.equal(verifier.verify(stepwise, [token], 1).logits[-1], block[i]), i
+        verifier.commit(stepwise, 1)

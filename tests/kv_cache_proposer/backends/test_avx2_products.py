@@ -24,7 +24,7 @@ from kv_cache_proposer.backends.torch_backend.weights import (
     quantize_int4_qrows,
     quantize_int8,
 )
-from kv_cache_proposer.strategies import FullStrategy
+from tests.support.backends import assert_steps_meet_the_block
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "fresh_product_kernel")
 
@@ -100,14 +100,7 @@ def test_the_float_head_serves_widths_of_whole_vectors_and_refuses_the_rest(floa
 
 def _assert_steps_meet_the_block(verifier: TorchVerifier) -> None:
     """The last 7 tokens of a 12-token block get the same logits in decode steps after a 5-token prefill."""
-    tokens = list(range(3, 15))
-    block = verifier.verify(verifier.new_cache(FullStrategy()), tokens, len(tokens)).logits.clone()  # [12, V]
-    stepwise = verifier.new_cache(FullStrategy())
-    verifier.verify(stepwise, tokens[:5], 5)
-    verifier.commit(stepwise, 5)
-    for i, token in enumerate(tokens[5:], start=5):
-        assert torch.equal(verifier.verify(stepwise, [token], 1).logits[-1], block[i]), i
-        verifier.commit(stepwise, 1)
+    assert_steps_meet_the_block(verifier, list(range(3, 15)), 5)
 
 
 def test_an_int4_verifier_multiplies_its_head_on_the_float_kernel_with_the_same_logits_for_any_block(

@@ -16,7 +16,7 @@ from kv_cache_proposer.backends.torch_backend.direct import _linear_of
 from kv_cache_proposer.backends.torch_backend.kernel_steps import KernelSteps
 from kv_cache_proposer.backends.torch_backend.layer_steps import ScriptedSteps
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
-from kv_cache_proposer.strategies import FullStrategy
+from tests.support.backends import assert_steps_meet_the_block
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread", "fresh_product_kernel", "forward_only")
 
@@ -59,14 +59,7 @@ def _layers(verifier: TorchVerifier) -> list:
 def test_an_int4_verifier_runs_its_spans_on_the_kernel_and_a_token_gets_the_same_logits_in_any_block(int4_verifier):
     direct = int4_verifier._direct
     assert direct is not None and isinstance(direct._scripted, KernelSteps)
-    tokens = list(range(3, 17))
-    block = int4_verifier.verify(int4_verifier.new_cache(FullStrategy()), tokens, len(tokens)).logits.clone()
-    stepwise = int4_verifier.new_cache(FullStrategy())
-    int4_verifier.verify(stepwise, tokens[:6], 6)
-    int4_verifier.commit(stepwise, 6)
-    for i, token in enumerate(tokens[6:], start=6):
-        assert torch.equal(int4_verifier.verify(stepwise, [token], 1).logits[-1], block[i]), i
-        int4_verifier.commit(stepwise, 1)
+    assert_steps_meet_the_block(int4_verifier, list(range(3, 17)), 6)
 
 
 def test_the_next_layer_s_inputs_are_torchscript_s_bit_for_bit(int4_verifier):
