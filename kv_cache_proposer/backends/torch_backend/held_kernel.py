@@ -15,7 +15,6 @@ import ctypes
 import logging
 import os
 import subprocess
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kv_cache_proposer.backends.torch_backend.dense_calls import DENSE_CALLS, DenseRow, readable, thread_scratch
 from kv_cache_proposer.backends.torch_backend.kernel_build import FLAGS, SOURCE, built
 from kv_cache_proposer.compression.codec import StagedCoding
 
@@ -88,43 +88,6 @@ class _Call(ctypes.Structure):
     ]
 
 
-class _DenseCall(ctypes.Structure):
-    """`DenseCall` of held_kernel.c, field for field."""
-
-    _fields_ = [
-        ("q", _P),
-        ("q_strides", _I64 * 3),
-        ("q_bf16", _I),
-        ("keys", _P),
-        ("values", _P),
-        ("k_strides", _I64 * 3),
-        ("v_strides", _I64 * 3),
-        ("kv_bf16", _I),
-        ("count", _I64),
-        ("hi", _P),
-        ("allowed", _P),
-        ("s_allowed", _I64),
-        ("scale", ctypes.c_float),
-        ("B", _I),
-        ("H", _I),
-        ("g", _I),
-        ("n", _I),
-        ("D", _I),
-        ("seg", _I64),
-        ("threads", _I),
-        ("tiles", _I),
-        ("scratch", _P),
-        ("out", _P),
-        ("o_strides", _I64 * 3),
-        ("lse", _P),
-        ("rounded", _I),
-    ]
-
-
-_DENSE_CALLS = np.dtype(_DenseCall)
-"""`DenseCall`s as a NumPy array's rows (its layout is the structure's): a call's fields are written as one tuple."""
-
-
 @dataclass(frozen=True, slots=True)
 class HeldKernel:
     """The loaded kernel (attention over held coordinates, and over dense K/V) and where its library lies."""
@@ -173,11 +136,11 @@ class HeldKernel:
         kv_heads, count = int(doubled.shape[1]), int(doubled.shape[2])
         groups = heads // kv_heads
         rows = groups * n
-        q, tail_keys, tail_values = (_readable(x) for x in (q, *tail))
+        q, tail_keys, tail_values = (readable(x) for x in (q, *tail))
         hadamard = hadamard.float().contiguous()
         if doubled.stride(3) != 1 or norms.stride() != qmax.stride() or tail_keys.stride() != tail_values.stride():
             raise ValueError("the held-attention kernel reads rows of contiguous values, K and V laid out alike")
-        scratch = _scratch(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
+        scratch = thread_scratch(int(self.scratch_size(batch, kv_heads, rows, dim, count, SEGMENT)))
         out = torch.empty(batch, kv_heads, rows, dim)
         lse = torch.empty(batch, kv_heads, rows, 1)
         call = _Call(
@@ -237,9 +200,9 @@ class HeldKernel:
         count. Where `self.tiles`, bfloat16 runs on the tile unit. `rounded` (float32 queries over bfloat16 K/V,
         where `rounds_queries`): the values of the queries cast to bfloat16 and the output cast to bfloat16 and
         back, the casts done by the kernel as it reads and writes."""
-        dense = _DenseRow(q, keys, values, hi, allowed, with_lse, rounded=rounded)
-        scratch = _scratch(dense.scratch_floats(self))
-        call = np.array([dense.fields(self, scratch.data_ptr(), scale, threads)], dtype=_DENSE_CALLS)
+        dense = DenseRow(q, keys, values, hi, allowed, with_lse, rounded=rounded)
+        scratch = thread_scratch(dense.scratch_floats(self.scratch_size, SEGMENT))
+        call = np.array([dense.fields(self.tiles, SEGMENT, scratch.data_ptr(), scale, threads)], dtype=DENSE_CALLS)
         if self.dense(call.ctypes.data) != 0:
             rows, dim = dense.rows, dense.dim
             raise ValueError(f"the dense-attention kernel does not serve {rows} query rows of head size {dim}")
@@ -259,9 +222,9 @@ class HeldKernel:
         row's queries holding what `attend_dense` gives that row alone, bit for bit (each writes its own span);
         `rounded` as `attend_dense` takes it."""
         out = torch.empty(q.shape, dtype=torch.float32)
-        q = _readable(q)
+        q = readable(q)
         dense = [
-            _DenseRow(
+            DenseRow(
                 q.narrow(2, start, end - start),
                 keys,
                 values,
@@ -273,112 +236,16 @@ class HeldKernel:
             )
             for start, end, keys, values, hi, allowed in rows
         ]
-        sizes = [row.scratch_floats(self) for row in dense]
-        scratch = _scratch(sum(sizes))
+        sizes = [row.scratch_floats(self.scratch_size, SEGMENT) for row in dense]
+        scratch = thread_scratch(sum(sizes))
         base, offset, fields = scratch.data_ptr(), 0, []
         for row, size in zip(dense, sizes, strict=True):
-            fields.append(row.fields(self, base + 4 * offset, scale, threads))
+            fields.append(row.fields(self.tiles, SEGMENT, base + 4 * offset, scale, threads))
             offset += size
-        calls = np.array(fields, dtype=_DENSE_CALLS)
+        calls = np.array(fields, dtype=DENSE_CALLS)
         if self.dense_many(calls.ctypes.data, len(dense), threads) != 0:
             raise ValueError(f"the dense-attention kernel does not serve these {len(dense)} rows")
         return out
-
-
-class _DenseRow:
-    """One call of dense attention: its inputs as the kernel reads them and its output tensors."""
-
-    def __init__(
-        self,
-        q: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        hi: torch.Tensor,
-        allowed: torch.Tensor | None,
-        with_lse: bool,
-        out: torch.Tensor | None = None,
-        *,
-        rounded: bool = False,
-    ) -> None:
-        self.batch, heads, self.n, self.dim = (int(s) for s in q.shape)
-        self.kv_heads, self.count = int(keys.shape[1]), int(keys.shape[2])
-        self.groups = heads // self.kv_heads
-        self.rows = self.groups * self.n
-        self.q, self.keys, self.values = (_readable(x) for x in (q, keys, values))
-        if self.keys.dtype != self.values.dtype:
-            self.values = self.values.to(self.keys.dtype)
-        self.hi, self.allowed, self.rounded = hi, allowed, rounded
-        if rounded and (self.q.dtype != torch.float32 or self.keys.dtype != torch.bfloat16):
-            raise ValueError("rounded attention reads float32 queries over bfloat16 K/V")
-        # [B, H_kv, g·n, D] (viewed as [B, H, n, D]) unless the caller's `[B, H, n, D]` float32 view, rows contiguous
-        self.out = torch.empty(self.batch, self.kv_heads, self.rows, self.dim) if out is None else out
-        self.lse = torch.empty(self.batch, self.kv_heads, self.rows, 1) if with_lse else None
-
-    def scratch_floats(self, kernel: HeldKernel) -> int:
-        return int(kernel.scratch_size(self.batch, self.kv_heads, self.rows, self.dim, self.count, SEGMENT))
-
-    def fields(self, kernel: HeldKernel, scratch: int, scale: float, threads: int) -> tuple[Any, ...]:
-        """The call as a `DenseCall`'s fields, in order (a row of `_DENSE_CALLS`)."""
-        q, keys, values, allowed, lse = self.q, self.keys, self.values, self.allowed, self.lse
-        return (
-            q.data_ptr(),
-            q.stride()[:3],
-            q.dtype == torch.bfloat16,
-            keys.data_ptr(),
-            values.data_ptr(),
-            keys.stride()[:3],
-            values.stride()[:3],
-            keys.dtype == torch.bfloat16,
-            self.count,
-            self.hi.data_ptr(),
-            0 if allowed is None else allowed.data_ptr(),
-            0 if allowed is None else allowed.stride(0),
-            scale,
-            self.batch,
-            self.kv_heads,
-            self.groups,
-            self.n,
-            self.dim,
-            SEGMENT,
-            threads,
-            kernel.tiles,
-            scratch,
-            self.out.data_ptr(),
-            self._out_strides(),
-            0 if lse is None else lse.data_ptr(),
-            int(self.rounded),
-        )
-
-    def _out_strides(self) -> tuple[int, int, int]:
-        """The output's strides by batch, query head and query."""
-        out = self.out
-        if out.dim() == 4 and int(out.shape[1]) == self.kv_heads * self.groups:  # [B, H, n, D]
-            return int(out.stride(0)), int(out.stride(1)), int(out.stride(2))
-        return int(out.stride(0)), self.n * self.dim, self.dim  # [B, H_kv, g·n, D], contiguous
-
-
-_scratches = threading.local()
-KEPT_SCRATCH = 1 << 22
-"""Floats of scratch a thread keeps between calls at most (16 MiB: a prefill chunk's partial results over 8,192 keys
-of the default model); a call that needs more allocates its own."""
-
-
-def _scratch(size: int) -> torch.Tensor:
-    """`size` floats of this thread's scratch for the kernel, reused from call to call (a fresh allocation of a
-    prefill's partial results, several MB, costs its page faults every time)."""
-    if size > KEPT_SCRATCH:
-        return torch.empty(size)
-    held: torch.Tensor | None = getattr(_scratches, "buffer", None)
-    if held is None or held.numel() < size:
-        held = _scratches.buffer = torch.empty(max(size, 1 << 16))
-    return held[:size]
-
-
-def _readable(x: torch.Tensor) -> torch.Tensor:
-    """`x` as the kernel reads it: float32 or bfloat16, each row's values contiguous."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        x = x.float()
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def serves(q: torch.Tensor, doubled: torch.Tensor, kv_heads: int) -> bool:
@@ -422,7 +289,7 @@ def load(flags: tuple[str, ...] = FLAGS) -> HeldKernel:
     bf16_products, vectors = loaded.dense_bf16_products, loaded.dense_vectors
     function.argtypes, function.restype = [ctypes.POINTER(_Call)], _I
     scratch_size.argtypes, scratch_size.restype = [_I, _I, _I, _I, _I64, _I64], _I64
-    dense.argtypes, dense.restype = [_P], _I  # an array of `_DENSE_CALLS`
+    dense.argtypes, dense.restype = [_P], _I  # an array of `DENSE_CALLS`
     dense_many.argtypes, dense_many.restype = [_P, _I, _I], _I
     tiles_enable.argtypes, tiles_enable.restype = [], _I
     for flag in (bf16_products, vectors):
