@@ -61,7 +61,7 @@ def attend_exact(
     if q.device.type == "cpu" and int(q.shape[3]) <= held_kernel.MAX_DIM:
         kernel = dense_kernel()
         compiled = dense_setting() == "compiled"
-        if kernel is not None and (compiled or _auto_compiled(kernel, keys.dtype, keys, int(q.shape[3]))):
+        if kernel is not None and (compiled or _auto_compiled(kernel, keys.dtype, int(q.shape[3]))):
             if q.dtype == keys.dtype:
                 return _attend_compiled(kernel, q, keys, values, mask, groups, scale, memo)
             if _rounds(kernel, q, keys):
@@ -129,14 +129,13 @@ def _rounds(kernel: held_kernel.HeldKernel, q: torch.Tensor, keys: torch.Tensor)
     )
 
 
-def _auto_compiled(kernel: held_kernel.HeldKernel, dtype: torch.dtype, keys: torch.Tensor, dim: int) -> bool:
-    """Whether `auto` gives the kernel these queries and keys: bfloat16 ones it multiplies as bfloat16, float32 ones
-    on its AVX-512 vector path (there it decoded and prefilled faster than PyTorch's flash kernel; for bfloat16 the
-    vector path without bfloat16 products prefilled slower, docs/benchmarks.md), and both on its AVX2 path, heads
-    of a multiple of 16 dimensions (on a CPU with AVX2 only, the default model decoded 1.16–1.40× as fast through
-    the daemon and prefilled as fast, within noise; docs/benchmarks.md#dense-attention-through-the-compiled-kernel)."""
-    if dtype != keys.dtype:
-        return False
+def _auto_compiled(kernel: held_kernel.HeldKernel, dtype: torch.dtype, dim: int) -> bool:
+    """Whether `auto` gives the kernel K/V of `dtype` (the queries meeting them there) with heads of `dim` values:
+    bfloat16 ones it multiplies as bfloat16, float32 ones on its AVX-512 vector path (there it decoded and prefilled
+    faster than PyTorch's flash kernel; for bfloat16 the vector path without bfloat16 products prefilled slower,
+    docs/benchmarks.md), and both on its AVX2 path, heads of a multiple of 16 dimensions (on a CPU with AVX2 only, the
+    default model decoded 1.16–1.40× as fast through the daemon and prefilled as fast, within noise;
+    docs/benchmarks.md#dense-attention-through-the-compiled-kernel)."""
     if kernel.vector_bits == 256 and dtype in (torch.bfloat16, torch.float32):
         return dim % 16 == 0
     if dtype == torch.bfloat16:
@@ -203,11 +202,11 @@ def attend_exact_rows(
     ):
         return None
     dtype = rows[0][2].dtype
-    rounded = dtype != q.dtype and _rounds(kernel, q, rows[0][2])  # the casts `attend_exact` makes, in the kernel
+    rounded = _rounds(kernel, q, rows[0][2])  # the casts `attend_exact` makes, in the kernel
     read = q.to(dtype) if dtype != q.dtype and not rounded else q
     compiled = dense_setting() == "compiled"
     per = max(1, DENSE_ROWS // groups)
-    if not (compiled or _auto_compiled(kernel, dtype, rows[0][2], int(q.shape[3]))):
+    if not (compiled or _auto_compiled(kernel, dtype, int(q.shape[3]))):
         return None
     calls = []
     for start, end, keys, values, mask in rows:

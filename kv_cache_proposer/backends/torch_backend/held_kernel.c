@@ -1429,7 +1429,7 @@ static int dense_serves(const DenseCall *call) {
 #if TILES
     if (call->tiles && call->seg % STEP != 0) return 0;
 #endif
-    if (call->rounded && (call->q_bf16 || PAIRS || call->tiles)) return 0; /* bfloat16 products read bfloat16 */
+    if (call->rounded && (call->q_bf16 || PAIRS)) return 0; /* bfloat16 products (the tile unit's too) read bfloat16 */
     return 1;
 }
 
