@@ -185,55 +185,77 @@ static inline __attribute__((always_inline)) __m256 values8(const void *at, int 
     return _mm256_loadu_ps((const float *)at);
 }
 
-/* tile_scores on 256-bit vectors: scores of `rows` (1 to ROW_GROUP) query rows against a tile's 64 keys (`by_dim`), 16
-   keys at a time with every row's sums in registers; each row's sum runs over the dimensions in order, whatever `rows`
-   is. */
+/* How many vectors of 8 sums each of `rows` query rows hold in registers at a time (scores of 8 times as many keys,
+   value sums of as many dimensions): up to 12 independent chains of fma, which a decode step's few rows (a K/V head's
+   query heads) would not have at 2 each, and registers left for the operands. */
+#define ROW_VECTORS(rows) ((rows) <= 1 ? 8 : (rows) <= 3 ? 4 : 2)
+
+/* tile_scores on 256-bit vectors: scores of `rows` (1 to ROW_GROUP) query rows against a tile's 64 keys (`by_dim`),
+   8 * ROW_VECTORS(rows) keys at a time with every row's sums in registers; each row's sum runs over the dimensions in
+   order, whatever `rows` is. */
 static inline __attribute__((always_inline)) void tile_scores8(const float *q, int rows, int D, const float *by_dim,
                                                                float *out /* [rows][TILE] */) {
-    for (int k = 0; k < TILE; k += 16) {
-        __m256 s[ROW_GROUP][2];
-        for (int i = 0; i < ROW_GROUP; i++) s[i][0] = s[i][1] = _mm256_setzero_ps();
+    const int V = ROW_VECTORS(rows);
+    for (int k = 0; k < TILE; k += 8 * V) {
+        __m256 s[ROW_GROUP][8];
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < V; j++) s[i][j] = _mm256_setzero_ps();
         for (int d = 0; d < D; d++) {
             const float *bd = by_dim + d * TILE + k;
-            __m256 k0 = _mm256_loadu_ps(bd), k1 = _mm256_loadu_ps(bd + 8);
-            for (int i = 0; i < ROW_GROUP; i++) {
-                if (i >= rows) break;
+            __m256 keys[8];
+            for (int j = 0; j < V; j++) keys[j] = _mm256_loadu_ps(bd + 8 * j);
+            for (int i = 0; i < rows; i++) {
                 __m256 qi = _mm256_broadcast_ss(q + (int64_t)i * D + d);
-                s[i][0] = _mm256_fmadd_ps(qi, k0, s[i][0]);
-                s[i][1] = _mm256_fmadd_ps(qi, k1, s[i][1]);
+                for (int j = 0; j < V; j++) s[i][j] = _mm256_fmadd_ps(qi, keys[j], s[i][j]);
             }
         }
-        for (int i = 0; i < rows; i++) {
-            _mm256_storeu_ps(out + i * TILE + k, s[i][0]);
-            _mm256_storeu_ps(out + i * TILE + k + 8, s[i][1]);
-        }
+        for (int i = 0; i < rows; i++)
+            for (int j = 0; j < V; j++) _mm256_storeu_ps(out + i * TILE + k + 8 * j, s[i][j]);
     }
 }
 
 /* tile_values on 256-bit vectors: acc[i] += sum over the tile's nt keys of w[i][t] * value[t] for `rows` (1 to
-   ROW_GROUP) rows, 16 dimensions at a time with the sums in registers; each row's sum runs over the keys in order,
-   whatever `rows` is. The values are read as tile_values reads them. */
-static inline __attribute__((always_inline)) void tile_values8(float *acc, const float *w, int rows, int D, int nt,
-                                                               const void *base, int kind, int64_t s_pos,
-                                                               int64_t t0) {
+   ROW_GROUP) rows, 8 * V dimensions at a time with the sums in registers; each row's sum runs over the keys in order,
+   whatever `rows` and V are. The values are read as tile_values reads them. */
+static inline __attribute__((always_inline)) void values_by8(float *acc, const float *w, int rows, int D, int nt,
+                                                             const void *base, int kind, int64_t s_pos, int64_t t0,
+                                                             const int V) {
     const int64_t elem = kind == AS_FLOAT32 ? 4 : kind == AS_BF16 ? 2 : 1;
-    for (int d0 = 0; d0 < D; d0 += 16) {
-        __m256 a[ROW_GROUP][2];
+    for (int d0 = 0; d0 < D; d0 += 8 * V) {
+        __m256 a[ROW_GROUP][8];
         for (int i = 0; i < rows; i++)
-            for (int j = 0; j < 2; j++) a[i][j] = _mm256_loadu_ps(acc + (int64_t)i * D + d0 + 8 * j);
+            for (int j = 0; j < V; j++) a[i][j] = _mm256_loadu_ps(acc + (int64_t)i * D + d0 + 8 * j);
         for (int t = 0; t < nt; t++) {
             const char *row = (const char *)base + ((t0 + t) * s_pos + d0) * elem;
-            __m256 c0 = values8(row, kind), c1 = values8(row + 8 * elem, kind);
-            for (int i = 0; i < ROW_GROUP; i++) {
-                if (i >= rows) break;
-                __m256 wi = _mm256_broadcast_ss(w + i * TILE + t);
-                a[i][0] = _mm256_fmadd_ps(wi, c0, a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(wi, c1, a[i][1]);
+            if (V == 2) { /* the values first, then each row's weight: rows x 2 sums and 3 operands in registers */
+                __m256 c0 = values8(row, kind), c1 = values8(row + 8 * elem, kind);
+                for (int i = 0; i < rows; i++) {
+                    __m256 wi = _mm256_broadcast_ss(w + i * TILE + t);
+                    a[i][0] = _mm256_fmadd_ps(wi, c0, a[i][0]);
+                    a[i][1] = _mm256_fmadd_ps(wi, c1, a[i][1]);
+                }
+                continue;
+            }
+            __m256 wi[ROW_GROUP]; /* each row's weight first, then the values a vector at a time */
+            for (int i = 0; i < rows; i++) wi[i] = _mm256_broadcast_ss(w + i * TILE + t);
+            for (int j = 0; j < V; j++) {
+                __m256 c = values8(row + 8 * j * elem, kind);
+                for (int i = 0; i < rows; i++) a[i][j] = _mm256_fmadd_ps(wi[i], c, a[i][j]);
             }
         }
         for (int i = 0; i < rows; i++)
-            for (int j = 0; j < 2; j++) _mm256_storeu_ps(acc + (int64_t)i * D + d0 + 8 * j, a[i][j]);
+            for (int j = 0; j < V; j++) _mm256_storeu_ps(acc + (int64_t)i * D + d0 + 8 * j, a[i][j]);
     }
+}
+
+/* values_by8 with ROW_VECTORS(rows) vectors where D is a multiple of their width, else 2. */
+static inline __attribute__((always_inline)) void tile_values8(float *acc, const float *w, int rows, int D, int nt,
+                                                               const void *base, int kind, int64_t s_pos,
+                                                               int64_t t0) {
+    if (D % (8 * ROW_VECTORS(rows)) == 0)
+        values_by8(acc, w, rows, D, nt, base, kind, s_pos, t0, ROW_VECTORS(rows));
+    else
+        values_by8(acc, w, rows, D, nt, base, kind, s_pos, t0, 2);
 }
 #endif
 
