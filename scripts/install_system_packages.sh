@@ -4,7 +4,8 @@
 # postgresql and haproxy, which tests/integration/test_scale_out.py and scripts/bench_scale_out.py run (the shared
 # session journal and the proxy of deploy/haproxy); libopenblas0-pthread, the optimised CBLAS the daemon's MLX
 # backend loads on Linux (--mlx-blas auto), which tests/integration/test_mlx_blas.py runs; gcc, which builds the
-# compiled kernels of the torch backend (kv_cache_proposer/backends/torch_backend/held_kernel.c and products.c) that
+# compiled kernels of the torch backend (kv_cache_proposer/backends/torch_backend/held_kernel.c, dense_kernel.c and
+# products.c) that
 # tests/kv_cache_proposer/backends/test_held_attention.py and test_products.py run. The tests start their own
 # servers on loopback; the package's own PostgreSQL cluster service is not needed.
 # Safe to re-run: installs only what is missing. Needs root (or sudo) and apt-get.

@@ -248,7 +248,7 @@ typedef struct {
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 
-/* exp(x) of 8 values, to about 2 ulp, from -88 (0 below) up to 88 (clamped): the polynomial of held_kernel.c's
+/* exp(x) of 8 values, to about 2 ulp, from -88 (0 below) up to 88 (clamped): the polynomial of attention_kernel.h's
    exp_nonpositive8 over the whole range. */
 static inline __m256 exp8(__m256 x) {
     const __m256 c = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.0f)), _mm256_set1_ps(88.0f));

@@ -1,4 +1,4 @@
-"""How Python hands the attention kernel (`held_kernel.c`) a call over dense K/V: the call's structure, a call's
+"""How Python hands the attention kernel (`dense_kernel.c`) a call over dense K/V: the call's structure, a call's
 inputs as the kernel reads them and its output tensors (`DenseRow`), and the scratch each thread reuses."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ _P, _I64, _I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
 
 class DenseCall(ctypes.Structure):
-    """`DenseCall` of held_kernel.c, field for field."""
+    """`DenseCall` of dense_kernel.c, field for field."""
 
     _fields_ = [
         ("q", _P),

@@ -1,9 +1,9 @@
-"""The compiled CPU kernel for attention (`held_kernel.c`): built with the machine's C compiler on first use, for
-this CPU (`kernel_build`), and loaded with ctypes. Over held coordinates, a decode step or a speculative block
-reads the int8 coordinates in one pass, never writing a float32 copy of them (`TorchHeldKeys`). Over dense K/V, it
-serves `exact_attention.attend_exact` as `KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU
-multiplies bfloat16, AVX512-BF16 or AMX, or has AVX2 but not AVX-512, and float32 K/V where it has AVX-512 or
-AVX2).
+"""The compiled CPU kernel for attention (`held_kernel.c` over held coordinates, `dense_kernel.c` over dense K/V, one
+library): built with the machine's C compiler on first use, for this CPU (`kernel_build`), and loaded with ctypes.
+Over held coordinates, a decode step or a speculative block reads the int8 coordinates in one pass, never writing a
+float32 copy of them (`TorchHeldKeys`). Over dense K/V, it serves `exact_attention.attend_exact` as
+`KAKEYA_DENSE_ATTENTION` says (by default bfloat16 K/V where the CPU multiplies bfloat16, AVX512-BF16 or AMX, or has
+AVX2 but not AVX-512, and float32 K/V where it has AVX-512 or AVX2).
 
 Where no compiler is found or the build fails, held attention runs as TorchScript ops instead (the same values within
 float rounding, slower at long histories); `KAKEYA_HELD_KERNEL=off` asks for that path. Which path runs is logged
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kv_cache_proposer.backends.torch_backend.dense_calls import DENSE_CALLS, DenseRow, readable, thread_scratch
-from kv_cache_proposer.backends.torch_backend.kernel_build import FLAGS, SOURCE, built
+from kv_cache_proposer.backends.torch_backend.kernel_build import FLAGS, SOURCES, built
 from kv_cache_proposer.compression.codec import StagedCoding
 
 log = logging.getLogger(__name__)
@@ -38,10 +38,10 @@ MAX_ROWS = 512
 """Query rows (query heads per K/V head × queries) of one call at most: a segment's scores live on the stack."""
 
 MAX_CALLS = 256
-"""Calls of one `attend_dense_many` at most (`MAX_CALLS` of held_kernel.c)."""
+"""Calls of one `attend_dense_many` at most (`MAX_CALLS` of dense_kernel.c)."""
 
 MAX_DIM = 256
-"""The largest head size the kernel serves (`MAX_DIM` of held_kernel.c)."""
+"""The largest head size the kernel serves (`MAX_DIM` of attention_kernel.h)."""
 
 ENV = "KAKEYA_HELD_KERNEL"
 
@@ -281,7 +281,7 @@ def load(flags: tuple[str, ...] = FLAGS) -> HeldKernel:
     """The kernel built with `flags` (by default for everything this CPU has) and loaded; raises where it cannot be
     (no compiler, a failed build). A build for less than the CPU has (`-mno-avx512f`, say) runs another vector
     path of the same kernel."""
-    library = built(SOURCE, flags)
+    library = built(SOURCES, flags)
     loaded = ctypes.CDLL(str(library))
     function, scratch_size, dense = loaded.held_attend, loaded.held_attend_scratch, loaded.dense_attend
     dense_many = loaded.dense_attend_many

@@ -1,5 +1,5 @@
 """Which way the torch backend's dense attention runs in a test: through PyTorch's flash kernel
-(`KAKEYA_DENSE_ATTENTION=flash`), or through the compiled kernel (held_kernel.c, `compiled`), whose bfloat16 path runs
+(`KAKEYA_DENSE_ATTENTION=flash`), or through the compiled kernel (dense_kernel.c, `compiled`), whose bfloat16 path runs
 on the CPU's tile unit where it has one and on its vector units otherwise. A test that names neither runs the
 default, `auto`. And the product kernel (products.c, avx2_products.c) as a test finds it."""
 
