@@ -167,7 +167,7 @@ def _int4_layer(outputs: int, inputs: int, group: int, seed: int) -> tuple[torch
 
 
 @pytest.mark.parametrize(
-    ("outputs", "inputs", "group"), [(64, 96, 32), (960, 576, 32), (192, 256, 64), (128, 64, 64), (160, 128, 32)]
+    ("outputs", "inputs", "group"), [(64, 96, 32), (960, 576, 32), (192, 256, 64), (128, 64, 64), (320, 128, 32)]
 )
 @pytest.mark.parametrize("rows", [1, 4, 5, 7, 12, 64, 65, 130])
 def test_int4_rows_are_pytorch_s_bit_for_bit_for_every_row_count_and_layer(int4_kernel, outputs, inputs, group, rows):
