@@ -7,11 +7,12 @@
      a time in 8 lanes, its lanes added in one fixed order, then scaled, the same instructions for a row whatever
      rows and threads share the call.
    - int4_qrows: float32 rows times int4 codes, each row quantized per group of 32 inputs to integers of 8 bits of
-     magnitude and a sign, multiplied by the codes with the CPU's byte products: the int4 layers' product for every
-     row count on a CPU without AVX-512 (close to a GGUF Q4_1 product's as llama.cpp computes it, with a bit more
-     for each input and the zero points meeting the float32 input sums): exact integer sums per group, then one
-     float32 order per output, whatever rows and threads share the call. Given the RMS norm's weight, it first
-     normalises each row itself (`normed_row`), the norm before the stacked Q/K/V or gate/up product.
+     magnitude and a sign, multiplied by the codes with the CPU's byte products (AVX2), or its dot products where it
+     has AVX512-VNNI: the int4 layers' product for every row count on a CPU with AVX2 (close to a GGUF Q4_1 product's
+     as llama.cpp computes it, with a bit more for each input and the zero points meeting the float32 input sums):
+     exact integer sums per group, the same with either instructions, then one float32 order per output, whatever
+     rows and threads share the call. Given the RMS norm's weight, it first normalises each row itself
+     (`normed_row`), the norm before the stacked Q/K/V or gate/up product.
 
    Built without reassociation (kernel_build.EXACT_FLAGS): the order written here is the order computed. */
 
@@ -21,11 +22,18 @@
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
-/* int4_qrows on a build without AVX-512 (an AVX-512 build keeps the int4 blocks of products.c) */
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+/* int4_qrows, the layer spans and SiLU on a build with AVX2 and FMA */
+#if defined(__AVX2__) && defined(__FMA__)
 #define AVX2 1
 #else
 #define AVX2 0
+#endif
+/* int4_qrows' integer sums by AVX512-VNNI dot products where the build has them: the same exact sums, so the same
+   values as the AVX2 build's byte products */
+#if AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define QDOT 1
+#else
+#define QDOT 0
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -50,7 +58,7 @@ static inline float lanes_max(__m256 v) {
 }
 #endif
 
-/* int4 codes times rows quantized to 9-bit integers, on the AVX2 build: the int4 layers' product for any row count. */
+/* int4 codes times rows quantized to 9-bit integers: the int4 layers' product for any row count. */
 #define Q_GROUP 32   /* inputs sharing a weight's scale and zero point, and a row's step */
 #define Q_TILE 8     /* outputs whose codes are interleaved together */
 
@@ -164,6 +172,91 @@ static inline __attribute__((always_inline)) void qrows_tile(const uint8_t *code
     }
     for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)(m0 + r) * N + t * Q_TILE, acc[r]);
 }
+
+#if QDOT
+/* A quantized row (`quantized_row`'s magnitudes m, then signs s) rewritten in place for dot products of unsigned
+   codes: each input x = s × m as x >> 4 (from -16 to 15) over its magnitude's bytes and x & 15 over its sign's,
+   x = 16 × (x >> 4) + (x & 15); `totals` [K / Q_GROUP] each group's sum of x. */
+static void split_row(uint8_t *q, int K, int32_t *totals) {
+    const __m256i ones = _mm256_set1_epi16(1), low_bits = _mm256_set1_epi16(15);
+    for (int g = 0; g < K / Q_GROUP; g++) {
+        __m256i total = _mm256_setzero_si256();
+        for (int h = 0; h < Q_GROUP; h += 16) {
+            uint8_t *m = q + g * Q_GROUP + h, *s = m + K;
+            const __m256i x = _mm256_mullo_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)m)),
+                                                 _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)s)));
+            _mm_storeu_si128((__m128i *)m, _mm256_cvtepi16_epi8(_mm256_srai_epi16(x, 4)));
+            _mm_storeu_si128((__m128i *)s, _mm256_cvtepi16_epi8(_mm256_and_si256(x, low_bits)));
+            total = _mm256_add_epi32(total, _mm256_madd_epi16(x, ones));
+        }
+        int32_t lanes[8];
+        _mm256_storeu_si256((__m256i *)lanes, total);
+        totals[g] = lanes[0] + lanes[1] + lanes[2] + lanes[3] + lanes[4] + lanes[5] + lanes[6] + lanes[7];
+    }
+}
+
+/* qrows_tile by dot products over rows rewritten by `split_row`, for R rows and T tiles from t (R × T at most 4:
+   as many independent sums in flight): per group, each output's sum of code × x (the codes unsigned, two steps of 4
+   inputs a vector: lanes 2j and 2j + 1 hold output j's), 16 × the sum over x >> 4 plus the sum over x & 15, less
+   8 × the group's total: exactly qrows_tile's integer sum of (code - 8) × x. The float32 steps after it are
+   qrows_tile's, each output's in its order. */
+static inline __attribute__((always_inline)) void qdot_tile(const uint8_t *codes, const uint16_t *qparams,
+                                                            const uint8_t *q, const int32_t *totals,
+                                                            const float *steps, float *out, int K, int64_t N,
+                                                            int64_t t, int m0, const int R, const int T) {
+    const int groups = K / Q_GROUP;
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m512i order = _mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+    __m256 acc[4][4];
+    for (int u = 0; u < T; u++)
+        for (int r = 0; r < R; r++) acc[u][r] = _mm256_setzero_ps();
+    for (int g = 0; g < groups; g++) {
+        __m512i high[4][4], low[4][4];
+        for (int u = 0; u < T; u++)
+            for (int r = 0; r < R; r++) high[u][r] = low[u][r] = _mm512_setzero_si512();
+        for (int s = 0; s < Q_GROUP / 4; s += 2) {
+            __m512i above[4], below[4];
+            for (int r = 0; r < R; r++) {
+                const uint8_t *row = q + (int64_t)(m0 + r) * 2 * K + g * Q_GROUP + 4 * s;
+                int64_t a, b;
+                memcpy(&a, row, sizeof a);
+                memcpy(&b, row + K, sizeof b);
+                above[r] = _mm512_set1_epi64(a);
+                below[r] = _mm512_set1_epi64(b);
+            }
+            for (int u = 0; u < T; u++) {
+                /* steps s and s + 1: low nibbles, then high ones, of each; output j's lanes side by side */
+                const uint8_t *c = codes + ((t + u) * groups + g) * (Q_GROUP / 4) * 16;
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(c + 16 * s));
+                const __m256i lo = _mm256_and_si256(bytes, nibble);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                const __m512i unsigned_codes =
+                    _mm512_permutexvar_epi32(order, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+                for (int r = 0; r < R; r++) {
+                    high[u][r] = _mm512_dpbusd_epi32(high[u][r], unsigned_codes, above[r]);
+                    low[u][r] = _mm512_dpbusd_epi32(low[u][r], unsigned_codes, below[r]);
+                }
+            }
+        }
+        for (int u = 0; u < T; u++) {
+            const uint16_t *p = qparams + ((t + u) * groups + g) * 2 * Q_TILE;
+            const __m256 scale = bf16x8(p), zero = bf16x8(p + Q_TILE);
+            for (int r = 0; r < R; r++) {
+                const float *group = steps + ((int64_t)(m0 + r) * groups + g) * 2;
+                __m512i both = _mm512_add_epi32(_mm512_slli_epi32(high[u][r], 4), low[u][r]);
+                both = _mm512_add_epi32(both, _mm512_srli_epi64(both, 32)); /* each pair in its low lane */
+                const __m256i sums = _mm256_sub_epi32(_mm512_cvtepi64_epi32(both),
+                                                      _mm256_set1_epi32(8 * totals[(int64_t)(m0 + r) * groups + g]));
+                const __m256 whole = _mm256_cvtepi32_ps(sums);
+                acc[u][r] = _mm256_fmadd_ps(whole, _mm256_mul_ps(scale, _mm256_set1_ps(group[0])), acc[u][r]);
+                acc[u][r] = _mm256_fmadd_ps(zero, _mm256_set1_ps(group[1]), acc[u][r]);
+            }
+        }
+    }
+    for (int u = 0; u < T; u++)
+        for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)(m0 + r) * N + (t + u) * Q_TILE, acc[u][r]);
+}
+#endif
 #endif
 
 /* out [M, N] float32 = x [M, K] float32 times int4 weights (code - 8) × scale + zero, with each row's inputs
@@ -178,9 +271,13 @@ int int4_qrows(const float *x, int M, const float *norm, float eps, const uint8_
     if (M < 1 || N < Q_TILE || N % Q_TILE || K < Q_GROUP || K % Q_GROUP) return -1;
     const int groups = K / Q_GROUP;
     const size_t normed = norm != NULL ? (size_t)M * K : 0;
-    float *steps = malloc(((size_t)M * groups * 2 + normed) * sizeof(float) + (size_t)M * K * 2);
+    float *steps = malloc(((size_t)M * groups * 3 + normed) * sizeof(float) + (size_t)M * K * 2);
     if (steps == NULL) return -2;
-    float *rows = steps + (size_t)M * groups * 2;
+    int32_t *totals = (int32_t *)(steps + (size_t)M * groups * 2); /* the dot products' group totals */
+#if !QDOT
+    (void)totals; /* the byte products need none */
+#endif
+    float *rows = steps + (size_t)M * groups * 3;
     uint8_t *q = (uint8_t *)(rows + normed);
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && M > 1)
     for (int m = 0; m < M; m++) {
@@ -190,8 +287,37 @@ int int4_qrows(const float *x, int M, const float *norm, float eps, const uint8_
             row = rows + (int64_t)m * K;
         }
         quantized_row(row, K, q + (int64_t)m * 2 * K, steps + (int64_t)m * groups * 2);
+#if QDOT
+        split_row(q + (int64_t)m * 2 * K, K, totals + (int64_t)m * groups);
+#endif
     }
     const int64_t tiles = N / Q_TILE;
+#if QDOT
+    /* tiles 4 at a time: a row's sums of 4 tiles, 2 rows' of 2, or 4 rows' of each in flight */
+    const int64_t quads = (tiles + 3) / 4;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && quads > 1)
+    for (int64_t b = 0; b < quads; b++) {
+        const int64_t t = 4 * b;
+        const int whole = t + 4 <= tiles;
+        int m = 0;
+        for (; m + 4 <= M; m += 4)
+            for (int64_t u = t; u < t + 4 && u < tiles; u++)
+                qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 4, 1);
+        for (; m + 2 <= M; m += 2) {
+            if (whole) {
+                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m, 2, 2);
+                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t + 2, m, 2, 2);
+            } else
+                for (int64_t u = t; u < tiles; u++) qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 2, 1);
+        }
+        for (; m < M; m++) {
+            if (whole)
+                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m, 1, 4);
+            else
+                for (int64_t u = t; u < tiles; u++) qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 1, 1);
+        }
+    }
+#else
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
     for (int64_t t = 0; t < tiles; t++) {
         int m = 0;
@@ -199,6 +325,7 @@ int int4_qrows(const float *x, int M, const float *norm, float eps, const uint8_
         for (; m + 2 <= M; m += 2) qrows_tile(codes, qparams, q, steps, out, K, N, t, m, 2);
         for (; m < M; m++) qrows_tile(codes, qparams, q, steps, out, K, N, t, m, 1);
     }
+#endif
     free(steps);
     return 0;
 #else

@@ -54,7 +54,7 @@ def normed_products(
     hidden: torch.Tensor, norm: torch.Tensor, eps: float, projections: list[Linear]
 ) -> list[torch.Tensor]:
     """The products of `projections` over `hidden` [B, n, H] under the RMS norm (weight `norm`, `eps`), each [B, n,
-    out]. Products held for the kernel's quantized rows (`weights.INT4_QROWS`: a CPU with AVX2 but not AVX-512)
+    out]. Products held for the kernel's quantized rows (`weights.INT4_QROWS`: a CPU with AVX2)
     compute the norm themselves as they read the rows, in the kernel's own order (`weights.qrows_linear`): one call
     where the norm takes seven, the same values stacked or not (unstacked, each product normalises the rows again),
     and a row's values still do not depend on the rows beside it."""

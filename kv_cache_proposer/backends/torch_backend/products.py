@@ -9,14 +9,15 @@ bit for bit whichever computes them:
   to float32 in the kernel, a quarter of the bytes of the codes' float32 values. This one is the kernel's own
   arithmetic, not a PyTorch kernel's (every sum in one order for any row count and thread count), chosen when the
   head is loaded (`weights.PackedLinear`); where the kernel is off the head holds the float32 values instead.
-- int4 layers on a CPU without AVX-512 (`int4_qrows`): every row quantized per group of 32 inputs to integers of 8
-  bits of magnitude and a sign, multiplied by the codes with byte products (AVX2), exact integer sums per group
-  scaled in float32: the kernel's own arithmetic again (close to a GGUF Q4_1 product's), chosen at load
-  (`weights.INT4_QROWS`), for every row count alike; given the RMS norm before the product, it computes that too,
-  row by row in its own order (`layer_steps.normed_products`).
-- int4 layers over blocks of `INT4_ROWS_FROM` rows or more on AVX-512 (`torch.ops.kakeya.int4_rows`: a verify
-  block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s arithmetic, each block of weights dequantized
-  once for all the rows where that kernel dequantizes it once per 4. A lone row keeps PyTorch's kernel.
+- int4 layers on a CPU with AVX2 (`int4_qrows`): every row quantized per group of 32 inputs to integers of 8 bits of
+  magnitude and a sign, multiplied by the codes with byte products (AVX2) or dot products (AVX512-VNNI, the same
+  exact integer sums), the sums per group scaled in float32: the kernel's own arithmetic again (close to a GGUF Q4_1
+  product's), chosen at load (`weights.INT4_QROWS`), for every row count alike; given the RMS norm before the
+  product, it computes that too, row by row in its own order (`layer_steps.normed_products`).
+- int4 layers the quantized rows do not serve, over blocks of `INT4_ROWS_FROM` rows or more on AVX-512
+  (`torch.ops.kakeya.int4_rows`: a verify block, a batched step, a prefill chunk): `_weight_int4pack_mm_for_cpu`'s
+  arithmetic, each block of weights dequantized once for all the rows where that kernel dequantizes it once per 4. A
+  lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`): `products.c` the exact stand-ins,
 `avx2_products.c` the kernel's own arithmetic. Where that fails, the CPU lacks the instructions
@@ -250,7 +251,7 @@ def int4_rows(rows: torch.Tensor, weight: torch.Tensor, group: int, qparams: tor
 
 def int4_qrows_serves(outputs: int, width: int) -> bool:
     """Whether the kernel's int4 product over quantized rows (`int4_qrows`) serves a layer of `outputs` x `width`
-    on this CPU (the kernel's AVX2 build)."""
+    on this CPU (a build with AVX2 and FMA)."""
     kernel = product_kernel()
     served = kernel is not None and kernel.serves_int4_qrows
     return served and outputs >= QROWS_TILE and outputs % QROWS_TILE == 0 and width >= 32 and width % 32 == 0
@@ -348,7 +349,8 @@ def product_kernel() -> ProductKernel | None:
         head_says = "not the int8 head (neither AVX512-VNNI nor AVX2)"
     int4_says = f"int4 blocks of {INT4_ROWS_FROM}+ rows" if kernel.serves_int4 else f"not int4 ({why})"
     if kernel.serves_int4_qrows:
-        int4_says = "int4 layers over rows quantized to 9 bits (AVX2)"
+        dots = "AVX512-VNNI" if torch.cpu.get_capabilities().get("avx512_vnni", False) else "AVX2"
+        int4_says = f"int4 layers over rows quantized to 9 bits ({dots}; any others: {int4_says})"
     log.info("product kernel: compiled kernel %s for %s, %s", library, head_says, int4_says)
     return kernel
 

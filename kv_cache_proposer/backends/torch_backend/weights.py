@@ -3,8 +3,8 @@ PyTorch's packed CPU kernels.
 
 A CPU decodes at the speed it reads weights, so these are its first lever; K/V, norms, attention and the residual
 stream stay in the model's dtype, and only the matrix product runs on bfloat16 inputs (the packed kernels' fast
-path), except on a CPU with AVX2 but not AVX-512, whose int4 layers multiply inputs quantized to 9-bit integers per
-group of 32 on the product kernel (`INT4_QROWS`), and the int8 LM head's: its inputs meet its codes as integers
+path), except on a CPU with AVX2, whose int4 layers multiply inputs quantized to 9-bit integers per group of 32 on
+the product kernel (`INT4_QROWS`), and the int8 LM head's: its inputs meet its codes as integers
 (`INT8_SPLIT`) on a CPU with int8 dot products, and its codes in float32 elsewhere (`INT8_FLOAT` on the product
 kernel, else `DENSE_EXACT`; `integer_head_product`). int8 holds one symmetric scale per output channel; int4 holds
 asymmetric 4-bit codes in groups of 32 inputs (a scale and a zero point per group), the layout of a GGUF Q4_1 block,
@@ -59,10 +59,10 @@ INT8_FLOAT = 6
 # int4 codes (`quantize_int4_qrows`) multiplied on the product kernel by each row quantized per group of 32 inputs to
 # integers of 8 bits of magnitude and a sign (`products.int4_qrows`): exact integer sums of (code - 8) × input per
 # group, then scaled in float32 group by group, the zero points meeting each group's float32 input sum. Close to a GGUF
-# Q4_1 product as llama.cpp computes it (whose inputs have 8 bits per group), on the CPU's byte products (AVX2): every
-# row's values the same whatever rows share the call, and several times as fast as bfloat16 inputs against
-# dequantized weights for a block of rows. The int4 layers' product where the kernel's AVX2 build serves them (a CPU
-# without AVX-512).
+# Q4_1 product as llama.cpp computes it (whose inputs have 8 bits per group), on the CPU's byte products (AVX2) or dot
+# products (AVX512-VNNI; the same integer sums): every row's values the same whatever rows share the call, and
+# several times as fast as bfloat16 inputs against dequantized weights for a block of rows. The int4 layers' product
+# wherever the kernel's build has AVX2 and FMA.
 INT4_QROWS = 7
 INT4_GROUP: Final = 32
 _KINDS: Final = {"bfloat16": BF16, "int8": INT8, "int4": INT4}

@@ -1,16 +1,18 @@
 """Linear layers' products in the compiled kernel's own arithmetic (`avx2_products.c`): the float head (a CPU
-without int8 dot products) and int4 over quantized rows (a CPU without AVX-512) give a row the same values among any
-rows and threads, close to the values their codes stand for, and a verifier's logits for a token are the same in a
-block and in single steps."""
+without int8 dot products) and int4 over quantized rows (a CPU with AVX2) give a row the same values among any rows
+and threads, close to the values their codes stand for, the same on AVX512-VNNI dot products as on AVX2's byte
+products, and a verifier's logits for a token are the same in a block and in single steps."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 
 import pytest
 import torch
 
 from kv_cache_proposer.backends.torch_backend import products
+from kv_cache_proposer.backends.torch_backend.kernel_build import EXACT_FLAGS, built
 from kv_cache_proposer.backends.torch_backend.verifier import TorchVerifier
 from kv_cache_proposer.backends.torch_backend.weights import (
     DENSE_EXACT,
@@ -41,8 +43,8 @@ def float_head(kernel) -> products.ProductKernel:
 def int4_qrows(kernel) -> products.ProductKernel:
     if not kernel.serves_int4_qrows:
         pytest.skip(
-            "int4 over quantized rows is the kernel's AVX2 build's (a CPU with AVX2, without AVX-512): this CPU's int4 "
-            "layers take bfloat16 rows"
+            "int4 over quantized rows needs the kernel's AVX2 build (a CPU with AVX2 and FMA): this CPU's int4 layers "
+            "take bfloat16 rows"
         )
     return kernel
 
@@ -150,6 +152,29 @@ def test_int4_over_quantized_rows_gives_a_row_the_same_values_among_any_rows_and
     # the rounding of the inputs, coarser in the groups that hold the outlier
     assert float((values.double() - held).norm() / held.norm()) < 0.02
     assert torch.equal(torch.ops.kakeya.int4_qrows(x, codes, qparams), values)
+
+
+def test_int4_over_quantized_rows_by_vnni_dot_products_gives_the_byte_products_values(int4_qrows):
+    if not torch.cpu.get_capabilities().get("avx512_vnni", False):
+        pytest.skip("this CPU has no AVX512-VNNI: its build multiplies with AVX2's byte products alone")
+    bytewise = ctypes.CDLL(str(built(products.AVX2_SOURCE, (*EXACT_FLAGS, "-mno-avx512f"))))
+    multiply = bytewise.int4_qrows
+    p, i = ctypes.c_void_p, ctypes.c_int
+    multiply.argtypes, multiply.restype = [p, i, p, ctypes.c_float, p, p, p, ctypes.c_int64, i, i], i
+    generator = torch.Generator().manual_seed(3)
+    for outputs, inputs in [(8, 32), (40, 96), (576, 576), (1536, 576), (576, 1536)]:
+        codes, qparams = quantize_int4_qrows(torch.randn(outputs, inputs, generator=generator))
+        norm = torch.rand(inputs, generator=generator) + 0.5
+        for rows in (1, 2, 3, 5, 9):
+            x = _test_rows(inputs, generator)[:rows].contiguous()
+            for weight in (None, norm):
+                expected = torch.empty(rows, outputs)
+                pointer = None if weight is None else weight.data_ptr()
+                status = multiply(x.data_ptr(), rows, pointer, 1e-5, codes.data_ptr(), qparams.data_ptr(),
+                                  expected.data_ptr(), outputs, inputs, 2)  # fmt: skip
+                assert status == 0
+                values = int4_qrows.int4_qrows_product(x, codes, qparams, 2, weight, 1e-5)
+                assert torch.equal(values, expected), (outputs, inputs, rows, weight is None)
 
 
 @pytest.mark.parametrize(("outputs", "inputs"), [(40, 96), (960, 576)])
