@@ -106,7 +106,15 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
     float by_key[TILE * D];
     float by_dim[D * TILE];
     int64_t reach = dense_start(hi, n, row0, G, D, acc, top, sums); /* keys below it are read by some row */
+    const int64_t elem = bf16 ? 2 : 4;
     for (int64_t t0 = start; t0 < end && t0 < reach; t0 += TILE) {
+        /* the next tile's keys and values on their way into the L2 cache while this one is computed (a tile's rows
+           cross pages, where the CPU's own prefetch starts over); reads nothing, so no value depends on it */
+        for (int64_t t = t0 + TILE; t < t0 + 2 * TILE && t < end && t < reach; t++)
+            for (int64_t b = 0; b < D * elem; b += 64) {
+                __builtin_prefetch((const char *)keys + t * s_key * elem + b, 0, 2);
+                __builtin_prefetch((const char *)values + t * s_value * elem + b, 0, 2);
+            }
         if (pairs) { /* a pair of dimensions is one 32-bit value: transposed as such */
 #if VECTORS
             if (t0 + TILE <= count && s_key % 2 == 0 && (D / 2) % 16 == 0) { /* a whole tile: from where it is held */
