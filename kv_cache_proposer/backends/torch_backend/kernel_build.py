@@ -1,7 +1,8 @@
-"""How the compiled CPU kernels (`held_kernel.c` and `dense_kernel.c`: attention, one library; `products.c`,
-`avx2_products.c`: linear layers' products) are built: with the machine's C compiler, for this CPU (`-march=native`),
-once per sources and the local headers they include, flags, compiler and CPU, into `$XDG_CACHE_HOME/kakeya/kernels`
-(else `~/.cache/kakeya/kernels`); `held_kernel` and `products` load what this builds."""
+"""How the compiled CPU kernels (`held_kernel.c` and `dense_kernel.c`: attention, one library; `products.c`;
+`avx2_products.c` and `layer_spans.c`, one library: linear layers' products and the spans between attentions) are
+built: with the machine's C compiler, for this CPU (`-march=native`), once per sources and the local headers they
+include, flags, compiler and CPU, into `$XDG_CACHE_HOME/kakeya/kernels` (else `~/.cache/kakeya/kernels`);
+`held_kernel` and `products` load what this builds."""
 
 from __future__ import annotations
 

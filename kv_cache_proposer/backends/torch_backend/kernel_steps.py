@@ -1,5 +1,5 @@
 """The direct forward's compute between attentions in one call of the product kernel per layer (`int4_span` of
-avx2_products.c), where every layer's products are int4 over quantized rows (`weights.INT4_QROWS`: a CPU with
+layer_spans.c), where every layer's products are int4 over quantized rows (`weights.INT4_QROWS`: a CPU with
 AVX2): the earlier layer's output projection, residual, norm, SiLU MLP and residual, then the next layer's norm,
 Q/K/V and rotary embedding, with no PyTorch operation or Python between them. A decode step of the
 default model otherwise spends about as long dispatching the span's twenty-odd small operations as in its products.

@@ -1,6 +1,6 @@
-"""Linear layers' products on the compiled kernel (`products.c`, `avx2_products.c`), each but the float head and int4
-over quantized rows giving exactly the values of the PyTorch kernel it stands in for, so a token's values are the same
-bit for bit whichever computes them:
+"""Linear layers' products on the compiled kernel (`products.c`, `avx2_products.c`, `layer_spans.c`), each but the
+float head and int4 over quantized rows giving exactly the values of the PyTorch kernel it stands in for, so a token's
+values are the same bit for bit whichever computes them:
 
 - the int8 LM head's integer sums for a decode step or a short block (`row_sums`, up to `MAX_INT8_ROWS` rows): the
   codes read once in place with AVX512-VNNI dot products, where oneDNN's `_int_mm` repacks them at every call;
@@ -20,7 +20,7 @@ bit for bit whichever computes them:
   lone row keeps PyTorch's kernel.
 
 Built with the machine's C compiler on first use (`kernel_build`): `products.c` the exact stand-ins,
-`avx2_products.c` the kernel's own arithmetic. Where that fails, the CPU lacks the instructions
+`avx2_products.c` and `layer_spans.c` the kernel's own arithmetic. Where that fails, the CPU lacks the instructions
 (AVX512-VNNI for int8, AVX2 for the float head and quantized rows, AVX-512 for int4 blocks), PyTorch does not run its
 AVX-512 int4 kernel (whose layout and arithmetic the int4 blocks reproduce; checked against it once at load), or
 `KAKEYA_PRODUCT_KERNEL=off` asks, PyTorch's kernels compute every product. What runs is logged once, with the reason."""
@@ -43,7 +43,7 @@ from kv_cache_proposer.backends.torch_backend.kernel_build import EXACT_FLAGS, b
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("products.c")
-AVX2_SOURCE = Path(__file__).with_name("avx2_products.c")
+AVX2_SOURCES = (Path(__file__).with_name("avx2_products.c"), Path(__file__).with_name("layer_spans.c"))
 """The products in the kernel's own arithmetic (the float head, int4 over quantized rows)."""
 ENV = "KAKEYA_PRODUCT_KERNEL"
 MAX_INT8_ROWS = 6
@@ -305,7 +305,7 @@ def product_kernel() -> ProductKernel | None:
         return None
     try:
         library = built(SOURCE, EXACT_FLAGS)
-        loaded, own = ctypes.CDLL(str(library)), ctypes.CDLL(str(built(AVX2_SOURCE, EXACT_FLAGS)))
+        loaded, own = ctypes.CDLL(str(library)), ctypes.CDLL(str(built(AVX2_SOURCES, EXACT_FLAGS)))
         int8_sums, int8_served = loaded.int8_row_sums, loaded.int8_rows_served
         int4, int4_served = loaded.int4_rows, loaded.int4_rows_served
         float_head, float_head_served = own.int8_float_head, own.int8_float_head_served

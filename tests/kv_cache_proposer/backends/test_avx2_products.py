@@ -157,7 +157,7 @@ def test_int4_over_quantized_rows_gives_a_row_the_same_values_among_any_rows_and
 def test_int4_over_quantized_rows_by_vnni_dot_products_gives_the_byte_products_values(int4_qrows):
     if not torch.cpu.get_capabilities().get("avx512_vnni", False):
         pytest.skip("this CPU has no AVX512-VNNI: its build multiplies with AVX2's byte products alone")
-    bytewise = ctypes.CDLL(str(built(products.AVX2_SOURCE, (*EXACT_FLAGS, "-mno-avx512f"))))
+    bytewise = ctypes.CDLL(str(built(products.AVX2_SOURCES, (*EXACT_FLAGS, "-mno-avx512f"))))
     multiply = bytewise.int4_qrows
     p, i = ctypes.c_void_p, ctypes.c_int
     multiply.argtypes, multiply.restype = [p, i, p, ctypes.c_float, p, p, p, ctypes.c_int64, i, i], i
