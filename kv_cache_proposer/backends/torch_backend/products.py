@@ -44,7 +44,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("products.c")
 AVX2_SOURCES = (Path(__file__).with_name("avx2_products.c"), Path(__file__).with_name("layer_spans.c"))
-"""The products in the kernel's own arithmetic (the float head, int4 over quantized rows)."""
+"""The products in the kernel's own arithmetic (the float head, int4 over quantized rows) and the layer spans built
+on them, one library."""
 ENV = "KAKEYA_PRODUCT_KERNEL"
 MAX_INT8_ROWS = 6
 """Input rows (a split product's parts: two per token) up to which the kernel computes the int8 head's sums:
