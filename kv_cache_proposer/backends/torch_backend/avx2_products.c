@@ -246,6 +246,16 @@ static inline __attribute__((always_inline)) void qdot_tile(const uint8_t *codes
     for (int u = 0; u < T; u++)
         for (int r = 0; r < R; r++) _mm256_storeu_ps(out + (int64_t)(m0 + r) * N + (t + u) * Q_TILE, acc[u][r]);
 }
+
+/* qdot_tile of R rows from m0 over tiles [t, last), T at a time, the tiles past the last T one by one. */
+static inline __attribute__((always_inline)) void qdot_tiles(const uint8_t *codes, const uint16_t *qparams,
+                                                             const uint8_t *q, const int32_t *totals,
+                                                             const float *steps, float *out, int K, int64_t N,
+                                                             int64_t t, int64_t last, int m0, const int R,
+                                                             const int T) {
+    for (; t + T <= last; t += T) qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m0, R, T);
+    for (; t < last; t++) qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m0, R, 1);
+}
 #endif
 #endif
 
@@ -287,25 +297,11 @@ int int4_qrows(const float *x, int M, const float *norm, float eps, const uint8_
     const int64_t quads = (tiles + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && quads > 1)
     for (int64_t b = 0; b < quads; b++) {
-        const int64_t t = 4 * b;
-        const int whole = t + 4 <= tiles;
+        const int64_t t = 4 * b, last = t + 4 < tiles ? t + 4 : tiles;
         int m = 0;
-        for (; m + 4 <= M; m += 4)
-            for (int64_t u = t; u < t + 4 && u < tiles; u++)
-                qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 4, 1);
-        for (; m + 2 <= M; m += 2) {
-            if (whole) {
-                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m, 2, 2);
-                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t + 2, m, 2, 2);
-            } else
-                for (int64_t u = t; u < tiles; u++) qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 2, 1);
-        }
-        for (; m < M; m++) {
-            if (whole)
-                qdot_tile(codes, qparams, q, totals, steps, out, K, N, t, m, 1, 4);
-            else
-                for (int64_t u = t; u < tiles; u++) qdot_tile(codes, qparams, q, totals, steps, out, K, N, u, m, 1, 1);
-        }
+        for (; m + 4 <= M; m += 4) qdot_tiles(codes, qparams, q, totals, steps, out, K, N, t, last, m, 4, 1);
+        for (; m + 2 <= M; m += 2) qdot_tiles(codes, qparams, q, totals, steps, out, K, N, t, last, m, 2, 2);
+        for (; m < M; m++) qdot_tiles(codes, qparams, q, totals, steps, out, K, N, t, last, m, 1, 4);
     }
 #else
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tiles > 1)
