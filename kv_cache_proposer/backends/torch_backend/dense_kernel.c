@@ -9,37 +9,6 @@
 
 #define ROW_BLOCK 128    /* query rows of one work item of dense attention (see dense_attend) */
 
-#if VECTORS && defined(__AVX512BF16__)
-#define PAIRS 1
-/* Scores of `rows` (1 to 4) bfloat16 query rows (pairs of dimensions as uint32, rows D apart) against a tile's 64
-   bfloat16 keys (`by_pair`: a pair of dimensions' 64 keys side by side), times `scale`: two dimensions a step by
-   the CPU's bfloat16 dot product, each row's sums in the same order whatever `rows` is. */
-static inline __attribute__((always_inline)) void tile_scores_pairs(const uint32_t *q, int rows, int D,
-                                                                    const uint32_t *by_pair, float scale,
-                                                                    float *out /* [rows][TILE] */) {
-    __m512 s[4][4];
-    for (int i = 0; i < 4; i++)
-        for (int j = 0; j < 4; j++) s[i][j] = _mm512_setzero_ps();
-    for (int d = 0; d < D / 2; d++) {
-        const uint32_t *bd = by_pair + d * TILE;
-        __m512bh k0 = (__m512bh)_mm512_loadu_si512(bd), k1 = (__m512bh)_mm512_loadu_si512(bd + 16),
-                 k2 = (__m512bh)_mm512_loadu_si512(bd + 32), k3 = (__m512bh)_mm512_loadu_si512(bd + 48);
-        for (int i = 0; i < 4; i++) {
-            if (i >= rows) break;
-            __m512bh qi = (__m512bh)_mm512_set1_epi32((int)q[(int64_t)i * D + d]);
-            s[i][0] = _mm512_dpbf16_ps(s[i][0], qi, k0);
-            s[i][1] = _mm512_dpbf16_ps(s[i][1], qi, k1);
-            s[i][2] = _mm512_dpbf16_ps(s[i][2], qi, k2);
-            s[i][3] = _mm512_dpbf16_ps(s[i][3], qi, k3);
-        }
-    }
-    __m512 factor = _mm512_set1_ps(scale);
-    for (int i = 0; i < rows; i++)
-        for (int j = 0; j < 4; j++) _mm512_storeu_ps(out + i * TILE + 16 * j, _mm512_mul_ps(s[i][j], factor));
-}
-#else
-#define PAIRS 0
-#endif
 
 /* 1 when dense attention multiplies bfloat16 queries and K/V as bfloat16, two dimensions a step (AVX512-BF16, and the
    tile unit where it is granted): the kernel's fast path for them. */
@@ -276,8 +245,8 @@ static void dense_segment_128(const float *q, const void *keys, const void *valu
                              int64_t s_value, int64_t count, const int64_t *hi, const uint8_t *allowed,
                              int64_t s_allowed, int n, int row0, int G, int pairs, float scale, int64_t start,
                              int64_t end, float *acc, float *top, float *sums) {
-    dense_segment_of(q, keys, values, bf16, s_key, s_value, count, hi, allowed, s_allowed, n, row0, G, 128, pairs, scale,
-                     start, end, acc, top, sums);
+    dense_segment_of(q, keys, values, bf16, s_key, s_value, count, hi, allowed, s_allowed, n, row0, G, 128, pairs,
+                     scale, start, end, acc, top, sums);
 }
 
 /* One call: attention of queries [B, H*g, n, D] over dense K/V [B, H, >=count, D]. */
@@ -388,8 +357,8 @@ static void dense_item(const DenseCall *call, int64_t i) {
     else
 #endif
     if (D == 64)
-        dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n, row0,
-                         rows, pairs, call->scale, start, end, acc, top, sums);
+        dense_segment_64(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
+                         row0, rows, pairs, call->scale, start, end, acc, top, sums);
     else if (D == 128)
         dense_segment_128(qs, k, v, call->kv_bf16, ks[2], vs[2], count, call->hi, call->allowed, call->s_allowed, n,
                           row0, rows, pairs, call->scale, start, end, acc, top, sums);

@@ -63,9 +63,36 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
         sums[r] = 0.0f;
     }
     memset(acc, 0, sizeof(float) * (size_t)G * (size_t)D);
+#if PAIRS
+    /* Many rows and a head size of whole 32s: the rotated queries rounded to bfloat16 and scored by the CPU's
+       bfloat16 dot products, two dimensions a step (the coordinates are exact in bfloat16). */
+    const int pairs = G >= TRANSPOSE_ROWS && D % 32 == 0;
+    uint32_t by_query[pairs ? G * D : 1]; /* row r's pairs of dimensions from r * D, as tile_scores_pairs reads */
+    if (pairs)
+        for (int r = 0; r < G; r++)
+            for (int d = 0; d < D; d += 32)
+                _mm512_storeu_si512(by_query + (int64_t)r * D + d / 2,
+                                    (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + (int64_t)r * D + d + 16),
+                                                                 _mm512_loadu_ps(q + (int64_t)r * D + d)));
+#endif
     for (int64_t t0 = start; t0 < end; t0 += TILE) {
         int nt = (int)(end - t0 < TILE ? end - t0 : TILE);
         factors_of(held->key_norms, held->key_qmax, held->s_scale, held->half_over_q, t0, nt, factors);
+#if PAIRS
+        if (pairs) {
+            coordinates_bf16(keys, s_pos, t0, nt, D, (uint16_t *)converted);
+            by_dimension(converted, D / 2, by_dim); /* a pair of dimensions' 64 keys side by side */
+            for (int r = 0; r < G; r += 4) {
+                const uint32_t *qr = by_query + (int64_t)r * D;
+                if (G - r >= 4) /* the rows' count known to the compiler: no test in the loop */
+                    tile_scores_pairs(qr, 4, D, (const uint32_t *)by_dim, 1.0f, scores + r * TILE);
+                else
+                    tile_scores_pairs(qr, G - r, D, (const uint32_t *)by_dim, 1.0f, scores + r * TILE);
+            }
+            for (int r = 0; r < G; r++)
+                for (int t = 0; t < nt; t++) scores[r * TILE + t] *= factors[t];
+        } else
+#endif
         if (G < TRANSPOSE_ROWS) {
             /* Few rows: each key's coordinates converted once and dotted with every row. */
             for (int t = 0; t < nt; t++) {
@@ -155,6 +182,28 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
             for (int d = 0; d < D; d++) a[d] *= correction;
         }
         int r = 0;
+#if PAIRS
+        if (pairs && D % 64 == 0) { /* the weights rounded to bfloat16, two keys a step by the dot product */
+            uint32_t *value_by_pair = (uint32_t *)converted, weights[4 * TILE / 2];
+            coordinate_pairs(values, s_pos, t0, nt, D, value_by_pair);
+            for (; r < G; r += 4) {
+                int rows = G - r < 4 ? G - r : 4;
+                for (int i = 0; i < rows; i++) {
+                    float *s = scores + (r + i) * TILE;
+                    for (int t = nt; t < TILE; t++) s[t] = 0.0f;
+                    for (int t = 0; t < TILE; t += 32)
+                        _mm512_storeu_si512(weights + i * (TILE / 2) + t / 2,
+                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16),
+                                                                         _mm512_loadu_ps(s + t)));
+                }
+                if (rows == 4)
+                    pair_values(acc + (int64_t)r * D, weights, 4, D, (nt + 1) / 2, value_by_pair);
+                else
+                    pair_values(acc + (int64_t)r * D, weights, rows, D, (nt + 1) / 2, value_by_pair);
+            }
+            continue;
+        }
+#endif
 #if VECTORS || VECTORS8
         if (D % 16 == 0) { /* the coordinates converted in registers as they are summed */
             for (; r < G; r += ROW_GROUP) {
@@ -363,20 +412,6 @@ int held_attend(const HeldCall *call) {
 }
 
 #if TILES
-/* `nt` rows of int8 coordinates (rows s_pos apart from key t0) as bfloat16 rows [TILE][D], zeros past nt: the
-   coordinates are small integers, which bfloat16 holds exactly. */
-static inline void coordinates_bf16(const int8_t *base, int64_t s_pos, int64_t t0, int nt, int D, uint16_t *rows) {
-    for (int t = 0; t < nt; t++) {
-        const int8_t *c = base + (t0 + t) * s_pos;
-        for (int d = 0; d < D; d += 32) {
-            __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + d))));
-            __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + d + 16))));
-            _mm512_storeu_si512(rows + (int64_t)t * D + d, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-        }
-    }
-    if (nt < TILE) memset(rows + (int64_t)nt * D, 0, sizeof(uint16_t) * (size_t)(TILE - nt) * (size_t)D);
-}
-
 /* segment_of on the tile unit: the rotated queries rounded to bfloat16 and scored against the key coordinates 16
    rows at a time, each key's score times its factor, each row's weights over the tile as there, times the value's
    factor and rounded to bfloat16, multiplied by the value coordinates. The caller's tile configuration, if any, is

@@ -171,14 +171,21 @@ def test_the_kernel_gives_the_same_bits_on_any_thread_count_and_a_query_alone_it
     np.testing.assert_allclose(block.numpy(), torch.cat(alone, dim=2).numpy(), atol=3e-5, rtol=3e-5)
 
 
-def test_a_block_s_rows_get_the_same_bits_however_many_rows_share_the_tile_unit():
-    # Up to 32 rows score the keys as they are converted, more transpose them first: the same products in the same
-    # order, so a row's bits do not depend on which way its block took.
+@pytest.mark.parametrize("unit", ["tiles", "bf16-vectors"])
+def test_a_block_s_rows_get_the_same_bits_however_many_rows_share_the_tile_unit_or_the_bf16_vectors(monkeypatch, unit):
+    # On the tile unit up to 32 rows score the keys as they are converted, more transpose them first; on AVX512-BF16
+    # vectors rows are scored and summed four at a time: the same products in the same order either way, so a row's
+    # bits do not depend on which way its block took or on the rows beside it (in a block of 8 rows or more).
     _require_kernel()
     kernel = held_kernel.held_kernel()
     assert kernel is not None
-    if not kernel.tiles:
+    if unit == "tiles" and not kernel.tiles:
         pytest.skip("this CPU has no tile unit (AMX) for the kernel to use; the vector path is tested above")
+    if unit == "bf16-vectors":
+        if not kernel.bf16_products:
+            pytest.skip("this CPU has no AVX512-BF16: a block's many rows are scored in float32 (tested above)")
+        vectors = dataclasses.replace(kernel, tiles=False)
+        monkeypatch.setattr(held_kernel, "held_kernel", lambda: vectors)
     rng = np.random.default_rng(5)
     queries, groups, dim, history = 12, 3, 64, 300
     q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * groups, queries, dim)).astype(np.float32))
@@ -234,7 +241,8 @@ def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monke
     # Head sizes 64 and 128 run code built for that size, 32 the general code, 8 no vector code (fewer than 16
     # values); a single query scores key by key, a block of nine (27 rows) a transposed tile at a time. On the tile
     # unit (head sizes that are multiples of 32, 8 rows or more), the rotated queries and the weights are rounded to
-    # bfloat16. `avx2`: on a CPU with AVX-512, the kernel built without it (its 256-bit path).
+    # bfloat16, and so on the vectors of a CPU with AVX512-BF16 (the weights where the head size is a multiple of
+    # 64). `avx2`: on a CPU with AVX-512, the kernel built without it (its 256-bit path).
     _require_kernel()
     kernel = held_kernel.held_kernel()
     assert kernel is not None
@@ -260,5 +268,6 @@ def test_the_kernel_reads_every_head_size_and_block_as_the_scripted_ops_do(monke
     compiled = attend_parts(q, [held, own], mask, scale=dim**-0.5)
     monkeypatch.setattr(held_kernel, "serves", lambda *args: False)
     scripted = attend_parts(q, [held, own], mask, scale=dim**-0.5)
-    tolerance = (2e-3, 2e-2) if unit == "tiles" and dim % 32 == 0 and queries == 9 else (3e-5, 3e-5)
+    rounds = unit == "tiles" or (unit == "vectors" and kernel.bf16_products)
+    tolerance = (2e-3, 2e-2) if rounds and dim % 32 == 0 and queries == 9 else (3e-5, 3e-5)
     np.testing.assert_allclose(compiled.numpy(), scripted.numpy(), atol=tolerance[0], rtol=tolerance[1])
