@@ -200,6 +200,39 @@ def test_a_block_s_rows_get_the_same_bits_however_many_rows_share_the_tile_unit_
     assert torch.equal(whole, torch.cat(parts, dim=2))  # 12 rows each
 
 
+@pytest.mark.parametrize("queries", [40, 200])
+def test_a_prefill_block_reads_the_coordinates_by_bfloat16_products_as_decoded_chunks_read_them(monkeypatch, queries):
+    # Where the kernel multiplies bfloat16, a block of many queries (a prefill chunk) reads the coordinates
+    # themselves, as many queries a call as the kernel's rows allow (200 queries, 3 rows each per K/V head: two
+    # calls), and its own K/V by the flash kernel: the values of decoding the keys a chunk at a time, within bfloat16
+    # rounding, a slot no query reads and the causal block included.
+    _require_kernel()
+    kernel = held_kernel.held_kernel()
+    assert kernel is not None
+    if not kernel.bf16_products:
+        pytest.skip("this CPU does not multiply bfloat16: a prefill block decodes chunks for the flash kernel")
+    rng = np.random.default_rng(queries)
+    groups, dim, history = 3, 64, 700
+    q = torch.from_numpy(rng.standard_normal((1, KV_HEADS * groups, queries, dim)).astype(np.float32))
+    keys, values = (torch.from_numpy(rng.standard_normal((1, KV_HEADS, history, dim)).astype(np.float32)) for _ in "kv")
+    own = tuple(torch.from_numpy(rng.standard_normal((1, KV_HEADS, queries, dim)).astype(np.float32)) for _ in "kv")
+    held = _held(TorchLatticeCodec(LatticeSpec("d4", dim, 38), torch.device("cpu")), keys, values)
+    allowed = np.ones((queries, history + queries), dtype=bool)
+    allowed[:, 3] = False
+    allowed[:, history:] = np.tril(np.ones((queries, queries), dtype=bool))
+    mask = torch.from_numpy(allowed)
+    assert queries >= held_attention.DECODED_QUERIES
+    assert held_kernel.reads_blocks(q, held.coding.doubled, KV_HEADS)
+    by_rows = attend_parts(q, [held, own], mask, scale=dim**-0.5)
+    monkeypatch.setattr(held_kernel, "reads_blocks", lambda *args: False)
+    decoded = attend_parts(q, [held, own], mask, scale=dim**-0.5)
+    np.testing.assert_allclose(by_rows.numpy(), decoded.numpy(), atol=2e-3, rtol=2e-2)
+    decoded_keys, decoded_values = held.dense()
+    everything = (torch.cat([decoded_keys, own[0]], 2), torch.cat([decoded_values, own[1]], 2))
+    expected = _reference(q.numpy(), everything[0].numpy(), everything[1].numpy(), allowed, dim**-0.5)
+    np.testing.assert_allclose(by_rows.numpy(), expected, atol=2e-3, rtol=2e-2)
+
+
 def test_the_kernel_is_built_once_per_source_compiler_and_cpu_and_can_be_turned_off(monkeypatch, tmp_path, caplog):
     _require_kernel()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
