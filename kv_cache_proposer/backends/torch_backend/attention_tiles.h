@@ -94,25 +94,6 @@ static inline void tiles_key_scores(const uint16_t *keys, int64_t s_key, int D, 
     transpose16(by_key, 16, out, ld);
 }
 
-/* `width` bfloat16 value rows (rows s_pos apart from key t0, zeros past `count`) as pairs of keys: for each pair,
-   each dimension's two values side by side [width/2][D] (what the tile unit multiplies by). */
-static inline void value_pairs(const uint16_t *base, int64_t s_pos, int64_t t0, int64_t count, int width, int D,
-                               uint32_t *pairs) {
-    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
-    for (int t = 0; t < width; t += 2) {
-        uint32_t *row = pairs + (int64_t)(t / 2) * D;
-        int64_t k = t0 + t;
-        for (int d = 0; d < D; d += 32) {
-            __m512i a = k < count ? _mm512_loadu_si512(base + k * s_pos + d) : _mm512_setzero_si512();
-            __m512i b = k + 1 < count ? _mm512_loadu_si512(base + (k + 1) * s_pos + d) : _mm512_setzero_si512();
-            _mm512_storeu_si512(row + d, _mm512_permutex2var_epi16(a, low, b));
-            _mm512_storeu_si512(row + d + 16, _mm512_permutex2var_epi16(a, high, b));
-        }
-    }
-}
-
 /* acc[i] += sum over `width` keys of w[i][t] * v[t] for m (1 to 16) rows, the weights bfloat16 (`weights`
    [m][width]), multiplied by the value pairs by the tile unit 32 keys at a time; each row's sums its own. */
 static inline void tiles_values(float *acc, int m, int D, const uint16_t *weights, int width, const uint32_t *pairs,

@@ -313,7 +313,7 @@ static inline __attribute__((always_inline)) void by_dimension(const float *by_k
         for (int d = 0; d < D; d++) by_dim[d * TILE + t] = by_key[t * D + d];
 }
 
-#if VECTORS && defined(__AVX512BF16__)
+#if VECTORS && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAIRS 1
 /* Scores of `rows` (1 to 4) bfloat16 query rows (pairs of dimensions as uint32, rows D apart) against a tile's 64
    bfloat16 keys (`by_pair`: a pair of dimensions' 64 keys side by side), times `scale`: two dimensions a step by
@@ -398,6 +398,24 @@ static inline __attribute__((always_inline)) void pair_values(float *acc, const 
         }
         for (int i = 0; i < rows; i++)
             for (int j = 0; j < 4; j++) _mm512_storeu_ps(acc + (int64_t)i * D + d0 + 16 * j, a[i][j]);
+    }
+}
+/* `width` bfloat16 value rows (rows s_pos apart from key t0, zeros past `count`) as pairs of keys: for each pair,
+   each dimension's two values side by side [width/2][D] (what the tile unit multiplies by). */
+static inline void value_pairs(const uint16_t *base, int64_t s_pos, int64_t t0, int64_t count, int width, int D,
+                               uint32_t *pairs) {
+    const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                         37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int t = 0; t < width; t += 2) {
+        uint32_t *row = pairs + (int64_t)(t / 2) * D;
+        int64_t k = t0 + t;
+        for (int d = 0; d < D; d += 32) {
+            __m512i a = k < count ? _mm512_loadu_si512(base + k * s_pos + d) : _mm512_setzero_si512();
+            __m512i b = k + 1 < count ? _mm512_loadu_si512(base + (k + 1) * s_pos + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(row + d, _mm512_permutex2var_epi16(a, low, b));
+            _mm512_storeu_si512(row + d + 16, _mm512_permutex2var_epi16(a, high, b));
+        }
     }
 }
 #else
