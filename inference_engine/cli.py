@@ -13,8 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from inference_engine import __version__
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.config_sources import env_var, load_config, option_help
 from inference_engine.logs import configure_logging
 from inference_engine.model_source import DEFAULT_MODEL, ModelSourceError, resolve_model

@@ -1,5 +1,5 @@
 """Server configuration: one validated dataclass, filled from defaults < TOML file < environment < flags
-(`config_sources.py`) and checked as a whole (`config_checks.py`).
+(`config_sources.py`).
 
 Every field documents itself (help text, environment variable, default), and `cli.py` builds the `serve` flags
 from these fields, so `--help`, the TOML keys and the environment variables can never drift apart.
@@ -7,14 +7,15 @@ from these fields, so `--help`, the TOML keys and the environment variables can 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from inference_engine.config_checks import check
 from inference_engine.model_dir_info import model_drafter
 from inference_engine.model_source import BUNDLED_MODEL_DIR, DEFAULT_MODEL
 from kv_cache_proposer.backends import BACKENDS, COMPILE_MODES, KV_DTYPES, TORCH_FORWARDS, WEIGHTS
+from kv_cache_proposer.backends.mlx_blas import MLX_BLAS_CHOICES
 from kv_cache_proposer.compression import COMPRESSORS, DEFAULT_Q_RANGE, KVCompressor
 from kv_cache_proposer.proposers import DEFAULT_DRAFT_TOKENS, PROPOSERS, ProposerOptions
 from kv_cache_proposer.proposers.base import DraftPolicy
@@ -22,6 +23,7 @@ from kv_cache_proposer.proposers.ngram import MAX_N, MIN_N
 from kv_cache_proposer.restoration import REBUILD_MODES
 from kv_cache_proposer.strategies import STRATEGIES
 
+ENV_PREFIX = "KAKEYA_"
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOG_FORMATS = ("text", "json")
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -29,6 +31,10 @@ JOURNAL_SYNC_POLICIES = ("normal", "full")
 JOURNAL_RECOVERY_CHOICES = ("refuse", "salvage")
 DRAFT_POLICIES = ("auto", *(policy.value for policy in DraftPolicy))
 BATCH_WAIT_MS = 5.0  # how long a batch waits for running generations whose clients lag, by default
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the option."""
 
 
 def _opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, secret: bool = False) -> Any:
@@ -276,7 +282,80 @@ class ServerConfig:
     log_level: str = _opt("info", "minimum log level", choices=LOG_LEVELS)
 
     def __post_init__(self) -> None:
-        check(self)
+        for f in fields(self):
+            choices = f.metadata.get("choices")
+            value = getattr(self, f.name)
+            if choices and value not in choices:
+                raise ConfigError(f"{f.name}: {value!r} is not one of {', '.join(choices)}")
+        positive = (
+            "window",
+            "max_sessions",
+            "max_concurrent",
+            "kv_budget_bytes",
+            "max_history_tokens",
+            "max_append_tokens",
+            "max_generate_tokens",
+            "max_top_logprobs",
+            "max_stop_sequences",
+            "max_stop_sequence_tokens",
+            "grammar_cache_size",
+            "max_message_bytes",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("session_idle_ttl_s", "queue_deadline_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in (
+            "threads",
+            "max_batch_size",
+            "prefill_chunk_tokens",
+            "decode_burst_tokens",
+            "state_kv_max_bytes",
+            "kv_resting_sessions",
+        ):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.sink < 0:
+            raise ConfigError(f"sink must be >= 0, got {self.sink}")
+        try:
+            self.proposer_options()
+            self.compressor()
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if not 0 <= self.batch_wait_ms <= 1000:
+            raise ConfigError(f"batch_wait_ms must be in 0..1000, got {self.batch_wait_ms}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ConfigError(f"metrics_port must be in -1..65535, got {self.metrics_port}")
+        if not -1 <= self.http_port <= 65535:
+            raise ConfigError(f"http_port must be in -1..65535, got {self.http_port}")
+        if self.torch_forward != "auto" and self.backend != "torch":
+            raise ConfigError(f"torch_forward {self.torch_forward} applies to the torch backend, not {self.backend}")
+        if self.compile != "auto" and self.backend != "torch":
+            raise ConfigError(f"compile {self.compile} applies to the torch backend, not {self.backend}")
+        if self.kv_dtype == "bfloat16" and (self.backend != "torch" or self.torch_forward == "library"):
+            where = self.backend if self.backend != "torch" else "torch_forward library"
+            raise ConfigError(f"kv_dtype bfloat16 needs torch's direct forward, not {where}")
+        if self.mlx_blas != "auto" and self.backend != "mlx":
+            raise ConfigError(f"mlx_blas {self.mlx_blas} applies to the mlx backend, not {self.backend}")
+        if not self.mlx_blas:
+            raise ConfigError(f"mlx_blas must be one of {', '.join(MLX_BLAS_CHOICES)} or a library path")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key must be given together")
+        if self.journal_url and self.state_dir:
+            raise ConfigError("journal_url and state_dir are two places for one journal: give one of them")
+        if self.journal_url and not self.journal_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("journal_url must be a postgresql:// URL")
+        if not self.api_key and not is_loopback(self.host):
+            raise ConfigError(
+                f"refusing to bind non-loopback address {self.host!r} without an API key "
+                f"(set --api-key or {ENV_PREFIX}API_KEY)"
+            )
 
     def compressor(self) -> KVCompressor:
         """The default KV compressor of new sessions."""
@@ -317,3 +396,12 @@ class ServerConfig:
             value = getattr(self, f.name)
             out[f.name] = "***" if f.metadata.get("secret") and value else value
         return out
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

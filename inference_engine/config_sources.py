@@ -10,8 +10,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, fields
 from typing import Any
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ENV_PREFIX, ConfigError
+from inference_engine.config import ENV_PREFIX, ConfigError, ServerConfig
 
 
 def option_help() -> list[tuple[str, type, Any, str, tuple[str, ...] | None]]:

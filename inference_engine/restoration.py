@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.cache.protocol import CacheFootprint
 from kv_cache_proposer.compression import KVCompressor, compressor_layer_store
 from kv_cache_proposer.restoration import RestorationPlan, RestorationSetup

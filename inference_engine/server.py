@@ -17,8 +17,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.durable_kv import KV_DIR
 from inference_engine.generated import runtime_pb2
 from inference_engine.journal import Journal, JournalDamaged, open_journal, open_shared_journal

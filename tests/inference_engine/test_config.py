@@ -1,7 +1,6 @@
 import pytest
 
-from inference_engine.config import BUNDLED_MODEL_DIR, ServerConfig
-from inference_engine.config_checks import ConfigError, is_loopback
+from inference_engine.config import BUNDLED_MODEL_DIR, ConfigError, ServerConfig, is_loopback
 from inference_engine.config_sources import load_config
 
 

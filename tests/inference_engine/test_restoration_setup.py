@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.server import load_runtime
 from kv_cache_proposer.restoration import PLAN_FILE, RestorationPlan
 from tests.support.checkpoints import save_checkpoint

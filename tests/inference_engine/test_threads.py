@@ -10,8 +10,7 @@ import threading
 
 import pytest
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from inference_engine.threads import WAITS, default_wait, on_a_passing_thread, resolve_threads, usable_cores
 
 

@@ -10,7 +10,7 @@ import grpc
 import kakeya
 import pytest
 
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError
 from inference_engine.config_sources import load_config
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.compression import PackedLayerStore

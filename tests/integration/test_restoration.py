@@ -13,7 +13,7 @@ import kakeya
 import numpy as np
 import pytest
 
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError
 from inference_engine.generated import runtime_pb2 as pb
 from kv_cache_proposer.restoration import LayerSource, LinearProjection, RestorationPlan
 from kv_cache_proposer.restoration.plan import plan_from_spec

@@ -10,8 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, MistralConfig, PretrainedConfig, Qwen2Config
 
-from inference_engine.config import ServerConfig
-from inference_engine.config_checks import ConfigError
+from inference_engine.config import ConfigError, ServerConfig
 from kv_cache_proposer.backends.torch_backend import direct as direct_module
 from kv_cache_proposer.backends.torch_backend import exact_attention as exact_module
 from kv_cache_proposer.backends.torch_backend.arrays import TorchArrayOps
