@@ -238,10 +238,7 @@ class TorchHeldKeys:
             torch.cat(outs, 3).reshape(batch, kv_heads, groups * n, dim),
             torch.cat(lses, 3).reshape(batch, kv_heads, groups * n, 1),
         )
-        if tail is not None and tail[0].shape[2] > 0:
-            columns = None if allowed is None else allowed[:, count:]
-            merged = merge(merged, flash_partial(q, tail[0], tail[1], columns, scale=scale))
-        return merged
+        return _with_tail(merged, q, allowed, count, scale, tail)
 
     def _attend_decoded(
         self,
@@ -261,12 +258,7 @@ class TorchHeldKeys:
             keys, values = self._dense(chunk, torch.float32)
             columns = None if allowed is None else _unless_all(allowed[:, start:end])
             merged = merge(merged, flash_partial(q, keys, values, columns, scale=scale))
-        if tail is not None and tail[0].shape[2] > 0:
-            columns = None if allowed is None else allowed[:, count:]
-            merged = merge(merged, flash_partial(q, tail[0], tail[1], columns, scale=scale))
-        if merged is None:
-            raise ValueError("attention needs at least one key")
-        return merged
+        return _with_tail(merged, q, allowed, count, scale, tail)
 
     def _attend(
         self, q: torch.Tensor, allowed: torch.Tensor | None, scale: float, tail: tuple[torch.Tensor, torch.Tensor]
@@ -289,6 +281,24 @@ class TorchHeldKeys:
             self._q_range,
             self._chunk(q),
         )
+
+
+def _with_tail(
+    merged: Partial | None,
+    q: torch.Tensor,
+    allowed: torch.Tensor | None,
+    count: int,
+    scale: float,
+    tail: tuple[torch.Tensor, torch.Tensor] | None,
+) -> Partial:
+    """`merged` (the queries' attention over `count` held keys, None: none read) with the dense `tail` after them
+    read by the CPU flash kernel (`allowed` `[n, count + t]`, None: all), merged by their log-sum-exps."""
+    if tail is not None and tail[0].shape[2] > 0:
+        columns = None if allowed is None else allowed[:, count:]
+        merged = merge(merged, flash_partial(q, tail[0], tail[1], columns, scale=scale))
+    if merged is None:
+        raise ValueError("attention needs at least one key")
+    return merged
 
 
 def _unless_all(columns: torch.Tensor) -> torch.Tensor | None:
