@@ -36,7 +36,8 @@ def _wait_until(predicate, timeout_s: float = 10.0) -> None:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_idle_sessions_are_evicted_after_the_ttl(serve):
-    server = serve("qwen3", session_idle_ttl_s=0.3)
+    # A TTL long enough that a loaded machine's gap between the create and the generate call never reaches it.
+    server = serve("qwen3", session_idle_ttl_s=2.0)
     sid = create(server.stub, initial=[1, 2, 3])
     generate(server.stub, sid, max_tokens=2)
     _wait_until(lambda: len(server.runtime.store) == 0)
