@@ -5,7 +5,7 @@
 #ifndef KAKEYA_ATTENTION_TILES_H
 #define KAKEYA_ATTENTION_TILES_H
 
-#include "attention_vectors.h"
+#include "attention_pairs.h"
 
 #if TILES
 #define STEP 256 /* keys under one softmax step of the tile path: STEP / TILE tiles, at fixed places */
