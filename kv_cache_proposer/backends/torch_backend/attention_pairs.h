@@ -112,6 +112,22 @@ static inline void value_pairs(const uint16_t *base, int64_t s_pos, int64_t t0, 
         }
     }
 }
+
+/* pair_values with the weights of `rows` (1 to 4) rows as float32 (`w` [rows][TILE]), rounded to bfloat16 first;
+   the rows' count known to the compiler where it is 4 (no test in the loop). */
+static inline __attribute__((always_inline)) void weighted_pairs(float *acc, const float *w, int rows, int D, int np,
+                                                                 const uint32_t *pairs) {
+    uint32_t weights[4 * TILE / 2];
+    for (int i = 0; i < rows; i++)
+        for (int t = 0; t < TILE; t += 32)
+            _mm512_storeu_si512(weights + i * (TILE / 2) + t / 2,
+                                (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + i * TILE + t + 16),
+                                                             _mm512_loadu_ps(w + i * TILE + t)));
+    if (rows == 4)
+        pair_values(acc, weights, 4, D, np, pairs);
+    else
+        pair_values(acc, weights, rows, D, np, pairs);
+}
 #else
 #define PAIRS 0
 #endif

@@ -150,23 +150,12 @@ static inline __attribute__((always_inline)) void dense_segment_of(const float *
                         acc + (int64_t)r * D, top + r, sums + r);
 #if PAIRS
         if (pairs && D % 64 == 0) { /* the weights rounded to bfloat16, two keys a step by the dot product */
-            uint32_t *value_by_pair = (uint32_t *)by_key, weights[4 * TILE / 2];
+            uint32_t *value_by_pair = (uint32_t *)by_key;
             value_pairs((const uint16_t *)values, s_value, t0, count, TILE, D, value_by_pair);
             for (int r = 0; r < G; r += 4) {
                 int rows = G - r < 4 ? G - r : 4, reads = 0;
                 for (int i = 0; i < rows; i++) reads |= hi[(row0 + r + i) % n] > t0;
-                if (!reads) continue;
-                for (int i = 0; i < rows; i++) {
-                    const float *w = scores + (r + i) * TILE;
-                    for (int t = 0; t < TILE; t += 32)
-                        _mm512_storeu_si512(weights + i * (TILE / 2) + t / 2,
-                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + t + 16),
-                                                                         _mm512_loadu_ps(w + t)));
-                }
-                if (rows == 4)
-                    pair_values(acc + (int64_t)r * D, weights, 4, D, TILE / 2, value_by_pair);
-                else
-                    pair_values(acc + (int64_t)r * D, weights, rows, D, TILE / 2, value_by_pair);
+                if (reads) weighted_pairs(acc + (int64_t)r * D, scores + r * TILE, rows, D, TILE / 2, value_by_pair);
             }
             continue;
         }

@@ -184,22 +184,13 @@ static inline __attribute__((always_inline)) void segment_of(const float *q, con
         int r = 0;
 #if PAIRS
         if (pairs && D % 64 == 0) { /* the weights rounded to bfloat16, two keys a step by the dot product */
-            uint32_t *value_by_pair = (uint32_t *)converted, weights[4 * TILE / 2];
+            uint32_t *value_by_pair = (uint32_t *)converted;
             coordinate_pairs(values, s_pos, t0, nt, D, value_by_pair);
             for (; r < G; r += 4) {
                 int rows = G - r < 4 ? G - r : 4;
-                for (int i = 0; i < rows; i++) {
-                    float *s = scores + (r + i) * TILE;
-                    for (int t = nt; t < TILE; t++) s[t] = 0.0f;
-                    for (int t = 0; t < TILE; t += 32)
-                        _mm512_storeu_si512(weights + i * (TILE / 2) + t / 2,
-                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + t + 16),
-                                                                         _mm512_loadu_ps(s + t)));
-                }
-                if (rows == 4)
-                    pair_values(acc + (int64_t)r * D, weights, 4, D, (nt + 1) / 2, value_by_pair);
-                else
-                    pair_values(acc + (int64_t)r * D, weights, rows, D, (nt + 1) / 2, value_by_pair);
+                for (int i = 0; i < rows; i++) /* a partial tile's keys past nt weigh 0 */
+                    for (int t = nt; t < TILE; t++) scores[(r + i) * TILE + t] = 0.0f;
+                weighted_pairs(acc + (int64_t)r * D, scores + r * TILE, rows, D, (nt + 1) / 2, value_by_pair);
             }
             continue;
         }

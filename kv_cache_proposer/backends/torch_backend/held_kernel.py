@@ -264,9 +264,7 @@ def reads_blocks(q: torch.Tensor, doubled: torch.Tensor, kv_heads: int) -> bool:
     """Whether the kernel reads a block of many queries (a prefill chunk, `MAX_ROWS` rows a call) faster than the
     flash kernel over decoded chunks: where it multiplies bfloat16 (AVX512-BF16 or a tile unit) and the head size is
     a multiple of 64 (scores and value sums both on bfloat16 pairs)."""
-    if q.device.type != "cpu" or doubled.dtype != torch.int8 or int(doubled.shape[3]) % 64 != 0:
-        return False
-    if int(q.shape[1]) // kv_heads > MAX_ROWS or int(doubled.shape[3]) > MAX_DIM:
+    if int(doubled.shape[3]) % 64 != 0 or not serves(q[:, :, :1], doubled, kv_heads):  # one query's rows a call
         return False
     kernel = held_kernel()
     return kernel is not None and kernel.bf16_products
